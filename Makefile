@@ -1,0 +1,40 @@
+# Two commands for users: `make serve` and `make test`. Everything they need is set up here.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dpserve-installed
+CACHE ?= $(HOME)/.cache/dpserve
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast lint bench-cfg clean
+
+setup: $(STAMP)
+
+# Reinstalled when pyproject.toml changes; pip's cache makes a rebuild cheap.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[worker,router,operator,dev]'
+	touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/dpserve serve --dp-size 2
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dpserve tests bench
+	$(VENV)/bin/ruff format --check dpserve tests bench
+	$(VENV)/bin/mypy
+
+# Every tier: unit, gang (multi-process worker gangs) and e2e.
+test: lint
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The quick loop while working: skips the gang and e2e tiers.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not gang and not e2e" $(PYTEST_ARGS)
+
+bench-cfg: $(STAMP)
+	$(PY) bench/cfg_parallel.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,409 @@
+"""The wire contract between the router (DEALER) and a replica's driver (ROUTER).
+
+A message is a list of ZMQ frames ``[header, *blobs]``. The header is msgpack
+(msgspec) carrying the protocol version, a request id, a kind and a body; binary
+payloads (images, frames) travel as their own frames and the body refers to them
+by index. Nothing on the wire is pickled, so a peer can never make the other side
+run code. Decoding never raises anything but :class:`ProtocolError`, whatever the
+bytes, so a malformed message can be answered or dropped without taking the
+driver down.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+
+# Message kinds, request side.
+GENERATE: Final = "generate"
+CONTROL: Final = "control"
+PING: Final = "ping"
+REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING})
+# Message kinds, reply side.
+RESULT: Final = "result"
+ERROR: Final = "error"
+
+# Error codes and the HTTP status a front end should map them to.
+INVALID_REQUEST: Final = "invalid_request"
+UNSUPPORTED: Final = "unsupported"
+OVERLOADED: Final = "overloaded"
+UNAVAILABLE: Final = "unavailable"
+INTERNAL: Final = "internal"
+HTTP_STATUS: Final[Mapping[str, int]] = {
+    INVALID_REQUEST: 400,
+    UNSUPPORTED: 400,
+    OVERLOADED: 429,
+    UNAVAILABLE: 503,
+    INTERNAL: 500,
+}
+
+# Control operations a replica understands (SGLang's names). State-changing ops
+# must reach every replica; read-only ones may be answered by any.
+MUTATING_OPS: Final = frozenset(
+    {
+        "update_weights_from_disk",
+        "set_lora",
+        "merge_lora_weights",
+        "unmerge_lora_weights",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+    }
+)
+READ_ONLY_OPS: Final = frozenset({"model_info", "list_loras", "get_weights_checksum"})
+CONTROL_OPS: Final = MUTATING_OPS | READ_ONLY_OPS
+
+MAX_SEED: Final = 2**63 - 1
+MAX_PROMPT_CHARS: Final = 10_000
+OUTPUT_FORMATS: Final = ("png", "jpeg", "webp")
+_MSGPACK_EMPTY_MAP: Final = b"\x80"
+
+
+class ProtocolError(Exception):
+    """A message that cannot be understood; ``request_id`` is set when it could be read."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class Header(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    v: int
+    id: str
+    kind: str
+    body: msgspec.Raw = msgspec.Raw(_MSGPACK_EMPTY_MAP)
+
+
+class FieldError(msgspec.Struct, frozen=True):
+    field: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+    fields: list[FieldError] = msgspec.field(default_factory=list)
+
+
+class RequestError(Exception):
+    """A request the replica refuses, with the code a front end maps to HTTP."""
+
+    def __init__(
+        self, code: str, message: str, fields: Sequence[FieldError] = (), status: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.fields = list(fields)
+        self.status = status if status is not None else HTTP_STATUS.get(code, 500)
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(code=self.code, message=str(self), fields=self.fields)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded message: the header's fields and the raw blobs after it."""
+
+    id: str
+    kind: str
+    body: msgspec.Raw
+    blobs: tuple[bytes, ...]
+
+    def body_as(self, type_: type[Any]) -> Any:
+        try:
+            return msgspec.msgpack.decode(self.body, type=type_)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"invalid {self.kind} body: {exc}", self.id) from exc
+
+
+# ---------------------------------------------------------------- generation
+
+
+class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated generation request; ``None`` means "the model's default"."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    n: int = 1
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    seed: list[int] | None = None
+    output_format: str = "png"
+
+
+class ImageMeta(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    blob: int
+    seed: int
+    format: str
+    width: int
+    height: int
+
+
+class GenerateResult(msgspec.Struct, kw_only=True):
+    images: list[ImageMeta]
+    replica: int
+    inference_time_s: float
+    queue_time_s: float
+    peak_memory_mb: float
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a request is checked against; a replica fills ``size_factor`` from its model."""
+
+    max_n: int = 10
+    min_side: int = 16
+    max_side: int = 2048
+    size_factor: int = 16
+    max_steps: int = 100
+    max_scale: float = 100.0
+
+
+_SIZE_RE: Final = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class _Checker:
+    """Collects every bad field of a request, so one reply names them all."""
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self.body = body
+        self.errors: list[FieldError] = []
+
+    def bad(self, field: str, message: str) -> None:
+        self.errors.append(FieldError(field, message))
+
+    def text(self, field: str, *, required: bool) -> str | None:
+        value = self.body.get(field)
+        if value is None:
+            if required:
+                self.bad(field, "is required")
+            return None
+        if not isinstance(value, str):
+            self.bad(field, f"must be a string, got {type(value).__name__}")
+            return None
+        if len(value) > MAX_PROMPT_CHARS:
+            self.bad(field, f"must be at most {MAX_PROMPT_CHARS} characters")
+            return None
+        return value
+
+    def integer(self, field: str, low: int, high: int) -> int | None:
+        value = self.body.get(field)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.bad(field, f"must be an integer, got {type(value).__name__}")
+            return None
+        if not low <= value <= high:
+            self.bad(field, f"must be between {low} and {high}, got {value}")
+            return None
+        return value
+
+    def number(self, field: str, low: float, high: float) -> float | None:
+        value = self.body.get(field)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.bad(field, f"must be a number, got {type(value).__name__}")
+            return None
+        if not low <= float(value) <= high:
+            self.bad(field, f"must be between {low:g} and {high:g}, got {value}")
+            return None
+        return float(value)
+
+    def side(self, field: str, limits: Limits) -> int | None:
+        value = self.integer(field, limits.min_side, limits.max_side)
+        if value is not None and value % limits.size_factor:
+            self.bad(field, f"must be a multiple of {limits.size_factor}, got {value}")
+            return None
+        return value
+
+
+def _parse_size(check: _Checker, limits: Limits) -> tuple[int | None, int | None]:
+    width = check.side("width", limits)
+    height = check.side("height", limits)
+    size = check.body.get("size")
+    if size is None or size == "auto":
+        return width, height
+    match = _SIZE_RE.match(size) if isinstance(size, str) else None
+    if match is None:
+        check.bad("size", f'must look like "1024x1024", got {size!r}')
+        return width, height
+    if "width" in check.body or "height" in check.body:
+        check.bad("size", "give either size or width/height, not both")
+        return width, height
+    sized = _Checker({"width": int(match[1]), "height": int(match[2])})
+    width, height = sized.side("width", limits), sized.side("height", limits)
+    check.errors += [FieldError("size", f"{e.field} {e.message}") for e in sized.errors]
+    return width, height
+
+
+def _parse_seeds(check: _Checker, n: int) -> list[int] | None:
+    seed = check.body.get("seed")
+    if seed is None:
+        return None
+    seeds = [seed] if not isinstance(seed, list) else seed
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
+        check.bad("seed", "must be an integer or a non-empty list of integers")
+        return None
+    if any(not 0 <= s <= MAX_SEED for s in seeds):
+        check.bad("seed", f"must be between 0 and {MAX_SEED}")
+        return None
+    if isinstance(seed, list) and len(seeds) != n:
+        check.bad("seed", f"a list of seeds needs one per image: got {len(seeds)} for n={n}")
+        return None
+    # One int seeds image i with seed + i, so n images of one request differ.
+    return seeds if isinstance(seed, list) else [(seed + i) % (MAX_SEED + 1) for i in range(n)]
+
+
+_GENERATE_FIELDS: Final = frozenset(
+    {
+        "prompt",
+        "negative_prompt",
+        "n",
+        "width",
+        "height",
+        "size",
+        "num_inference_steps",
+        "guidance_scale",
+        "true_cfg_scale",
+        "seed",
+        "output_format",
+    }
+)
+
+
+def parse_generate(
+    body: Any, limits: Limits, ignore: frozenset[str] = frozenset()
+) -> GenerateParams:
+    """Validate a generation body; raise :class:`RequestError` naming every bad field.
+
+    ``ignore`` lists extra fields a front end accepts and handles itself (for
+    example the OpenAI ``model`` or ``response_format`` fields).
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError(INVALID_REQUEST, "the request body must be an object")
+    check = _Checker(body)
+    unknown = sorted(str(k) for k in body if k not in _GENERATE_FIELDS | ignore)
+    for key in unknown:
+        check.bad(key, "is not a known field")
+    prompt = check.text("prompt", required=True)
+    negative = check.text("negative_prompt", required=False)
+    n = check.integer("n", 1, limits.max_n)
+    width, height = _parse_size(check, limits)
+    steps = check.integer("num_inference_steps", 1, limits.max_steps)
+    guidance = check.number("guidance_scale", 0.0, limits.max_scale)
+    true_cfg = check.number("true_cfg_scale", 0.0, limits.max_scale)
+    seeds = _parse_seeds(check, n or 1)
+    fmt = body.get("output_format", "png")
+    if fmt not in OUTPUT_FORMATS:
+        check.bad("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {fmt!r}")
+    if check.errors:
+        names = ", ".join(e.field for e in check.errors)
+        raise RequestError(INVALID_REQUEST, f"invalid request fields: {names}", check.errors)
+    assert prompt is not None  # a missing prompt was recorded as an error above
+    return GenerateParams(
+        prompt=prompt,
+        negative_prompt=negative,
+        n=n or 1,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        true_cfg_scale=true_cfg,
+        seed=seeds,
+        output_format=fmt,
+    )
+
+
+# ---------------------------------------------------------------- control and ping
+
+
+class ControlRequest(msgspec.Struct, kw_only=True):
+    op: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ControlResult(msgspec.Struct, kw_only=True):
+    op: str
+    replica: int
+    result: dict[str, Any]
+
+
+class PingResult(msgspec.Struct, kw_only=True):
+    replica: int
+    status: str  # "ok", "draining" or "stalled"
+    busy: bool
+    queue_depth: int
+    served: int
+    released: bool
+    progress_age_s: float
+
+
+def parse_control(body: ControlRequest) -> ControlRequest:
+    if body.op not in CONTROL_OPS:
+        known = ", ".join(sorted(CONTROL_OPS))
+        raise RequestError(
+            UNSUPPORTED,
+            f"unknown control op {body.op!r}; known ops: {known}",
+            [FieldError("op", "is not a known control op")],
+        )
+    return body
+
+
+# ---------------------------------------------------------------- framing
+
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+def encode(
+    kind: str, request_id: str, body: Any = None, blobs: Sequence[bytes] = ()
+) -> list[bytes]:
+    """Frames for one message; ``body`` is a msgspec Struct, a dict or ``None``."""
+    raw = msgspec.Raw(_ENCODER.encode(body if body is not None else {}))
+    header = Header(v=PROTOCOL_VERSION, id=request_id, kind=kind, body=raw)
+    return [_ENCODER.encode(header), *blobs]
+
+
+def encode_error(request_id: str, error: RequestError) -> list[bytes]:
+    return encode(ERROR, request_id, error.body())
+
+
+def decode(frames: Sequence[bytes]) -> Message:
+    """Decode ``[header, *blobs]``; any defect raises :class:`ProtocolError`."""
+    if not frames:
+        raise ProtocolError("empty message")
+    try:
+        header = msgspec.msgpack.decode(frames[0], type=Header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"unreadable header: {exc}", _salvage_id(frames[0])) from exc
+    if header.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {header.v} is not supported (this side speaks {PROTOCOL_VERSION})",
+            header.id,
+        )
+    return Message(id=header.id, kind=header.kind, body=header.body, blobs=tuple(frames[1:]))
+
+
+def _salvage_id(raw: bytes) -> str | None:
+    """Best effort: the request id of a header whose other fields are broken."""
+    try:
+        value = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return None
+    ident = value.get("id") if isinstance(value, dict) else None
+    return ident if isinstance(ident, str) else None
+
+
+def decode_error(message: Message) -> RequestError:
+    body: ErrorBody = message.body_as(ErrorBody)
+    return RequestError(body.code, body.message, body.fields)

@@ -1,0 +1,81 @@
+"""The gang's process groups (built from the layout) and byte relays over its CPU group.
+
+Requests and control results cross the gang as raw bytes (msgpack) in uint8
+tensors over a gloo group, so the relay works the same under NCCL and needs no
+pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dpserve.layout import ParallelConfig, RankInfo, all_groups, rank_info
+
+
+@dataclass
+class GangComm:
+    info: RankInfo
+    cpu_group: dist.ProcessGroup
+    cfg_group: dist.ProcessGroup | None
+
+    @property
+    def size(self) -> int:
+        return len(self.info.replica_group)
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """The driver's ``payload`` on every rank (others pass ``None``)."""
+        src = self.info.replica_group[0]
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.cpu_group)
+        length = int(size.item())
+        if length == 0:
+            return b""
+        if self.info.is_driver:
+            assert payload is not None
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buf = torch.empty(length, dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=self.cpu_group)
+        return payload if payload is not None else buf.numpy().tobytes()
+
+    def gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, in rank order, on every rank."""
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), self.cpu_group)
+        longest = max(int(s.item()) for s in sizes)
+        if longest == 0:
+            return [b""] * self.size
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(bufs, mine, self.cpu_group)
+        return [b.numpy()[: int(s.item())].tobytes() for b, s in zip(bufs, sizes, strict=True)]
+
+
+def init_gang(
+    layout: ParallelConfig, rank: int, store_path: str, device: torch.device, timeout_s: float
+) -> GangComm:
+    """Join the gang's process group and create every subgroup in the layout's order."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"file://{store_path}",
+        world_size=layout.gang_size,
+        rank=rank,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    info = rank_info(layout, rank)
+    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    assert cpu_group is not None
+    cfg_group = None
+    # Every rank creates every group, in the same order, members or not.
+    for ranks in all_groups(layout, "cfg") if layout.cfg > 1 else []:
+        group = dist.new_group(list(ranks), backend=backend)
+        if rank in ranks:
+            cfg_group = group
+    return GangComm(info=info, cpu_group=cpu_group, cfg_group=cfg_group)

@@ -1,0 +1,268 @@
+"""Control operations on one replica: weights, LoRA adapters, memory, introspection.
+
+Every op runs on every rank of the gang with the same arguments, so the ranks'
+replicated state (weights, adapters, released or not) never diverges; the
+executor gathers the per-rank outcomes and the driver answers once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+
+from dpserve.protocol import (
+    INVALID_REQUEST,
+    UNAVAILABLE,
+    UNSUPPORTED,
+    FieldError,
+    RequestError,
+)
+from dpserve.worker.weights import WeightOffload, checksum, modules_of
+
+log = logging.getLogger(__name__)
+
+Agree = Callable[[bool], bool]  # True on every rank only if every rank passed True
+_LORA_TARGETS = ("all", "transformer")
+
+
+def _bad(field_name: str, message: str, code: str = INVALID_REQUEST) -> RequestError:
+    return RequestError(code, f"{field_name} {message}", [FieldError(field_name, message)])
+
+
+def _text(args: Mapping[str, Any], name: str) -> str | None:
+    value = args.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(name, "must be a string")
+    return value
+
+
+def _number(args: Mapping[str, Any], name: str, default: float) -> float:
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(name, "must be a number")
+    return float(value)
+
+
+def _names(value: Any, field_name: str) -> list[str]:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise _bad(field_name, "must be a string or a non-empty list of strings")
+    return names
+
+
+@dataclass
+class ReplicaState:
+    """What every rank of a replica holds beside the pipeline itself."""
+
+    model_path: Path
+    loras: dict[str, str] = field(default_factory=dict)  # nickname -> path
+    active: dict[str, float] = field(default_factory=dict)  # nickname -> strength
+    merged: bool = False
+
+
+class ControlOps:
+    def __init__(
+        self,
+        pipe: DiffusionPipeline,
+        state: ReplicaState,
+        device: torch.device,
+        info: dict[str, Any],
+    ) -> None:
+        self.pipe = pipe
+        self.state = state
+        self.device = device
+        self.offload = WeightOffload(device)
+        self.info = info  # static facts for model_info (layout, threads, ...)
+
+    @property
+    def released(self) -> bool:
+        return self.offload.released
+
+    def require_weights(self) -> None:
+        if self.released:
+            raise RequestError(
+                UNAVAILABLE,
+                "weights are released from the device; call resume_memory_occupation first",
+            )
+
+    def run(self, op: str, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        handler: Callable[[Mapping[str, Any], Agree], dict[str, Any]] = getattr(self, f"op_{op}")
+        return handler(args, agree)
+
+    # ------------------------------------------------------------ introspection
+
+    def op_model_info(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        return {
+            **self.info,
+            "model_path": str(self.state.model_path),
+            "pipeline_class": type(self.pipe).__name__,
+            "components": sorted(modules_of(self.pipe.components)),
+            "released": self.released,
+            "loras": sorted(self.state.loras),
+        }
+
+    def op_get_weights_checksum(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        self.require_weights()
+        modules = modules_of(self.pipe.components)
+        wanted = _names(args.get("modules", sorted(modules)), "modules")
+        missing = [m for m in wanted if m not in modules]
+        if missing:
+            raise _bad("modules", f"names unknown modules: {', '.join(missing)}")
+        return {"checksums": {name: checksum(modules[name]) for name in wanted}}
+
+    def op_list_loras(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        return {
+            "loaded": [{"nickname": n, "path": p} for n, p in sorted(self.state.loras.items())],
+            "active": [{"nickname": n, "strength": s} for n, s in self.state.active.items()],
+            "merged": self.state.merged,
+        }
+
+    # ------------------------------------------------------------ weights
+
+    def op_update_weights_from_disk(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        """Load the named modules (default: the transformer) from a folder, all or nothing.
+
+        Every rank loads first; the new modules replace the old only if every rank
+        loaded them, so a bad path leaves the old weights serving everywhere.
+        """
+        path_arg = _text(args, "model_path")
+        names = _names(args.get("modules", ["transformer"]), "modules")
+        error: RequestError | None = None
+        loaded: dict[str, torch.nn.Module] = {}
+        try:
+            self.require_weights()
+            if not path_arg:
+                raise _bad("model_path", "is required")
+            loaded = self._load_modules(Path(path_arg), names)
+        except RequestError as exc:
+            error = exc
+        except Exception as exc:  # a broken checkpoint must not take the gang down
+            error = _bad("model_path", f"could not be loaded: {exc}")
+        if not agree(error is None):
+            raise error or RequestError(
+                INVALID_REQUEST, "another rank of this replica failed to load the weights"
+            )
+        assert path_arg is not None  # every rank loaded it
+        cleared = self._drop_loras()
+        for name, module in loaded.items():
+            setattr(self.pipe, name, module)
+            self.pipe.register_modules(**{name: module})
+        self.state.model_path = Path(path_arg)
+        return {"model_path": path_arg, "modules": names, "loras_cleared": cleared}
+
+    def _load_modules(self, path: Path, names: list[str]) -> dict[str, torch.nn.Module]:
+        if not path.is_dir():
+            raise _bad("model_path", f"{str(path)!r} is not a folder")
+        current = modules_of(self.pipe.components)
+        unknown = [n for n in names if n not in current]
+        if unknown:
+            raise _bad("modules", f"names unknown modules: {', '.join(unknown)}")
+        loaded = {}
+        for name in names:
+            if not (path / name).is_dir():
+                raise _bad("model_path", f"has no {name!r} subfolder")
+            cls: Any = type(current[name])
+            dtype = next(current[name].parameters()).dtype
+            module = cls.from_pretrained(path, subfolder=name, torch_dtype=dtype)
+            loaded[name] = module.to(self.device).eval()
+        return loaded
+
+    # ------------------------------------------------------------ LoRA
+
+    def _check_target(self, args: Mapping[str, Any]) -> None:
+        target = args.get("target", "all")
+        if target not in _LORA_TARGETS:
+            raise _bad("target", f"must be one of {', '.join(_LORA_TARGETS)}, got {target!r}")
+
+    def op_set_lora(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        """Load adapters (when a path is given) and make exactly these ones active."""
+        self.require_weights()
+        self._check_target(args)
+        if not hasattr(self.pipe, "load_lora_weights"):
+            raise RequestError(UNSUPPORTED, f"{type(self.pipe).__name__} does not support LoRA")
+        nicknames = _names(args.get("lora_nickname"), "lora_nickname")
+        paths = args.get("lora_path")
+        path_list = [None] * len(nicknames) if paths is None else _names(paths, "lora_path")
+        strengths = args.get("strength", 1.0)
+        strength_list = strengths if isinstance(strengths, list) else [strengths] * len(nicknames)
+        if len(path_list) != len(nicknames):
+            raise _bad("lora_path", "needs one path per nickname")
+        if len(strength_list) != len(nicknames) or not all(
+            isinstance(s, int | float) and not isinstance(s, bool) for s in strength_list
+        ):
+            raise _bad("strength", "must be a number, or a list with one number per nickname")
+        if self.state.merged:
+            raise _bad("lora_nickname", "cannot change adapters while merged; unmerge first")
+        for nick, path in zip(nicknames, path_list, strict=True):
+            if path is None and nick not in self.state.loras:
+                raise _bad("lora_path", f"is required: adapter {nick!r} is not loaded yet")
+            if path is not None and self.state.loras.get(nick) != path:
+                self._load_lora(nick, path)
+        self.pipe.set_adapters(nicknames, adapter_weights=[float(s) for s in strength_list])
+        self.state.active = {n: float(s) for n, s in zip(nicknames, strength_list, strict=True)}
+        return {"active": [{"nickname": n, "strength": s} for n, s in self.state.active.items()]}
+
+    def _load_lora(self, nick: str, path: str) -> None:
+        if not Path(path).exists():
+            raise _bad("lora_path", f"{path!r} does not exist")
+        if nick in self.state.loras:
+            self.pipe.delete_adapters(nick)
+            del self.state.loras[nick]
+            self.state.active.pop(nick, None)
+        try:
+            self.pipe.load_lora_weights(path, adapter_name=nick)
+        except Exception as exc:
+            raise _bad("lora_path", f"could not be loaded as a LoRA: {exc}") from exc
+        self.state.loras[nick] = path
+
+    def op_merge_lora_weights(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        self.require_weights()
+        self._check_target(args)
+        if not self.state.active:
+            raise _bad("lora_nickname", "no active adapter to merge; call set_lora first")
+        if self.state.merged:
+            raise _bad("lora_nickname", "adapters are already merged")
+        strength = _number(args, "strength", 1.0)
+        self.pipe.fuse_lora(lora_scale=strength, adapter_names=list(self.state.active))
+        self.state.merged = True
+        return {"merged": list(self.state.active), "strength": strength}
+
+    def op_unmerge_lora_weights(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        self.require_weights()
+        self._check_target(args)
+        if not self.state.merged:
+            raise _bad("lora_nickname", "no merged adapters to unmerge")
+        self.pipe.unfuse_lora()
+        self.state.merged = False
+        return {"unmerged": list(self.state.active)}
+
+    def _drop_loras(self) -> list[str]:
+        cleared = sorted(self.state.loras)
+        if cleared:
+            if self.state.merged:
+                self.pipe.unfuse_lora()
+            self.pipe.unload_lora_weights()
+        self.state.loras.clear()
+        self.state.active.clear()
+        self.state.merged = False
+        return cleared
+
+    # ------------------------------------------------------------ memory
+
+    def op_release_memory_occupation(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        if self.released:
+            return {"released": True, "changed": False}
+        moved = self.offload.release(modules_of(self.pipe.components))
+        return {"released": True, "changed": True, "bytes_moved": moved}
+
+    def op_resume_memory_occupation(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        if not self.released:
+            return {"released": False, "changed": False}
+        self.offload.resume(modules_of(self.pipe.components))
+        return {"released": False, "changed": True}

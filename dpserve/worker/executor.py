@@ -1,0 +1,155 @@
+"""Runs one gang command on every rank; only the driver (output rank) produces a reply."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+from diffusers import DiffusionPipeline
+
+from dpserve.protocol import (
+    INTERNAL,
+    RESULT,
+    ControlRequest,
+    ControlResult,
+    ErrorBody,
+    GenerateParams,
+    GenerateResult,
+    ImageMeta,
+    RequestError,
+    encode,
+    encode_error,
+)
+from dpserve.worker.comm import GangComm
+from dpserve.worker.commands import GangStatus
+from dpserve.worker.control import ControlOps
+from dpserve.worker.denoiser import DenoiserPatch
+from dpserve.worker.pipeline import cfg_requested, encode_image, pipeline_kwargs
+from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
+
+log = logging.getLogger(__name__)
+
+
+class _RankOutcome(msgspec.Struct, kw_only=True):
+    ok: bool
+    result: dict[str, Any] = msgspec.field(default_factory=dict)
+    error: ErrorBody | None = None
+
+
+_OUTCOME_DECODER = msgspec.msgpack.Decoder(_RankOutcome)
+
+
+def denoiser_of(pipe: DiffusionPipeline) -> torch.nn.Module:
+    module = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{type(pipe).__name__} has neither a transformer nor a unet")
+    return module
+
+
+@dataclass
+class Executor:
+    pipe: DiffusionPipeline
+    comm: GangComm
+    ops: ControlOps
+    status: GangStatus
+    device: torch.device
+    call_defaults: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.patch = DenoiserPatch(self.comm.info.cfg_rank, self.comm.cfg_group, self._progress)
+        self.split_ok = self.patch.can_split(denoiser_of(self.pipe))
+
+    def _progress(self) -> None:
+        self.status.progress_at = time.monotonic()
+
+    # ------------------------------------------------------------ generation
+
+    def generate(self, request_id: str, params: GenerateParams, queue_s: float) -> list[bytes]:
+        """Every rank runs the pipeline; the returned frames matter on the driver only."""
+        start = time.perf_counter()
+        output_rank = self.comm.info.is_output_rank
+        try:
+            self.ops.require_weights()
+            # Only the output rank decodes latents to pixels; the others skip the VAE.
+            kwargs = pipeline_kwargs(params, self.call_defaults, "pil" if output_rank else "latent")
+            split = self.split_ok and cfg_requested(params, self.call_defaults)
+            reset_peak_memory(self.device)
+            with torch.inference_mode(), self.patch.applied(denoiser_of(self.pipe), split):
+                images = self.pipe(**kwargs).images
+        except RequestError as exc:
+            return encode_error(request_id, exc)
+        except Exception as exc:
+            log.exception("generation %s failed", request_id)
+            return encode_error(request_id, RequestError(INTERNAL, f"generation failed: {exc}"))
+        if not output_rank:
+            return []
+        assert params.seed is not None
+        blobs = [encode_image(img, params.output_format) for img in images]
+        metas = [
+            ImageMeta(
+                index=i,
+                blob=i,
+                seed=params.seed[i],
+                format=params.output_format,
+                width=img.width,
+                height=img.height,
+            )
+            for i, img in enumerate(images)
+        ]
+        result = GenerateResult(
+            images=metas,
+            replica=self.comm.info.replica,
+            inference_time_s=time.perf_counter() - start,
+            queue_time_s=queue_s,
+            peak_memory_mb=peak_memory_mb(self.device),
+        )
+        return encode(RESULT, request_id, result, blobs)
+
+    # ------------------------------------------------------------ control
+
+    def _agree(self, ok: bool) -> bool:
+        return all(v == b"1" for v in self.comm.gather_bytes(b"1" if ok else b"0"))
+
+    def control(self, request_id: str, request: ControlRequest, replica: int) -> list[bytes]:
+        try:
+            result = self.ops.run(request.op, request.args, self._agree)
+            outcome = _RankOutcome(ok=True, result=result)
+        except RequestError as exc:
+            outcome = _RankOutcome(ok=False, error=exc.body())
+        except Exception as exc:
+            log.exception("control op %s failed", request.op)
+            outcome = _RankOutcome(ok=False, error=ErrorBody(code=INTERNAL, message=str(exc)))
+        self.status.released = self.ops.released
+        gathered = self.comm.gather_bytes(msgspec.msgpack.encode(outcome))
+        if not self.comm.info.is_driver:
+            return []
+        try:
+            merged = _merge_ranks(request.op, [_OUTCOME_DECODER.decode(g) for g in gathered])
+        except RequestError as exc:
+            return encode_error(request_id, exc)
+        body = ControlResult(op=request.op, replica=replica, result=merged)
+        return encode(RESULT, request_id, body)
+
+
+def _merge_ranks(op: str, outcomes: list[_RankOutcome]) -> dict[str, Any]:
+    """The replica's answer: the first rank's error, else rank 0's result.
+
+    A checksum must be the same on every rank (they hold replicated weights); a
+    difference is an error that names the ranks.
+    """
+    for rank, outcome in enumerate(outcomes):
+        if not outcome.ok:
+            error = outcome.error or ErrorBody(code=INTERNAL, message="unknown failure")
+            prefix = f"rank {rank}: " if rank else ""
+            raise RequestError(error.code, prefix + error.message, error.fields)
+    if op == "get_weights_checksum":
+        differing = [r for r, o in enumerate(outcomes) if o.result != outcomes[0].result]
+        if differing:
+            raise RequestError(
+                INTERNAL, f"weights differ between ranks of this replica: ranks {differing} vs 0"
+            )
+    return {**outcomes[0].result, "ranks": len(outcomes)}

@@ -1,0 +1,104 @@
+"""The supervisor of one replica: starts its gang of ranks and keeps it all-or-nothing.
+
+A rank that dies takes the whole gang down with a non-zero exit, so a replica is
+never half alive. SIGTERM (or Ctrl-C) asks the driver to drain: it stops taking
+requests, finishes the queued ones and relays STOP, and every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from dpserve.worker.config import WorkerConfig
+from dpserve.worker.rank import RankArgs, rank_main
+
+log = logging.getLogger("dpserve.worker")
+_POLL_S = 0.2
+
+
+def _thread_env(threads: int) -> None:
+    # Set before the ranks import torch, so OpenMP/MKL pools start at the right size.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    # Ranks of a gang share one host: keep gloo's transport on loopback.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _kill(procs: list[BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+def run_gang(cfg: WorkerConfig) -> int:
+    """Run the replica until it is stopped; the return value is the process's exit code."""
+    cfg.parallel.validate()
+    _thread_env(cfg.threads_per_rank)
+    ctx = mp.get_context("spawn")
+    store_dir = tempfile.mkdtemp(prefix="dpserve-gang-")
+    store = os.path.join(store_dir, "store")
+    procs = [
+        ctx.Process(
+            target=rank_main,
+            args=(RankArgs(cfg, rank, store),),
+            name=f"dpserve-r{cfg.replica}-rank{rank}",
+        )
+        for rank in range(cfg.gang_size)
+    ]
+    stop_at: list[float] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stop_at:  # a second Ctrl-C means now
+            log.warning("second signal: killing the gang")
+            stop_at[0] = 0.0
+            return
+        log.info("signal %d: draining replica %d", signum, cfg.replica)
+        stop_at.append(time.monotonic() + cfg.drain_timeout_s)
+        driver = procs[0]
+        if driver.is_alive() and driver.pid is not None:
+            os.kill(driver.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for proc in procs:
+            proc.start()
+        log.info("replica %d: started %d ranks", cfg.replica, len(procs))
+        return _watch(procs, stop_at)
+    finally:
+        _kill(procs)
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _watch(procs: list[BaseProcess], stop_at: list[float]) -> int:
+    """Poll the ranks: any failure kills the gang; all clean exits end it with 0."""
+    while True:
+        codes = [proc.exitcode for proc in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            log.error("rank %d exited with %s: stopping the whole gang", rank, code)
+            _kill(procs)
+            return 1
+        if all(c == 0 for c in codes):
+            log.info("all ranks stopped cleanly")
+            return 0
+        if any(c == 0 for c in codes) and not stop_at:
+            # A rank that quits on its own is as fatal as a crash, but give the
+            # others a moment: after a STOP they exit within a poll or two.
+            stop_at.append(time.monotonic() + 10)
+        if stop_at and time.monotonic() > stop_at[0]:
+            log.error("gang did not stop in time: killing it")
+            _kill(procs)
+            return 1
+        time.sleep(_POLL_S)

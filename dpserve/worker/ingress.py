@@ -1,0 +1,186 @@
+"""The driver's ZMQ ingress: one thread owns the ROUTER socket.
+
+It decodes and validates every message before anything reaches the gang, answers
+pings on its own (so a replica busy with a long generation still answers), and
+queues work for the gang loop. Replies come back from the loop over an inproc
+socket, because a ZMQ socket must only be used by the thread that owns it.
+Malformed frames are answered with an error when they carry a request id, else
+dropped and logged; nothing a peer sends can stop this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from dpserve import protocol as p
+from dpserve.transport import bind_router, inproc_pair
+from dpserve.worker.commands import GangCommand, GangStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Work:
+    identity: bytes
+    command: GangCommand
+    received_at: float
+
+
+class Ingress:
+    def __init__(
+        self,
+        endpoint: str,
+        replica: int,
+        limits: p.Limits,
+        status: GangStatus,
+        max_queue: int,
+        stall_s: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replica = replica
+        self.limits = limits
+        self.status = status
+        self.stall_s = stall_s
+        self.work: queue.Queue[Work] = queue.Queue(maxsize=max_queue)
+        self.draining = threading.Event()
+        self._stop = threading.Event()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._replies_in, self._replies_out = inproc_pair(self._ctx, f"replies-{id(self)}")
+        # Bind here, on the caller's thread, so a taken port fails the start-up loudly.
+        self._sock = bind_router(self._ctx, endpoint)
+        self._thread = threading.Thread(target=self._run, name="dpserve-ingress", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------------ gang loop side
+
+    def next_work(self, timeout: float) -> Work | None:
+        try:
+            return self.work.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def reply(self, identity: bytes, frames: list[bytes]) -> None:
+        self._replies_out.send_multipart([identity, *frames])
+
+    def close(self) -> None:
+        # Work that slipped in after the loop's last look is refused, not lost silently.
+        while (work := self.next_work(timeout=0)) is not None:
+            refusal = p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
+            self.reply(work.identity, p.encode_error(work.command.id, refusal))
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for sock in (self._replies_out, self._replies_in, self._sock):
+            sock.close()
+        self._ctx.term()
+
+    # ------------------------------------------------------------ ingress thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._replies_in, zmq.POLLIN)
+        # Drain replies even after stop was asked, so in-flight answers go out.
+        while not self._stop.is_set() or self._replies_in.poll(0):
+            events = dict(poller.poll(100))
+            if self._replies_in in events:
+                self._sock.send_multipart(self._replies_in.recv_multipart())
+            if self._sock in events:
+                frames = self._sock.recv_multipart()
+                try:
+                    self._handle(frames)
+                except Exception:  # never let one message end the ingress
+                    log.exception("dropping a message that could not be handled")
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        self._sock.send_multipart([identity, *frames])
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            log.warning("dropping a message without identity or header (%d frames)", len(frames))
+            return
+        identity, rest = frames[0], frames[1:]
+        try:
+            message = p.decode(rest)
+        except p.ProtocolError as exc:
+            if exc.request_id is None:
+                log.warning("dropping a malformed message: %s", exc)
+                return
+            self._send(identity, p.encode_error(exc.request_id, _invalid(str(exc))))
+            return
+        try:
+            reply = self._dispatch(identity, message)
+        except p.ProtocolError as exc:
+            reply = p.encode_error(message.id, _invalid(str(exc)))
+        except p.RequestError as exc:
+            reply = p.encode_error(message.id, exc)
+        if reply is not None:
+            self._send(identity, reply)
+
+    def _dispatch(self, identity: bytes, message: p.Message) -> list[bytes] | None:
+        if message.kind == p.PING:
+            return p.encode(p.RESULT, message.id, self.ping())
+        if message.kind == p.GENERATE:
+            body: Any = message.body_as(dict)
+            command = GangCommand(
+                kind=p.GENERATE, id=message.id, generate=_fix_seeds(self._parse(body))
+            )
+        elif message.kind == p.CONTROL:
+            control = p.parse_control(message.body_as(p.ControlRequest))
+            command = GangCommand(kind=p.CONTROL, id=message.id, control=control)
+        else:
+            kinds = ", ".join(sorted(p.REQUEST_KINDS))
+            raise p.RequestError(
+                p.UNSUPPORTED, f"unknown message kind {message.kind!r}; known: {kinds}"
+            )
+        if self.draining.is_set():
+            raise p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
+        try:
+            self.work.put_nowait(Work(identity, command, time.monotonic()))
+        except queue.Full:
+            raise p.RequestError(
+                p.OVERLOADED, f"replica {self.replica} queue is full ({self.work.maxsize})"
+            ) from None
+        return None
+
+    def _parse(self, body: Any) -> p.GenerateParams:
+        return p.parse_generate(body, self.limits)
+
+    def ping(self) -> p.PingResult:
+        age = time.monotonic() - self.status.progress_at
+        status = "ok"
+        if self.draining.is_set():
+            status = "draining"
+        elif self.status.busy and age > self.stall_s:
+            status = "stalled"
+        return p.PingResult(
+            replica=self.replica,
+            status=status,
+            busy=self.status.busy,
+            queue_depth=self.work.qsize(),
+            served=self.status.served,
+            released=self.status.released,
+            progress_age_s=round(age, 3),
+        )
+
+
+def _invalid(message: str) -> p.RequestError:
+    return p.RequestError(p.INVALID_REQUEST, message)
+
+
+def _fix_seeds(params: p.GenerateParams) -> p.GenerateParams:
+    """Every rank must draw the same noise, so the driver picks missing seeds."""
+    if params.seed is not None:
+        return params
+    base = random.SystemRandom().randrange(p.MAX_SEED - params.n)
+    return msgspec.structs.replace(params, seed=[base + i for i in range(params.n)])

@@ -1,0 +1,119 @@
+"""Loading a diffusers pipeline folder and turning a request into pipeline arguments."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+
+from dpserve.protocol import INVALID_REQUEST, UNSUPPORTED, FieldError, GenerateParams, RequestError
+
+log = logging.getLogger(__name__)
+
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Request fields and the pipeline argument each one needs; a field the
+# pipeline does not take is refused by name instead of silently ignored.
+_FIELD_ARGS: Mapping[str, str] = {
+    "negative_prompt": "negative_prompt",
+    "width": "width",
+    "height": "height",
+    "num_inference_steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale",
+    "true_cfg_scale": "true_cfg_scale",
+}
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_pipeline(path: Path, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
+    """Any diffusers pipeline folder, offline; nothing here knows which model it is."""
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def size_factor(pipe: DiffusionPipeline) -> int:
+    """Width and height must be multiples of this (latent packing doubles the VAE factor)."""
+    vae_factor = int(getattr(pipe, "vae_scale_factor", 8))
+    return vae_factor * 2 if hasattr(pipe, "_pack_latents") else vae_factor
+
+
+def call_defaults(pipe: DiffusionPipeline) -> dict[str, Any]:
+    params = inspect.signature(pipe.__call__).parameters
+    return {
+        name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty
+    }
+
+
+def cfg_requested(params: GenerateParams, defaults: Mapping[str, Any]) -> bool:
+    """True CFG runs (two denoiser branches per step) only with a negative prompt and scale > 1."""
+    scale = params.true_cfg_scale
+    if scale is None:
+        scale = defaults.get("true_cfg_scale") or 1.0
+    return params.negative_prompt is not None and scale > 1.0
+
+
+def pipeline_kwargs(
+    params: GenerateParams, accepted: Mapping[str, Any], output_type: str
+) -> dict[str, Any]:
+    """Arguments for ``pipe(**kwargs)``; seeds become one CPU generator per image.
+
+    CPU generators make the initial noise identical on every device and rank.
+    """
+    unsupported = [
+        FieldError(field, "is not supported by this model's pipeline")
+        for field, arg in _FIELD_ARGS.items()
+        if getattr(params, field) is not None and arg not in accepted
+    ]
+    if unsupported:
+        names = ", ".join(e.field for e in unsupported)
+        raise RequestError(UNSUPPORTED, f"unsupported fields for this model: {names}", unsupported)
+    if params.seed is None:
+        raise RequestError(INVALID_REQUEST, "seeds must be fixed before a request reaches the gang")
+    kwargs: dict[str, Any] = {
+        "prompt": params.prompt,
+        "num_images_per_prompt": params.n,
+        "generator": [torch.Generator("cpu").manual_seed(s) for s in params.seed],
+        "output_type": output_type,
+    }
+    for field, arg in _FIELD_ARGS.items():
+        value = getattr(params, field)
+        if value is not None:
+            kwargs[arg] = value
+    return kwargs
+
+
+def encode_image(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    if fmt == "png":
+        image.save(buf, format="PNG")
+    elif fmt == "jpeg":
+        image.convert("RGB").save(buf, format="JPEG", quality=95)
+    else:
+        image.save(buf, format="WEBP", lossless=True)
+    return buf.getvalue()

@@ -1,0 +1,210 @@
+"""One rank of a replica's gang: join the group, load the model, warm up, serve.
+
+The driver (first rank) owns the ingress and relays one command per loop turn to
+the whole gang with a broadcast over the gang's CPU group; every rank executes
+it; only the driver replies. When idle the driver relays a tick, so a dead or
+hung rank shows within one tick interval and idle collectives never time out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dpserve import protocol as p
+from dpserve.layout import describe
+from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_command
+from dpserve.worker.commands import encode_command as _encode
+from dpserve.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from dpserve.worker.executor import Executor
+    from dpserve.worker.ingress import Ingress
+
+log = logging.getLogger("dpserve.worker")
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    config: WorkerConfig
+    rank: int
+    store_path: str
+
+
+def _die_with_parent() -> None:
+    # A gang must never outlive its supervisor, even when it is SIGKILLed.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        sys.exit(1)
+
+
+def rank_main(args: RankArgs) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    _die_with_parent()
+    cfg = args.config
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s replica{cfg.replica}/rank{args.rank} %(levelname)s %(message)s",
+    )
+    # The supervisor coordinates shutdown: SIGTERM/SIGINT reach the driver only
+    # through it, and the other ranks stop when the driver relays STOP.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    draining = {"asked": False}
+    if args.rank == 0:
+        signal.signal(signal.SIGTERM, lambda *_: draining.update(asked=True))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(_serve(args, draining))
+
+
+def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
+    import torch
+
+    cfg = args.config
+    torch.set_num_threads(cfg.threads_per_rank)
+    from dpserve.worker.comm import init_gang
+    from dpserve.worker.pipeline import resolve_device, resolve_dtype
+
+    device = resolve_device(cfg.device, args.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = init_gang(cfg.parallel, args.rank, args.store_path, device, cfg.collective_timeout_s)
+    comm.info = _with_replica(comm.info, cfg.replica)
+    executor = _build_executor(cfg, comm, device, resolve_dtype(cfg.dtype, device))
+    _warmup(executor, cfg)
+    ingress = _open_ingress(cfg, executor) if comm.info.is_driver else None
+    try:
+        _loop(comm, executor, ingress, cfg, draining)
+    finally:
+        if ingress is not None:
+            ingress.close()
+    torch.distributed.destroy_process_group()
+    log.info("rank %d stopped", args.rank)
+    return 0
+
+
+def _with_replica(info: Any, replica: int) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(info, replica=replica)
+
+
+def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Executor:
+    from dpserve.worker.control import ControlOps, ReplicaState
+    from dpserve.worker.executor import Executor
+    from dpserve.worker.pipeline import call_defaults, load_pipeline, size_factor
+
+    started = time.perf_counter()
+    pipe = load_pipeline(cfg.model, device, dtype)
+    log.info("loaded %s in %.2fs", type(pipe).__name__, time.perf_counter() - started)
+    info = {
+        "replica": cfg.replica,
+        "layout": describe(cfg.parallel),
+        "gang_size": cfg.gang_size,
+        "threads_per_rank": cfg.threads_per_rank,
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "size_factor": size_factor(pipe),
+        "max_side": cfg.max_side,
+        "max_steps": cfg.max_steps,
+    }
+    ops = ControlOps(pipe, ReplicaState(model_path=cfg.model), device, info)
+    executor = Executor(pipe, comm, ops, GangStatus(), device, call_defaults(pipe))
+    info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")
+    return executor
+
+
+def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
+    """One small generation through the real path (CFG split included) before serving."""
+    from dpserve.worker.pipeline import size_factor
+
+    side = max(size_factor(executor.pipe), 64)
+    params = p.GenerateParams(
+        prompt="warmup",
+        negative_prompt="blurry" if cfg.cfg > 1 else None,
+        true_cfg_scale=2.0 if cfg.cfg > 1 else None,
+        width=side,
+        height=side,
+        num_inference_steps=cfg.warmup_steps,
+        seed=[0],
+    )
+    started = time.perf_counter()
+    frames = executor.generate("warmup", params, 0.0)
+    if frames and p.decode(frames).kind == p.ERROR:
+        raise RuntimeError(f"warmup failed: {p.decode_error(p.decode(frames))}")
+    log.info("warmup done in %.2fs", time.perf_counter() - started)
+
+
+def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
+    from dpserve.worker.ingress import Ingress
+
+    limits = p.Limits(
+        size_factor=int(executor.ops.info["size_factor"]),
+        min_side=int(executor.ops.info["size_factor"]),
+        max_side=cfg.max_side,
+        max_steps=cfg.max_steps,
+    )
+    ingress = Ingress(
+        cfg.endpoint, cfg.replica, limits, executor.status, cfg.max_queue, cfg.stall_s
+    )
+    ingress.start()
+    log.info(
+        "replica %d ready: %s on %s (gang of %d)",
+        cfg.replica,
+        describe(cfg.parallel),
+        cfg.endpoint,
+        cfg.gang_size,
+    )
+    return ingress
+
+
+def _next_command(
+    ingress: Ingress, cfg: WorkerConfig, draining: dict[str, bool]
+) -> tuple[GangCommand, bytes, float]:
+    """The driver's choice for this turn: queued work, a tick, or STOP once drained."""
+    if draining["asked"] and not ingress.draining.is_set():
+        log.info("draining: no new requests, finishing %d queued", ingress.work.qsize())
+        ingress.draining.set()
+    work = ingress.next_work(timeout=0 if ingress.draining.is_set() else cfg.tick_s)
+    if work is not None:
+        return work.command, work.identity, time.monotonic() - work.received_at
+    return GangCommand(kind=STOP if ingress.draining.is_set() else TICK), b"", 0.0
+
+
+def _loop(
+    comm: Any,
+    executor: Executor,
+    ingress: Ingress | None,
+    cfg: WorkerConfig,
+    draining: dict[str, bool],
+) -> None:
+    status = executor.status
+    while True:
+        status.progress_at = time.monotonic()
+        identity, queue_s, payload = b"", 0.0, None
+        if ingress is not None:
+            command, identity, queue_s = _next_command(ingress, cfg, draining)
+            payload = _encode(command)
+        command = decode_command(comm.broadcast_bytes(payload))
+        if command.kind == STOP:
+            return
+        if command.kind == TICK:
+            continue
+        status.busy = True
+        if command.generate is not None:
+            frames = executor.generate(command.id, command.generate, queue_s)
+        else:
+            assert command.control is not None
+            frames = executor.control(command.id, command.control, cfg.replica)
+        status.busy = False
+        status.served += 1
+        if ingress is not None and frames:
+            ingress.reply(identity, frames)

@@ -1,0 +1,395 @@
+"""Seeded, offline-built Flux-style pipelines and LoRAs for tests and benchmarks.
+
+Nothing here downloads anything: tokenizers, encoders, transformer, VAE and scheduler are all
+constructed from in-code configs with seeded random weights, so CI and air-gapped clusters can
+exercise the real diffusers code paths (loading, CFG, LoRA hot-swap) at toy cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+__all__ = [
+    "LORA_TARGET_MODULES",
+    "VARIANTS",
+    "TinyVariant",
+    "build_tiny_lora",
+    "build_tiny_pipeline",
+    "transformer_config",
+]
+
+# Words that get whole-word tokens in both tokenizers, so typical test prompts tokenize to a
+# handful of ids (like a real vocab) instead of one id per character.
+_WORDS: tuple[str, ...] = (
+    "a", "an", "the", "of", "in", "on", "with", "and", "photo", "painting", "cat", "dog",
+    "red", "blue", "green", "car", "tree", "house", "sky", "astronaut", "horse", "riding",
+    "blurry", "ugly",
+)  # fmt: skip
+
+_CLIP_BOS = "<|startoftext|>"
+_CLIP_EOS = "<|endoftext|>"
+_CLIP_MAX_LEN = 77  # matches CLIP's position table; FluxPipeline pads/truncates to this
+
+LORA_TARGET_MODULES: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+
+@dataclass(frozen=True)
+class TinyVariant:
+    """Sizes for one named variant; text encoders stay tiny because they run once per prompt."""
+
+    num_layers: int
+    num_single_layers: int
+    attention_head_dim: int
+    num_attention_heads: int
+    axes_dims_rope: tuple[int, int, int]
+    text_dim: int = 32
+    text_ff_dim: int = 64
+    text_layers: int = 2
+    text_heads: int = 4
+
+
+VARIANTS: Mapping[str, TinyVariant] = MappingProxyType(
+    {
+        "tiny": TinyVariant(
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        "small": TinyVariant(
+            num_layers=4,
+            num_single_layers=8,
+            attention_head_dim=64,
+            num_attention_heads=8,
+            axes_dims_rope=(16, 24, 24),
+        ),
+    }
+)
+
+_VAE_LATENT_CHANNELS = 4
+_LORA_GAIN = 2.0  # B scale; ~2x a random Linear, enough to visibly shift images
+
+
+def _variant(name: str) -> TinyVariant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}") from None
+
+
+def transformer_config(variant: str = "tiny") -> dict[str, object]:
+    """FluxTransformer2DModel kwargs for ``variant`` (validated, not instantiated)."""
+    v = _variant(variant)
+    if sum(v.axes_dims_rope) != v.attention_head_dim:
+        raise ValueError(f"axes_dims_rope {v.axes_dims_rope} must sum to {v.attention_head_dim}")
+    return {
+        "patch_size": 1,
+        # Flux packs 2x2 latent patches into the channel dim before the transformer.
+        "in_channels": 4 * _VAE_LATENT_CHANNELS,
+        "num_layers": v.num_layers,
+        "num_single_layers": v.num_single_layers,
+        "attention_head_dim": v.attention_head_dim,
+        "num_attention_heads": v.num_attention_heads,
+        "joint_attention_dim": v.text_dim,  # T5 d_model
+        "pooled_projection_dim": v.text_dim,  # CLIP pooled output = hidden_size
+        "guidance_embeds": False,
+        "axes_dims_rope": v.axes_dims_rope,
+    }
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte-level alphabet: every byte maps to a printable, non-space character."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def _clip_tokenizer() -> CLIPTokenizer:
+    alphabet = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for tok in [*alphabet, *(c + "</w>" for c in alphabet)]:
+        vocab.setdefault(tok, len(vocab))
+    merges: list[tuple[str, str]] = []
+    # Merge left to right so each word collapses into one "<word></w>" token; every
+    # intermediate prefix is also added to the vocab, as BPE requires.
+    for word in _WORDS:
+        left = word[0]
+        for i, ch in enumerate(word[1:], start=1):
+            right = ch + "</w>" if i == len(word) - 1 else ch
+            merged = left + right
+            if merged not in vocab:
+                merges.append((left, right))
+                vocab[merged] = len(vocab)
+            left = merged
+    for special in (_CLIP_BOS, _CLIP_EOS):
+        vocab[special] = len(vocab)
+    # transformers 5.x builds the BPE backend straight from in-memory vocab/merges, but the
+    # tokenizers backend wants merges as (left, right) tuples despite the `list[str]` hint.
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=_CLIP_MAX_LEN)
+
+
+def _t5_tokenizer() -> T5Tokenizer:
+    # Unigram scores are log-probs: whole words beat spelling them out, so known words are one
+    # token and anything else falls back to characters (or <unk>).
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces.append(("▁", -2.0))
+    pieces += [("▁" + w, -5.0) for w in _WORDS]
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'-:;()"
+    pieces += [(c, -8.0) for c in chars]
+    # extra_ids=0: no sentinel tokens, which only matter for span-corruption pretraining.
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+@torch.no_grad()
+def _perturb(module: torch.nn.Module, seed: int, scale: float) -> None:
+    """Add small seeded noise to every parameter.
+
+    Default init leaves several tensors exactly zero or one (norm weights, biases, some
+    output projections), which makes images nearly independent of prompt and seed.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for _, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+        p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+
+
+def _seeded(seed: int, component: str) -> int:
+    """Independent 64-bit seed per component: reshaping one module never reshuffles another."""
+    digest = hashlib.sha256(f"dpserve-tiny:{seed}:{component}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _build_components(variant: str, seed: int) -> FluxPipeline:
+    v = _variant(variant)
+    clip_tok = _clip_tokenizer()
+    t5_tok = _t5_tokenizer()
+
+    torch.manual_seed(_seeded(seed, "text_encoder"))
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok),
+            hidden_size=v.text_dim,
+            intermediate_size=v.text_ff_dim,
+            num_hidden_layers=v.text_layers,
+            num_attention_heads=v.text_heads,
+            max_position_embeddings=_CLIP_MAX_LEN,
+            projection_dim=v.text_dim,
+            hidden_act="quick_gelu",
+            bos_token_id=clip_tok.bos_token_id,
+            eos_token_id=clip_tok.eos_token_id,
+            pad_token_id=clip_tok.pad_token_id,
+        )
+    )
+
+    torch.manual_seed(_seeded(seed, "text_encoder_2"))
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=v.text_dim,
+            d_kv=v.text_dim // v.text_heads,
+            d_ff=v.text_ff_dim,
+            num_layers=v.text_layers,
+            num_heads=v.text_heads,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+        )
+    )
+
+    torch.manual_seed(_seeded(seed, "transformer"))
+    transformer = FluxTransformer2DModel(**transformer_config(variant))
+
+    torch.manual_seed(_seeded(seed, "vae"))
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(32, 32, 64, 64),
+        layers_per_block=1,
+        latent_channels=_VAE_LATENT_CHANNELS,
+        norm_num_groups=32,
+        # Flux normalises latents with both; values are FLUX.1's.
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+    for name, mod in (
+        ("text_encoder", text_encoder),
+        ("text_encoder_2", text_encoder_2),
+        ("transformer", transformer),
+        ("vae", vae),
+    ):
+        if any(p.dtype != torch.float32 for p in mod.parameters()):
+            mod.float()  # only if the caller changed torch's default dtype
+        _perturb(mod, _seeded(seed, name + ":perturb"), 0.02)
+        mod.eval()
+
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+
+
+# --------------------------------------------------------------------------- atomic output
+
+
+def _iter_files(root: Path) -> Iterator[Path]:
+    return (p for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush files and directory entries so the rename below publishes durable content."""
+    for path in _iter_files(root):
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+    for d in [root, *(p for p in sorted(root.rglob("*")) if p.is_dir())]:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    _fsync_tree(tmp)
+    # rename(2) is atomic and replaces only a missing or empty directory, so an existing model
+    # is never clobbered and readers never see a half-written one.
+    try:
+        tmp.rename(out_dir)
+    except OSError as exc:
+        raise FileExistsError(f"{out_dir} already exists and is not empty") from exc
+    _fsync_tree_parent(out_dir)
+
+
+def _fsync_tree_parent(path: Path) -> None:
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_target(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} already exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def build_tiny_pipeline(out_dir: Path, variant: str = "tiny", seed: int = 0) -> Path:
+    """Build a seeded random-weight FluxPipeline and save it (float32) to ``out_dir``.
+
+    The same ``(variant, seed)`` always yields byte-identical files. ``out_dir`` must be absent
+    or empty; it appears only once fully written. The global torch RNG is left untouched.
+    """
+    out_dir = Path(out_dir)
+    _variant(variant)
+    _check_target(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            pipe = _build_components(variant, seed)
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def build_tiny_lora(out_dir: Path, model_dir: Path, seed: int = 0, rank: int = 4) -> Path:
+    """Write a random diffusers-format LoRA for ``model_dir``'s transformer to ``out_dir``.
+
+    Both A and B are non-zero (a freshly initialised LoRA has B=0 and would be a no-op), so
+    loading it visibly changes images. Deterministic per ``seed``; written atomically.
+    """
+    out_dir = Path(out_dir)
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    config = FluxTransformer2DModel.load_config(Path(model_dir) / "transformer")
+    # Only shapes are needed, so build on the meta device: no weights are read or allocated.
+    with torch.device("meta"):
+        skeleton = FluxTransformer2DModel.from_config(config)
+    targets = sorted(
+        (name, mod)
+        for name, mod in skeleton.named_modules()
+        if isinstance(mod, torch.nn.Linear) and name.endswith(tuple("." + t for t in LORA_TARGET_MODULES))
+    )
+    if not targets:
+        raise ValueError(f"no LoRA target modules found in {model_dir}")
+
+    gen = torch.Generator().manual_seed(_seeded(seed, f"lora:{rank}"))
+    layers: dict[str, torch.Tensor] = {}
+    for name, lin in targets:
+        # Scaled so B @ A has entries ~ 1/sqrt(in_features): a clear but bounded change.
+        a = torch.randn(rank, lin.in_features, generator=gen) / lin.in_features**0.5
+        b = torch.randn(lin.out_features, rank, generator=gen) * (_LORA_GAIN / rank**0.5)
+        layers[f"{name}.lora_A.weight"] = a.contiguous()
+        layers[f"{name}.lora_B.weight"] = b.contiguous()
+
+    _check_target(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        # No adapter metadata: safetensors writes its metadata map in random order, which would
+        # break byte-determinism; without it diffusers infers r from shapes and alpha = r.
+        FluxPipeline.save_lora_weights(tmp, transformer_lora_layers=layers)
+        _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
