@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from dpserve.protocol import (
     FieldError,
     RequestError,
 )
+from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.weights import WeightOffload, checksum, modules_of
 
 log = logging.getLogger(__name__)
@@ -56,26 +56,17 @@ def _names(value: Any, field_name: str) -> list[str]:
     return names
 
 
-@dataclass
-class ReplicaState:
-    """What every rank of a replica holds beside the pipeline itself."""
-
-    model_path: Path
-    loras: dict[str, str] = field(default_factory=dict)  # nickname -> path
-    active: dict[str, float] = field(default_factory=dict)  # nickname -> strength
-    merged: bool = False
-
-
 class ControlOps:
     def __init__(
         self,
         pipe: DiffusionPipeline,
-        state: ReplicaState,
+        model_path: Path,
         device: torch.device,
         info: dict[str, Any],
     ) -> None:
         self.pipe = pipe
-        self.state = state
+        self.model_path = model_path
+        self.loras = LoraAdapters(pipe)
         self.device = device
         self.offload = WeightOffload(device)
         self.info = info  # static facts for model_info (layout, threads, ...)
@@ -100,11 +91,11 @@ class ControlOps:
     def op_model_info(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
         return {
             **self.info,
-            "model_path": str(self.state.model_path),
+            "model_path": str(self.model_path),
             "pipeline_class": type(self.pipe).__name__,
             "components": sorted(modules_of(self.pipe.components)),
             "released": self.released,
-            "loras": sorted(self.state.loras),
+            "loras": sorted(self.loras.loaded),
         }
 
     def op_get_weights_checksum(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
@@ -118,9 +109,9 @@ class ControlOps:
 
     def op_list_loras(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
         return {
-            "loaded": [{"nickname": n, "path": p} for n, p in sorted(self.state.loras.items())],
-            "active": [{"nickname": n, "strength": s} for n, s in self.state.active.items()],
-            "merged": self.state.merged,
+            "loaded": [{"nickname": n, "path": p} for n, p in sorted(self.loras.loaded.items())],
+            "active": [{"nickname": n, "strength": s} for n, s in self.loras.active.items()],
+            "merged": self.loras.merged,
         }
 
     # ------------------------------------------------------------ weights
@@ -149,11 +140,11 @@ class ControlOps:
                 INVALID_REQUEST, "another rank of this replica failed to load the weights"
             )
         assert path_arg is not None  # every rank loaded it
-        cleared = self._drop_loras()
+        cleared = self.loras.drop_all()
         for name, module in loaded.items():
             setattr(self.pipe, name, module)
             self.pipe.register_modules(**{name: module})
-        self.state.model_path = Path(path_arg)
+        self.model_path = Path(path_arg)
         return {"model_path": path_arg, "modules": names, "loras_cleared": cleared}
 
     def _load_modules(self, path: Path, names: list[str]) -> dict[str, torch.nn.Module]:
@@ -197,61 +188,42 @@ class ControlOps:
             isinstance(s, int | float) and not isinstance(s, bool) for s in strength_list
         ):
             raise _bad("strength", "must be a number, or a list with one number per nickname")
-        if self.state.merged:
+        if self.loras.merged:
             raise _bad("lora_nickname", "cannot change adapters while merged; unmerge first")
         for nick, path in zip(nicknames, path_list, strict=True):
-            if path is None and nick not in self.state.loras:
+            if path is None and nick not in self.loras.loaded:
                 raise _bad("lora_path", f"is required: adapter {nick!r} is not loaded yet")
-            if path is not None and self.state.loras.get(nick) != path:
+            if path is not None and self.loras.loaded.get(nick) != path:
                 self._load_lora(nick, path)
-        self.pipe.set_adapters(nicknames, adapter_weights=[float(s) for s in strength_list])
-        self.state.active = {n: float(s) for n, s in zip(nicknames, strength_list, strict=True)}
-        return {"active": [{"nickname": n, "strength": s} for n, s in self.state.active.items()]}
+        self.loras.activate({n: float(s) for n, s in zip(nicknames, strength_list, strict=True)})
+        return {"active": [{"nickname": n, "strength": s} for n, s in self.loras.active.items()]}
 
     def _load_lora(self, nick: str, path: str) -> None:
         if not Path(path).exists():
             raise _bad("lora_path", f"{path!r} does not exist")
-        if nick in self.state.loras:
-            self.pipe.delete_adapters(nick)
-            del self.state.loras[nick]
-            self.state.active.pop(nick, None)
         try:
-            self.pipe.load_lora_weights(path, adapter_name=nick)
+            self.loras.load(nick, path)
         except Exception as exc:
             raise _bad("lora_path", f"could not be loaded as a LoRA: {exc}") from exc
-        self.state.loras[nick] = path
 
     def op_merge_lora_weights(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
         self.require_weights()
         self._check_target(args)
-        if not self.state.active:
+        if not self.loras.active:
             raise _bad("lora_nickname", "no active adapter to merge; call set_lora first")
-        if self.state.merged:
+        if self.loras.merged:
             raise _bad("lora_nickname", "adapters are already merged")
         strength = _number(args, "strength", 1.0)
-        self.pipe.fuse_lora(lora_scale=strength, adapter_names=list(self.state.active))
-        self.state.merged = True
-        return {"merged": list(self.state.active), "strength": strength}
+        self.loras.merge(strength)
+        return {"merged": list(self.loras.active), "strength": strength}
 
     def op_unmerge_lora_weights(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
         self.require_weights()
         self._check_target(args)
-        if not self.state.merged:
+        if not self.loras.merged:
             raise _bad("lora_nickname", "no merged adapters to unmerge")
-        self.pipe.unfuse_lora()
-        self.state.merged = False
-        return {"unmerged": list(self.state.active)}
-
-    def _drop_loras(self) -> list[str]:
-        cleared = sorted(self.state.loras)
-        if cleared:
-            if self.state.merged:
-                self.pipe.unfuse_lora()
-            self.pipe.unload_lora_weights()
-        self.state.loras.clear()
-        self.state.active.clear()
-        self.state.merged = False
-        return cleared
+        self.loras.unmerge()
+        return {"unmerged": list(self.loras.active)}
 
     # ------------------------------------------------------------ memory
 

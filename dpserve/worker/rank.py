@@ -98,7 +98,7 @@ def _with_replica(info: Any, replica: int) -> Any:
 
 
 def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Executor:
-    from dpserve.worker.control import ControlOps, ReplicaState
+    from dpserve.worker.control import ControlOps
     from dpserve.worker.executor import Executor
     from dpserve.worker.pipeline import call_defaults, load_pipeline, size_factor
 
@@ -116,7 +116,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
         "max_side": cfg.max_side,
         "max_steps": cfg.max_steps,
     }
-    ops = ControlOps(pipe, ReplicaState(model_path=cfg.model), device, info)
+    ops = ControlOps(pipe, cfg.model, device, info)
     executor = Executor(pipe, comm, ops, GangStatus(), device, call_defaults(pipe))
     info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")
     return executor
@@ -173,7 +173,11 @@ def _next_command(
     if draining["asked"] and not ingress.draining.is_set():
         log.info("draining: no new requests, finishing %d queued", ingress.work.qsize())
         ingress.draining.set()
-    work = ingress.next_work(timeout=0 if ingress.draining.is_set() else cfg.tick_s)
+    # Short waits up to one tick, so a drain request is noticed promptly.
+    deadline = time.monotonic() + cfg.tick_s
+    work = ingress.next_work(timeout=0)
+    while work is None and not draining["asked"] and time.monotonic() < deadline:
+        work = ingress.next_work(timeout=0.25)
     if work is not None:
         return work.command, work.identity, time.monotonic() - work.received_at
     return GangCommand(kind=STOP if ingress.draining.is_set() else TICK), b"", 0.0

@@ -1,0 +1,72 @@
+"""LoRA adapters on a diffusers pipeline: load, activate, merge and unmerge exactly.
+
+diffusers' ``unfuse_lora`` subtracts the delta it added, which does not give the
+original weights back bit for bit; a replica that merged and unmerged would then
+disagree with one that never did. Merging therefore keeps a copy of the base
+weights of the adapted layers (only those: a small fraction of the model) and
+unmerging restores that copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from diffusers import DiffusionPipeline
+from peft.tuners.lora import LoraLayer
+
+from dpserve.worker.weights import modules_of
+
+
+@dataclass
+class LoraAdapters:
+    pipe: DiffusionPipeline
+    loaded: dict[str, str] = field(default_factory=dict)  # nickname -> path
+    active: dict[str, float] = field(default_factory=dict)  # nickname -> strength
+    _base: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> copy
+
+    @property
+    def merged(self) -> bool:
+        return bool(self._base)
+
+    def load(self, nickname: str, path: str) -> None:
+        if nickname in self.loaded:
+            self.pipe.delete_adapters(nickname)
+            del self.loaded[nickname]
+            self.active.pop(nickname, None)
+        self.pipe.load_lora_weights(path, adapter_name=nickname)
+        self.loaded[nickname] = path
+
+    def activate(self, strengths: dict[str, float]) -> None:
+        self.pipe.set_adapters(list(strengths), adapter_weights=list(strengths.values()))
+        self.active = dict(strengths)
+
+    def merge(self, strength: float) -> None:
+        self._base = {id(p): p.detach().clone() for p in self._adapted_base_params()}
+        self.pipe.fuse_lora(lora_scale=strength, adapter_names=list(self.active))
+
+    def unmerge(self) -> None:
+        self.pipe.unfuse_lora()
+        with torch.no_grad():
+            for param in self._adapted_base_params():
+                param.copy_(self._base[id(param)])
+        self._base = {}
+
+    def drop_all(self) -> list[str]:
+        """Unload every adapter; returns the nicknames that were loaded."""
+        dropped = sorted(self.loaded)
+        if self.merged:
+            self.unmerge()
+        if dropped:
+            self.pipe.unload_lora_weights()
+        self.loaded.clear()
+        self.active.clear()
+        return dropped
+
+    def _adapted_base_params(self) -> list[torch.nn.Parameter]:
+        params = []
+        for module in modules_of(self.pipe.components).values():
+            for layer in module.modules():
+                if isinstance(layer, LoraLayer):
+                    params.extend(layer.get_base_layer().parameters(recurse=False))
+        return params

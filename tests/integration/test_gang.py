@@ -1,0 +1,131 @@
+"""A real replica gang on gloo: CFG-parallel bytes, driver-only ingress, all-or-nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dpserve.protocol import GenerateResult, RequestError
+from tests.workers import WorkerProcess
+
+pytestmark = pytest.mark.gang
+
+CFG_REQUEST = dict(
+    prompt="a red fox in the snow",
+    negative_prompt="blurry, low quality",
+    true_cfg_scale=4.0,
+    width=64,
+    height=64,
+    num_inference_steps=4,
+    seed=[7, 8],
+    n=2,
+)
+PLAIN_REQUEST = dict(prompt="a lighthouse", width=64, height=64, num_inference_steps=3, seed=3)
+
+
+@pytest.fixture(scope="module")
+def cfg2(tiny_model: Path) -> WorkerProcess:
+    with WorkerProcess(tiny_model, "--cfg", "2") as worker:
+        yield worker
+
+
+@pytest.fixture(scope="module")
+def cfg1(tiny_model: Path) -> WorkerProcess:
+    with WorkerProcess(tiny_model) as worker:
+        yield worker
+
+
+def _generate(worker: WorkerProcess, request: dict[str, object]) -> tuple[GenerateResult, list[bytes]]:
+    with worker.client() as client:
+        return client.generate(**request)
+
+
+def test_cfg_parallel_png_equals_single_process(cfg1: WorkerProcess, cfg2: WorkerProcess) -> None:
+    one, one_png = _generate(cfg1, CFG_REQUEST)
+    two, two_png = _generate(cfg2, CFG_REQUEST)
+    assert len(two_png) == 2 and all(b.startswith(b"\x89PNG") for b in two_png)
+    assert two_png == one_png
+    assert [m.seed for m in two.images] == [7, 8]
+    assert two_png[0] != two_png[1]  # two seeds, two different images
+    with cfg2.client() as client:
+        info = client.control("model_info")
+    assert info["cfg_parallel"] == "split" and info["gang_size"] == 2
+
+
+def test_cfg_gang_without_negative_prompt_still_works(cfg1: WorkerProcess, cfg2: WorkerProcess) -> None:
+    _, one_png = _generate(cfg1, PLAIN_REQUEST)
+    result, two_png = _generate(cfg2, PLAIN_REQUEST)
+    assert two_png == one_png
+    assert result.replica == 0 and result.peak_memory_mb > 0 and result.inference_time_s > 0
+
+
+def test_only_the_driver_binds_zmq(cfg2: WorkerProcess) -> None:
+    ranks = cfg2.ranks()
+    assert len(ranks) == 2
+    listeners = {
+        r.pid
+        for r in ranks
+        for c in r.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == cfg2.port
+    }
+    assert listeners == {ranks[0].pid}
+    # The other rank never even loads libzmq: it cannot bind a ZMQ socket.
+    maps = Path(f"/proc/{ranks[1].pid}/maps").read_text()
+    assert "libzmq" not in maps
+    assert "libzmq" in Path(f"/proc/{ranks[0].pid}/maps").read_text()
+
+
+def test_bad_request_names_fields_and_replica_keeps_serving(cfg2: WorkerProcess) -> None:
+    with cfg2.client() as client:
+        with pytest.raises(RequestError) as err:
+            client.generate(prompt="x", width=65, num_inference_steps=0, n=11)
+        assert err.value.code == "invalid_request"
+        assert {f.field for f in err.value.fields} == {"width", "num_inference_steps", "n"}
+        assert client.ping().status == "ok"
+
+
+def test_killed_rank_takes_the_gang_down(tiny_model: Path) -> None:
+    worker = WorkerProcess(tiny_model, "--cfg", "2")
+    try:
+        ranks = worker.ranks()
+        os.kill(ranks[1].pid, signal.SIGKILL)
+        started = time.monotonic()
+        code = worker.proc.wait(timeout=30)
+        elapsed = time.monotonic() - started
+        assert code != 0
+        assert elapsed < 10
+        assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+    finally:
+        worker.kill()
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_model: Path) -> None:
+    worker = WorkerProcess(tiny_model, "--cfg", "2")
+    results: list[object] = []
+
+    def call() -> None:
+        with worker.client() as client:
+            try:
+                results.append(client.generate(**{**CFG_REQUEST, "num_inference_steps": 30}))
+            except Exception as exc:  # recorded and asserted below
+                results.append(exc)
+
+    callers = [threading.Thread(target=call) for _ in range(3)]
+    try:
+        for t in callers:
+            t.start()
+        time.sleep(0.5)  # the three requests are queued or running
+        worker.proc.send_signal(signal.SIGTERM)
+        for t in callers:
+            t.join(timeout=120)
+        assert worker.proc.wait(timeout=60) == 0
+        assert len(results) == 3
+        assert all(isinstance(r, tuple) for r in results), results
+    finally:
+        worker.kill()
