@@ -1,85 +1,20 @@
-"""Real worker processes for tests: start ``dpserve worker``, wait until it answers, stop it."""
+"""Test helpers over real worker processes."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Sequence
-from pathlib import Path
-from types import TracebackType
-
 import psutil
 
-from dpserve.client import ReplicaClient, ReplicaTimeout
+from dpserve.local import WorkerProcess, free_port
+
+__all__ = ["WorkerProcess", "free_port", "ranks"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class WorkerProcess:
-    """One replica (``dpserve worker``) as a child process of the test."""
-
-    def __init__(self, model: Path, *args: str, ready_timeout_s: float = 120.0) -> None:
-        self.port = free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        cmd: Sequence[str] = [
-            sys.executable, "-m", "dpserve", "worker",
-            "--model", str(model), "--port", str(self.port), *args,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self._wait_ready(ready_timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with ReplicaClient(self.endpoint) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"worker exited with {self.proc.returncode} during start-up")
-                try:
-                    client.ping(timeout_s=1.0)
-                    return
-                except ReplicaTimeout:
-                    continue
-        self.kill()
-        raise TimeoutError(f"worker on {self.endpoint} not ready in {timeout_s}s")
-
-    def client(self, timeout_s: float = 120.0) -> ReplicaClient:
-        return ReplicaClient(self.endpoint, timeout_s=timeout_s)
-
-    def ranks(self) -> list[psutil.Process]:
-        """The gang's rank processes, driver first (spawn's helper processes excluded)."""
-        children = psutil.Process(self.proc.pid).children()
-        ranks = [c for c in children if "multiprocessing.spawn" in " ".join(c.cmdline())]
-        ranks = [c for c in ranks if "resource_tracker" not in " ".join(c.cmdline())]
-        return sorted(ranks, key=lambda c: c.create_time())
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-    def __enter__(self) -> WorkerProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            self.stop(timeout_s=30)
-        except subprocess.TimeoutExpired:
-            self.kill()
+def ranks(worker: WorkerProcess) -> list[psutil.Process]:
+    """The gang's rank processes, driver (rank 0) first; spawn's helpers excluded."""
+    children = psutil.Process(worker.proc.pid).children()
+    found = [
+        c
+        for c in children
+        if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    return sorted(found, key=lambda c: (c.create_time(), c.pid))

@@ -71,11 +71,11 @@ def init_gang(
     )
     info = rank_info(layout, rank)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
-    assert cpu_group is not None
-    cfg_group = None
+    assert isinstance(cpu_group, dist.ProcessGroup)
+    cfg_group: dist.ProcessGroup | None = None
     # Every rank creates every group, in the same order, members or not.
     for ranks in all_groups(layout, "cfg") if layout.cfg > 1 else []:
         group = dist.new_group(list(ranks), backend=backend)
-        if rank in ranks:
+        if rank in ranks and isinstance(group, dist.ProcessGroup):
             cfg_group = group
     return GangComm(info=info, cpu_group=cpu_group, cfg_group=cfg_group)

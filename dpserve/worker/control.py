@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import DiffusionPipeline
 
 from dpserve.protocol import (
     INVALID_REQUEST,
@@ -23,6 +22,7 @@ from dpserve.protocol import (
     RequestError,
 )
 from dpserve.worker.lora import LoraAdapters
+from dpserve.worker.pipeline import Pipeline
 from dpserve.worker.weights import WeightOffload, checksum, modules_of
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _names(value: Any, field_name: str) -> list[str]:
 class ControlOps:
     def __init__(
         self,
-        pipe: DiffusionPipeline,
+        pipe: Pipeline,
         model_path: Path,
         device: torch.device,
         info: dict[str, Any],
@@ -160,7 +160,7 @@ class ControlOps:
                 raise _bad("model_path", f"has no {name!r} subfolder")
             cls: Any = type(current[name])
             dtype = next(current[name].parameters()).dtype
-            module = cls.from_pretrained(path, subfolder=name, torch_dtype=dtype)
+            module = cls.from_pretrained(path, subfolder=name, dtype=dtype, local_files_only=True)
             loaded[name] = module.to(self.device).eval()
         return loaded
 

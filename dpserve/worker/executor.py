@@ -9,7 +9,6 @@ from typing import Any
 
 import msgspec
 import torch
-from diffusers import DiffusionPipeline
 
 from dpserve.protocol import (
     INTERNAL,
@@ -28,7 +27,7 @@ from dpserve.worker.comm import GangComm
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.control import ControlOps
 from dpserve.worker.denoiser import DenoiserPatch
-from dpserve.worker.pipeline import cfg_requested, encode_image, pipeline_kwargs
+from dpserve.worker.pipeline import Pipeline, cfg_requested, encode_image, pipeline_kwargs
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ class _RankOutcome(msgspec.Struct, kw_only=True):
 _OUTCOME_DECODER = msgspec.msgpack.Decoder(_RankOutcome)
 
 
-def denoiser_of(pipe: DiffusionPipeline) -> torch.nn.Module:
+def denoiser_of(pipe: Pipeline) -> torch.nn.Module:
     module = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{type(pipe).__name__} has neither a transformer nor a unet")
@@ -52,7 +51,7 @@ def denoiser_of(pipe: DiffusionPipeline) -> torch.nn.Module:
 
 @dataclass
 class Executor:
-    pipe: DiffusionPipeline
+    pipe: Pipeline
     comm: GangComm
     ops: ControlOps
     status: GangStatus

@@ -14,6 +14,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
@@ -24,15 +25,21 @@ log = logging.getLogger("dpserve.worker")
 _POLL_S = 0.2
 
 
-def _thread_env(threads: int) -> None:
-    # Set before the ranks import torch, so OpenMP/MKL pools start at the right size.
+def _rank_env(threads: int) -> None:
+    """Environment the spawned ranks inherit, set before they import torch."""
+    # OpenMP/MKL pools size themselves at import time.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)
     # Ranks of a gang share one host: keep gloo's transport on loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Models load from local folders only; a hub lookup would hang without network.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for var in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):
+        os.environ.setdefault(var, "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def _kill(procs: list[BaseProcess]) -> None:
+def _kill(procs: Sequence[BaseProcess]) -> None:
     for proc in procs:
         if proc.is_alive() and proc.pid is not None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -43,7 +50,7 @@ def _kill(procs: list[BaseProcess]) -> None:
 def run_gang(cfg: WorkerConfig) -> int:
     """Run the replica until it is stopped; the return value is the process's exit code."""
     cfg.parallel.validate()
-    _thread_env(cfg.threads_per_rank)
+    _rank_env(cfg.threads_per_rank)
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="dpserve-gang-")
     store = os.path.join(store_dir, "store")
@@ -58,9 +65,10 @@ def run_gang(cfg: WorkerConfig) -> int:
     stop_at: list[float] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stop_at:  # a second Ctrl-C means now
-            log.warning("second signal: killing the gang")
-            stop_at[0] = 0.0
+        if stop_at:
+            if signum == signal.SIGINT:  # a second Ctrl-C means now
+                log.warning("second interrupt: killing the gang")
+                stop_at[0] = 0.0
             return
         log.info("signal %d: draining replica %d", signum, cfg.replica)
         stop_at.append(time.monotonic() + cfg.drain_timeout_s)
@@ -80,7 +88,7 @@ def run_gang(cfg: WorkerConfig) -> int:
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _watch(procs: list[BaseProcess], stop_at: list[float]) -> int:
+def _watch(procs: Sequence[BaseProcess], stop_at: list[float]) -> int:
     """Poll the ranks: any failure kills the gang; all clean exits end it with 0."""
     while True:
         codes = [proc.exitcode for proc in procs]

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import DiffusionPipeline
 from peft.tuners.lora import LoraLayer
 
+from dpserve.worker.pipeline import Pipeline
 from dpserve.worker.weights import modules_of
 
 
 @dataclass
 class LoraAdapters:
-    pipe: DiffusionPipeline
+    pipe: Pipeline
     loaded: dict[str, str] = field(default_factory=dict)  # nickname -> path
     active: dict[str, float] = field(default_factory=dict)  # nickname -> strength
     _base: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> copy
@@ -64,7 +64,7 @@ class LoraAdapters:
         return dropped
 
     def _adapted_base_params(self) -> list[torch.nn.Parameter]:
-        params = []
+        params: list[torch.nn.Parameter] = []
         for module in modules_of(self.pipe.components).values():
             for layer in module.modules():
                 if isinstance(layer, LoraLayer):

@@ -7,15 +7,21 @@ import io
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
 from PIL import Image
+from transformers.utils import logging as transformers_logging
 
 from dpserve.protocol import INVALID_REQUEST, UNSUPPORTED, FieldError, GenerateParams, RequestError
 
 log = logging.getLogger(__name__)
+
+# diffusers pipelines gain their components and loader mixins at run time, which
+# static typing cannot follow; the worker treats them as dynamic objects.
+Pipeline: TypeAlias = Any
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
@@ -48,22 +54,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_pipeline(path: Path, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
+def load_pipeline(path: Path, device: torch.device, dtype: torch.dtype) -> Pipeline:
     """Any diffusers pipeline folder, offline; nothing here knows which model it is."""
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
-    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
 
-def size_factor(pipe: DiffusionPipeline) -> int:
+def size_factor(pipe: Pipeline) -> int:
     """Width and height must be multiples of this (latent packing doubles the VAE factor)."""
     vae_factor = int(getattr(pipe, "vae_scale_factor", 8))
     return vae_factor * 2 if hasattr(pipe, "_pack_latents") else vae_factor
 
 
-def call_defaults(pipe: DiffusionPipeline) -> dict[str, Any]:
+def call_defaults(pipe: Pipeline) -> dict[str, Any]:
     params = inspect.signature(pipe.__call__).parameters
     return {
         name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty

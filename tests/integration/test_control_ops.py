@@ -46,7 +46,9 @@ def _error(client: ReplicaClient, op: str, **args: object) -> RequestError:
     return err.value
 
 
-def test_model_info_and_checksum_agree_across_ranks(client: ReplicaClient, tiny_model: Path) -> None:
+def test_model_info_and_checksum_agree_across_ranks(
+    client: ReplicaClient, tiny_model: Path
+) -> None:
     info = client.control("model_info")
     assert info["pipeline_class"] == "FluxPipeline"
     assert info["model_path"] == str(tiny_model)
@@ -112,7 +114,9 @@ def test_lora_set_merge_unmerge_list(client: ReplicaClient, tiny_lora: Path) -> 
 
     client.control("set_lora", lora_nickname="style", strength=0.0)
     assert _png(client) == base_png
-    assert _error(client, "set_lora", lora_nickname="style", target="vae").fields[0].field == "target"
+    assert (
+        _error(client, "set_lora", lora_nickname="style", target="vae").fields[0].field == "target"
+    )
     # A weight update drops adapters (they belonged to the old modules) and says so.
     model = client.control("model_info")["model_path"]
     done = client.control("update_weights_from_disk", model_path=model)

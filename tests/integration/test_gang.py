@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from dpserve.protocol import GenerateResult, RequestError
-from tests.workers import WorkerProcess
+from tests.workers import WorkerProcess, ranks
 
 pytestmark = pytest.mark.gang
 
@@ -41,13 +41,15 @@ def cfg1(tiny_model: Path) -> WorkerProcess:
         yield worker
 
 
-def _generate(worker: WorkerProcess, request: dict[str, object]) -> tuple[GenerateResult, list[bytes]]:
+def _generate(
+    worker: WorkerProcess, request: dict[str, object]
+) -> tuple[GenerateResult, list[bytes]]:
     with worker.client() as client:
         return client.generate(**request)
 
 
 def test_cfg_parallel_png_equals_single_process(cfg1: WorkerProcess, cfg2: WorkerProcess) -> None:
-    one, one_png = _generate(cfg1, CFG_REQUEST)
+    _one, one_png = _generate(cfg1, CFG_REQUEST)
     two, two_png = _generate(cfg2, CFG_REQUEST)
     assert len(two_png) == 2 and all(b.startswith(b"\x89PNG") for b in two_png)
     assert two_png == one_png
@@ -58,7 +60,9 @@ def test_cfg_parallel_png_equals_single_process(cfg1: WorkerProcess, cfg2: Worke
     assert info["cfg_parallel"] == "split" and info["gang_size"] == 2
 
 
-def test_cfg_gang_without_negative_prompt_still_works(cfg1: WorkerProcess, cfg2: WorkerProcess) -> None:
+def test_cfg_gang_without_negative_prompt_still_works(
+    cfg1: WorkerProcess, cfg2: WorkerProcess
+) -> None:
     _, one_png = _generate(cfg1, PLAIN_REQUEST)
     result, two_png = _generate(cfg2, PLAIN_REQUEST)
     assert two_png == one_png
@@ -66,19 +70,19 @@ def test_cfg_gang_without_negative_prompt_still_works(cfg1: WorkerProcess, cfg2:
 
 
 def test_only_the_driver_binds_zmq(cfg2: WorkerProcess) -> None:
-    ranks = cfg2.ranks()
-    assert len(ranks) == 2
+    rank_procs = ranks(cfg2)
+    assert len(rank_procs) == 2
     listeners = {
         r.pid
-        for r in ranks
+        for r in rank_procs
         for c in r.net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN and c.laddr.port == cfg2.port
     }
-    assert listeners == {ranks[0].pid}
+    assert listeners == {rank_procs[0].pid}
     # The other rank never even loads libzmq: it cannot bind a ZMQ socket.
-    maps = Path(f"/proc/{ranks[1].pid}/maps").read_text()
+    maps = Path(f"/proc/{rank_procs[1].pid}/maps").read_text()
     assert "libzmq" not in maps
-    assert "libzmq" in Path(f"/proc/{ranks[0].pid}/maps").read_text()
+    assert "libzmq" in Path(f"/proc/{rank_procs[0].pid}/maps").read_text()
 
 
 def test_bad_request_names_fields_and_replica_keeps_serving(cfg2: WorkerProcess) -> None:
@@ -93,14 +97,14 @@ def test_bad_request_names_fields_and_replica_keeps_serving(cfg2: WorkerProcess)
 def test_killed_rank_takes_the_gang_down(tiny_model: Path) -> None:
     worker = WorkerProcess(tiny_model, "--cfg", "2")
     try:
-        ranks = worker.ranks()
-        os.kill(ranks[1].pid, signal.SIGKILL)
+        rank_procs = ranks(worker)
+        os.kill(rank_procs[1].pid, signal.SIGKILL)
         started = time.monotonic()
         code = worker.proc.wait(timeout=30)
         elapsed = time.monotonic() - started
         assert code != 0
         assert elapsed < 10
-        assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+        assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in rank_procs)
     finally:
         worker.kill()
 

@@ -57,8 +57,13 @@ def test_truncated_request_is_answered(worker: WorkerProcess) -> None:
         client.send_raw([frames[0][:-3]])
         with pytest.raises(ReplicaTimeout):
             client.recv(timeout_s=0.5)
-        client.send_raw(p.encode(p.GENERATE, "ok", {"prompt": "x", "width": 64, "height": 64,
-                                                      "num_inference_steps": 1, "seed": 1}))
+        client.send_raw(
+            p.encode(
+                p.GENERATE,
+                "ok",
+                {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 1, "seed": 1},
+            )
+        )
         assert client.recv().kind == p.RESULT
 
 

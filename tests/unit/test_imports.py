@@ -1,0 +1,33 @@
+"""Dependency direction: the router and operator never pull in torch; the worker no FastAPI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _modules_after_import(module: str) -> set[str]:
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize(
+    "module", ["dpserve.protocol", "dpserve.layout", "dpserve.client", "dpserve.cli"]
+)
+def test_light_modules_do_not_import_torch(module: str) -> None:
+    loaded = _modules_after_import(module)
+    assert "torch" not in loaded and "diffusers" not in loaded
+
+
+def test_worker_does_not_import_fastapi() -> None:
+    loaded = _modules_after_import("dpserve.worker.rank, dpserve.worker.executor")
+    assert "fastapi" not in loaded and "starlette" not in loaded
+
+
+def test_worker_supervisor_does_not_import_torch() -> None:
+    # The supervisor only watches its ranks; torch lives in the rank processes.
+    assert "torch" not in _modules_after_import("dpserve.worker.gang")
