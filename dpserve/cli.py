@@ -42,6 +42,9 @@ def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     w.add_argument("--max-queue", type=_positive, default=64, help="queued requests per replica")
     w.add_argument("--max-side", type=_positive, default=2048, help="largest width/height")
     w.add_argument("--max-steps", type=_positive, default=100, help="most inference steps")
+    w.add_argument(
+        "--max-sequence-length", type=_positive, default=None, help="text tokens per prompt"
+    )
     w.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish work")
 
 
@@ -87,6 +90,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_side=args.max_side,
         max_steps=args.max_steps,
         drain_timeout_s=args.drain_timeout,
+        max_sequence_length=args.max_sequence_length,
     )
     if not (config.model / "model_index.json").is_file():
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)

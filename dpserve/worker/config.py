@@ -26,6 +26,7 @@ class WorkerConfig:
     max_side: int = 2048
     max_steps: int = 100
     warmup_steps: int = 2
+    max_sequence_length: int | None = None  # text tokens; None: the pipeline's default
     tick_s: float = 2.0  # idle heartbeat through the gang, also keeps collectives from timing out
     stall_s: float = 120.0  # no progress for this long while busy: pings report "stalled"
     collective_timeout_s: float = 600.0

@@ -57,6 +57,7 @@ class Executor:
     status: GangStatus
     device: torch.device
     call_defaults: dict[str, Any]
+    fixed_kwargs: dict[str, Any]  # pipeline arguments set at start-up, for every request
 
     def __post_init__(self) -> None:
         self.patch = DenoiserPatch(self.comm.info.cfg_rank, self.comm.cfg_group, self._progress)
@@ -74,7 +75,11 @@ class Executor:
         try:
             self.ops.require_weights()
             # Only the output rank decodes latents to pixels; the others skip the VAE.
-            kwargs = pipeline_kwargs(params, self.call_defaults, "pil" if output_rank else "latent")
+            output_type = "pil" if output_rank else "latent"
+            kwargs = {
+                **self.fixed_kwargs,
+                **pipeline_kwargs(params, self.call_defaults, output_type),
+            }
             split = self.split_ok and cfg_requested(params, self.call_defaults)
             reset_peak_memory(self.device)
             with torch.inference_mode(), self.patch.applied(denoiser_of(self.pipe), split):

@@ -116,8 +116,17 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
         "max_side": cfg.max_side,
         "max_steps": cfg.max_steps,
     }
+    defaults = call_defaults(pipe)
+    fixed = {}
+    if cfg.max_sequence_length is not None:
+        if "max_sequence_length" not in defaults:
+            raise ValueError(f"{type(pipe).__name__} does not take --max-sequence-length")
+        fixed["max_sequence_length"] = cfg.max_sequence_length
+    info["max_sequence_length"] = fixed.get(
+        "max_sequence_length", defaults.get("max_sequence_length")
+    )
     ops = ControlOps(pipe, cfg.model, device, info)
-    executor = Executor(pipe, comm, ops, GangStatus(), device, call_defaults(pipe))
+    executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed)
     info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")
     return executor
 
