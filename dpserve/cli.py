@@ -7,8 +7,12 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpserve.layout import LayoutError
+
+if TYPE_CHECKING:
+    from dpserve.router.app import RouterSettings
 
 
 def _positive(text: str) -> int:
@@ -25,17 +29,13 @@ def _port(text: str) -> int:
     return value
 
 
-def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    w = sub.add_parser("worker", help="run one replica: a gang of ranks behind a ZMQ endpoint")
-    w.add_argument("--model", type=Path, required=True, help="diffusers pipeline folder")
-    w.add_argument("--port", type=_port, required=True, help="ZMQ port the driver binds")
-    w.add_argument("--bind", default="127.0.0.1", help="address the driver binds (0.0.0.0: all)")
+def _add_gang_args(w: argparse.ArgumentParser) -> None:
+    """Flags of one replica's gang, shared by ``worker`` and ``serve``."""
     w.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
     w.add_argument("--sp", type=_positive, default=1, help="sequence-parallel degree")
     w.add_argument("--ulysses", type=_positive, default=None, help="Ulysses part of --sp")
     w.add_argument("--ring", type=_positive, default=None, help="ring part of --sp")
     w.add_argument("--cfg", type=_positive, default=1, help="CFG-parallel degree (1 or 2)")
-    w.add_argument("--replica", type=int, default=0, help="replica index reported in replies")
     w.add_argument("--threads-per-rank", type=_positive, default=1, help="torch threads per rank")
     w.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     w.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
@@ -46,6 +46,43 @@ def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--max-sequence-length", type=_positive, default=None, help="text tokens per prompt"
     )
     w.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish work")
+
+
+def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    w = sub.add_parser("worker", help="run one replica: a gang of ranks behind a ZMQ endpoint")
+    w.add_argument("--model", type=Path, required=True, help="diffusers pipeline folder")
+    w.add_argument("--port", type=_port, required=True, help="ZMQ port the driver binds")
+    w.add_argument("--bind", default="127.0.0.1", help="address the driver binds (0.0.0.0: all)")
+    w.add_argument("--replica", type=int, default=0, help="replica index reported in replies")
+    _add_gang_args(w)
+
+
+def _add_router_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: all)")
+    r.add_argument("--port", type=_port, default=8000, help="HTTP port")
+    r.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    r.add_argument("--max-inflight-per-replica", type=_positive, default=2)
+    r.add_argument("--max-waiting", type=_positive, default=256, help="queued requests, then 429")
+    r.add_argument("--output-dir", type=Path, default=None, help="enables response_format=url")
+    r.add_argument("--public-url", default=None, help="base of image URLs (default: own address)")
+    r.add_argument("--served-model-name", default=None, help="model id in /v1/models")
+
+
+def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    r = sub.add_parser("router", help="HTTP front over replicas (OpenAI images API)")
+    r.add_argument(
+        "--worker", action="append", required=True, help="replica driver, tcp://HOST:PORT"
+    )
+    _add_router_args(r)
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("serve", help="embedded default: N local replicas and a router")
+    s.add_argument("--model", type=Path, default=None, help="default: the tiny model (cached)")
+    s.add_argument("--dp-size", type=_positive, default=1, help="number of replicas")
+    s.add_argument("--scheduler-port", type=_port, default=5575, help="replica r binds this + r")
+    _add_gang_args(s)
+    _add_router_args(s)
 
 
 def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,9 +101,61 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_worker(sub)
+    _add_router(sub)
+    _add_serve(sub)
     _add_tiny(sub)
-    sub.add_parser("serve", help="embedded default: N replicas and a router (not yet)")
     return parser
+
+
+def _gang_flags(args: argparse.Namespace) -> list[str]:
+    """The gang flags of ``serve`` as ``worker`` command-line arguments."""
+    flags = ["--tp", args.tp, "--sp", args.sp, "--cfg", args.cfg]
+    flags += ["--threads-per-rank", args.threads_per_rank, "--device", args.device]
+    flags += ["--dtype", args.dtype, "--max-queue", args.max_queue, "--max-side", args.max_side]
+    flags += ["--max-steps", args.max_steps, "--drain-timeout", args.drain_timeout]
+    for name in ("ulysses", "ring", "max_sequence_length"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    return [str(f) for f in flags]
+
+
+def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> RouterSettings:
+    from dpserve.router.app import RouterSettings
+    from dpserve.router.pool import PoolSettings
+
+    pool = PoolSettings(
+        request_timeout_s=args.request_timeout,
+        max_inflight=args.max_inflight_per_replica,
+        max_queue=args.max_waiting,
+    )
+    return RouterSettings(
+        workers=tuple(workers),
+        pool=pool,
+        output_dir=args.output_dir,
+        public_url=args.public_url or f"http://{args.host}:{args.port}",
+        served_model_name=args.served_model_name,
+    )
+
+
+def _router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dpserve.router.app import create_app
+
+    app = create_app(_router_settings(args, args.worker))
+    uvicorn.run(app, host=args.host, port=args.port)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dpserve.layout import ParallelConfig
+    from dpserve.local import ReplicaSetConfig, default_model, serve
+
+    ParallelConfig(tp=args.tp, sp=args.sp, cfg=args.cfg, dp=args.dp_size)  # fail fast
+    model = args.model or default_model()
+    replicas = ReplicaSetConfig(model, args.dp_size, args.scheduler_port, tuple(_gang_flags(args)))
+    settings = _router_settings(args, [])
+    return serve(replicas, args.host, args.port, settings)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -114,8 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(build_tiny_lora(args.dir, args.model, seed=args.seed, rank=args.rank))
             return 0
-        print("dpserve serve: not yet — the router lands with the next issue", file=sys.stderr)
-        return 2
+        if args.command == "router":
+            return _router(args)
+        return _serve(args)
     except LayoutError as exc:
         print(f"dpserve {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ driver down.
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -324,6 +325,19 @@ def parse_generate(
     )
 
 
+def fill_seeds(params: GenerateParams) -> GenerateParams:
+    """Pick a seed per image when the client gave none, and keep them.
+
+    Whoever fixes the seeds first (router or driver) makes every later step
+    reproducible: the gang's ranks draw the same noise and a retry on another
+    replica returns the same bytes.
+    """
+    if params.seed is not None:
+        return params
+    base = random.SystemRandom().randrange(MAX_SEED - params.n)
+    return msgspec.structs.replace(params, seed=[base + i for i in range(params.n)])
+
+
 # ---------------------------------------------------------------- control and ping
 
 
@@ -340,6 +354,7 @@ class ControlResult(msgspec.Struct, kw_only=True):
 
 class PingResult(msgspec.Struct, kw_only=True):
     replica: int
+    boot_id: str  # new on every gang start: a changed id means the replica lost its state
     status: str  # "ok", "draining" or "stalled"
     busy: bool
     queue_depth: int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final, TypeVar
 
 import zmq
 
@@ -14,7 +14,10 @@ LINGER_MS: Final = 1000
 HWM: Final = 10_000
 
 
-def _configure(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+S = TypeVar("S", bound="zmq.Socket[Any]")
+
+
+def _configure(sock: S) -> S:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
@@ -34,13 +37,17 @@ def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socke
     return sock
 
 
-def connect_dealer(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, identity: bytes | None = None
-) -> zmq.Socket[bytes]:
-    """A client of one driver: a DEALER connected to ``endpoint``."""
+def connect_dealer(ctx: zmq.Context[Any], endpoint: str, *, immediate: bool = False) -> Any:
+    """A client of one driver: a DEALER connected to ``endpoint``.
+
+    ``immediate`` queues messages only on a live connection, so a send to a
+    replica that is down fails at once instead of being delivered, stale, to
+    whatever comes up on that address later. The router wants that; a tool
+    waiting for a replica to start does not.
+    """
     sock = _configure(ctx.socket(zmq.DEALER))
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
+    if immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
     sock.connect(endpoint)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from dpserve import protocol as p
@@ -50,6 +49,7 @@ class Ingress:
         self.limits = limits
         self.status = status
         self.stall_s = stall_s
+        self.boot_id = uuid.uuid4().hex
         self.work: queue.Queue[Work] = queue.Queue(maxsize=max_queue)
         self.draining = threading.Event()
         self._stop = threading.Event()
@@ -133,7 +133,7 @@ class Ingress:
         if message.kind == p.GENERATE:
             body: Any = message.body_as(dict)
             command = GangCommand(
-                kind=p.GENERATE, id=message.id, generate=_fix_seeds(self._parse(body))
+                kind=p.GENERATE, id=message.id, generate=p.fill_seeds(self._parse(body))
             )
         elif message.kind == p.CONTROL:
             control = p.parse_control(message.body_as(p.ControlRequest))
@@ -165,6 +165,7 @@ class Ingress:
             status = "stalled"
         return p.PingResult(
             replica=self.replica,
+            boot_id=self.boot_id,
             status=status,
             busy=self.status.busy,
             queue_depth=self.work.qsize(),
@@ -176,11 +177,3 @@ class Ingress:
 
 def _invalid(message: str) -> p.RequestError:
     return p.RequestError(p.INVALID_REQUEST, message)
-
-
-def _fix_seeds(params: p.GenerateParams) -> p.GenerateParams:
-    """Every rank must draw the same noise, so the driver picks missing seeds."""
-    if params.seed is not None:
-        return params
-    base = random.SystemRandom().randrange(p.MAX_SEED - params.n)
-    return msgspec.structs.replace(params, seed=[base + i for i in range(params.n)])

@@ -8,7 +8,6 @@ hung rank shows within one tick interval and idle collectives never time out.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpserve import protocol as p
 from dpserve.layout import describe
+from dpserve.proc import die_with_parent
 from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_command
 from dpserve.worker.commands import encode_command as _encode
 from dpserve.worker.config import WorkerConfig
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from dpserve.worker.ingress import Ingress
 
 log = logging.getLogger("dpserve.worker")
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -38,17 +37,11 @@ class RankArgs:
     store_path: str
 
 
-def _die_with_parent() -> None:
-    # A gang must never outlive its supervisor, even when it is SIGKILLed.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:
-        sys.exit(1)
-
-
 def rank_main(args: RankArgs) -> None:
     """Process entry point (multiprocessing spawn target)."""
-    _die_with_parent()
+    die_with_parent()
+    if os.getppid() == 1:  # the supervisor died before we could ask
+        sys.exit(1)
     cfg = args.config
     logging.basicConfig(
         level=logging.INFO,

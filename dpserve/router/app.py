@@ -1,0 +1,309 @@
+"""The router's HTTP front: FastAPI routes as one-liners over the service layer.
+
+The lifespan owns the replica pool (sockets and background tasks); routes parse,
+call the service, and shape the answer. Every failure leaves as JSON in OpenAI's
+error shape with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dpserve import protocol as p
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.openai_api import error_body, image_response, parse_image_request
+from dpserve.router.policies import FanoutAnswer
+from dpserve.router.pool import PoolSettings, ReplicaPool
+from dpserve.router.service import RouterService
+from dpserve.router.store import OutputStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+REPLICA_HEADER = "X-Dpserve-Replica"
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    workers: tuple[str, ...]
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    max_body_bytes: int = 1 << 20
+    output_dir: Path | None = None
+    public_url: str = "http://127.0.0.1:8000"
+    served_model_name: str | None = None
+    disconnect_poll_s: float = 0.25
+
+
+@dataclass
+class _Running:
+    """What the lifespan opened; routes reach it only while the app runs."""
+
+    pool: ReplicaPool | None = None
+    service: RouterService | None = None
+
+
+class BadBody(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error(status: int, message: str, fields: list[p.FieldError] | None = None) -> JSONResponse:
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(error_body(status, message, fields), status_code=status, headers=headers)
+
+
+def _fanout(answer: FanoutAnswer) -> JSONResponse:
+    return JSONResponse(answer.body, status_code=answer.status)
+
+
+async def _json_body(request: Request, limit: int, required: bool) -> Any:
+    """The parsed JSON body, read no further than ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadBody(413, f"request body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadBody(413, f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        if required:
+            raise BadBody(400, "the request needs a JSON object body")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadBody(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadBody(400, "the request body must be a JSON object")
+    return body
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float) -> T:
+    """Await ``work``, cancelling it when the client goes away (it frees its queue slot)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise BadBody(499, "client closed the request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def create_app(settings: RouterSettings) -> FastAPI:
+    metrics = RouterMetrics()
+    store = OutputStore(settings.output_dir, settings.public_url) if settings.output_dir else None
+    running = _Running()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = ReplicaPool(settings.pool)
+        await pool.set_endpoints(settings.workers)
+        await pool.start()
+        running.pool, running.service = pool, RouterService(pool)
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(title="dpserve router", lifespan=lifespan)
+
+    def pool() -> ReplicaPool:
+        assert running.pool is not None, "used outside the app's lifespan"
+        return running.pool
+
+    def service() -> RouterService:
+        assert running.service is not None, "used outside the app's lifespan"
+        return running.service
+
+    # ------------------------------------------------------------ errors and metrics
+
+    @app.exception_handler(p.RequestError)
+    async def on_request_error(request: Request, exc: p.RequestError) -> JSONResponse:
+        return _error(exc.status, str(exc), exc.fields)
+
+    @app.exception_handler(BadBody)
+    async def on_bad_body(request: Request, exc: BadBody) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see GET /docs"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return _error(exc.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, f"invalid request: {exc.errors()}")
+
+    @app.middleware("http")
+    async def observe(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.observe(path, request.method, response.status_code, time.perf_counter() - started)
+        return response
+
+    # ------------------------------------------------------------ generation
+
+    @app.post("/v1/images/generations")
+    async def generate(request: Request) -> JSONResponse:
+        body = await _json_body(request, settings.max_body_bytes, required=True)
+        params, fmt = parse_image_request(body, _limits(pool()), store is not None)
+        done = await _unless_disconnected(
+            request, service().generate(params), settings.disconnect_poll_s
+        )
+        urls = None
+        if fmt == "url" and store is not None:
+            urls = [store.save(img, params.output_format) for img in done.images]
+        return JSONResponse(
+            image_response(done.result, done.images, urls),
+            headers={REPLICA_HEADER: done.replica},
+        )
+
+    @app.get("/v1/images/{name}")
+    async def stored_image(name: str) -> Response:
+        path = store.path(name) if store is not None else None
+        if path is None:
+            return _error(404, f"no stored image {name!r}")
+        return FileResponse(path)
+
+    # ------------------------------------------------------------ information
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": _model_name(pool(), settings), "object": "model", "owned_by": "dpserve"}
+            ],
+        }
+
+    @app.get("/model_info")
+    async def model_info() -> JSONResponse:
+        infos = [r.info for r in pool().serving() if r.info is not None]
+        if not infos:
+            return _error(503, "no replica is serving yet")
+        return JSONResponse({**infos[0], "replicas_serving": len(infos)})
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        replicas = list(pool().replicas.values())
+        info = next((r.info for r in replicas if r.info is not None), None) or {}
+        return {
+            "replicas": len(replicas),
+            "serving": len(pool().serving()),
+            "model": _model_name(pool(), settings),
+            "layout": info.get("layout"),
+            "threads_per_rank": info.get("threads_per_rank"),
+            "router": {k: v for k, v in asdict(settings).items() if k != "output_dir"},
+            "control_log_length": len(pool().log),
+            "replica_states": [r.snapshot() for r in replicas],
+        }
+
+    # ------------------------------------------------------------ control fan-out
+
+    async def fan_out(op: str, request: Request) -> JSONResponse:
+        body = await _json_body(request, settings.max_body_bytes, required=False)
+        return _fanout(await service().control(op, body))
+
+    def control_route(path: str, op: str, methods: list[str]) -> None:
+        async def handler(request: Request) -> JSONResponse:
+            return await fan_out(op, request)
+
+        app.add_api_route(path, handler, methods=methods, name=op)
+
+    for path, op in (
+        ("/update_weights_from_disk", "update_weights_from_disk"),
+        ("/release_memory_occupation", "release_memory_occupation"),
+        ("/resume_memory_occupation", "resume_memory_occupation"),
+        ("/v1/set_lora", "set_lora"),
+        ("/v1/merge_lora_weights", "merge_lora_weights"),
+        ("/v1/unmerge_lora_weights", "unmerge_lora_weights"),
+    ):
+        control_route(path, op, ["POST"])
+    for path, op in (
+        ("/v1/list_loras", "list_loras"),
+        ("/get_weights_checksum", "get_weights_checksum"),
+    ):
+        control_route(path, op, ["GET", "POST"])
+
+    # ------------------------------------------------------------ health
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        replicas = list(pool().replicas.values())
+        silent = [r.snapshot() for r in replicas if not r.answering]
+        if not replicas or silent:
+            message = "no replicas known" if not replicas else "some replicas do not answer"
+            return JSONResponse({"status": "unhealthy", "message": message, "silent": silent}, 503)
+        return JSONResponse({"status": "ok", "replicas": len(replicas)})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        serving = len(pool().serving())
+        return JSONResponse(
+            {"ready": serving > 0, "serving": serving, "replicas": len(pool().replicas)},
+            200 if serving else 503,
+        )
+
+    @app.get("/health/replicas")
+    async def health_replicas() -> dict[str, Any]:
+        return {
+            "replicas": [r.snapshot() for r in pool().replicas.values()],
+            "queue_depth": pool().queue_depth,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(pool()), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _limits(pool: ReplicaPool) -> p.Limits:
+    """Router-side checks mirror what the replicas enforce, once one has told us."""
+    info = next((r.info for r in pool.serving() if r.info is not None), None)
+    if info is None:
+        return p.Limits()
+    factor = int(info.get("size_factor", 16))
+    return p.Limits(
+        size_factor=factor,
+        min_side=factor,
+        max_side=int(info.get("max_side", 2048)),
+        max_steps=int(info.get("max_steps", 100)),
+    )
+
+
+def _model_name(pool: ReplicaPool, settings: RouterSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    info = next((r.info for r in pool.replicas.values() if r.info is not None), None)
+    return Path(str(info["model_path"])).name if info else "dpserve"

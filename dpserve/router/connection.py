@@ -1,0 +1,108 @@
+"""The router's connection to one replica's driver: an asyncio DEALER and its reader.
+
+Replies are matched to waiters by request id. The reader task owns the socket's
+receive side and hands every failure to the waiters; a ZMQ monitor turns a
+dropped TCP connection (the gang died) into an immediate :class:`ReplicaLost`
+for everything in flight, instead of a wait for the request timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from dpserve import protocol as p
+from dpserve.transport import connect_dealer
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaLost(ConnectionError):
+    """The replica went away (or could not be reached) before it replied."""
+
+
+class ReplicaConnection:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._sock = connect_dealer(ctx, endpoint, immediate=True)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._pending: dict[str, asyncio.Future[p.Message]] = {}
+        self._tasks = [
+            asyncio.create_task(self._read(), name=f"reader {endpoint}"),
+            asyncio.create_task(self._watch(), name=f"monitor {endpoint}"),
+        ]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    async def request(
+        self, kind: str, body: Any, timeout_s: float, blobs: list[bytes] | None = None
+    ) -> p.Message:
+        """Send one request and wait for its reply; an ``error`` reply raises RequestError."""
+        request_id = uuid.uuid4().hex
+        future: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            try:
+                await self._sock.send_multipart(
+                    p.encode(kind, request_id, body, blobs or []), flags=zmq.NOBLOCK
+                )
+            except zmq.Again:
+                raise ReplicaLost(f"{self.endpoint} is not connected") from None
+            # shield: a cancelled caller must not cancel the future other code may await
+            reply = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        finally:
+            self._pending.pop(request_id, None)
+        if reply.kind == p.ERROR:
+            raise p.decode_error(reply)
+        return reply
+
+    def _fail_all(self, exc: Exception) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # mark retrieved: a waiter that left must not log noise
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                try:
+                    message = p.decode(frames)
+                except p.ProtocolError as exc:
+                    log.warning("dropping an unreadable reply from %s: %s", self.endpoint, exc)
+                    continue
+                future = self._pending.get(message.id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # hand the failure to every waiter, then stop
+            log.exception("reader of %s failed", self.endpoint)
+            self._fail_all(ReplicaLost(f"{self.endpoint}: reader failed: {exc}"))
+
+    async def _watch(self) -> None:
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and self._pending:
+                log.warning("%s disconnected with %d in flight", self.endpoint, len(self._pending))
+                self._fail_all(ReplicaLost(f"{self.endpoint} disconnected"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._fail_all(ReplicaLost(f"{self.endpoint} closed"))
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)

@@ -1,0 +1,57 @@
+"""Prometheus metrics of one router, in a registry of its own (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dpserve.router.pool import ReplicaPool
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "dpserve_requests",
+            "HTTP requests by route and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "dpserve_request_duration_seconds",
+            "HTTP request latency by route and status",
+            ["route", "method", "status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.replica_inflight = Gauge(
+            "dpserve_replica_in_flight",
+            "Requests in flight per replica",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.replica_healthy = Gauge(
+            "dpserve_replica_serving",
+            "1 when the replica takes traffic",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "dpserve_queue_depth", "Requests waiting for a replica slot", registry=self.registry
+        )
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        labels = (route, method, str(status))
+        self.requests.labels(*labels).inc()
+        self.latency.labels(*labels).observe(seconds)
+
+    def render(self, pool: ReplicaPool) -> bytes:
+        """Gauges are read from the pool at scrape time, so they are never stale."""
+        self.replica_inflight.clear()
+        self.replica_healthy.clear()
+        for replica in pool.replicas.values():
+            self.replica_inflight.labels(replica.endpoint).set(replica.inflight)
+            self.replica_healthy.labels(replica.endpoint).set(1 if replica.serving else 0)
+        self.queue_depth.set(pool.queue_depth)
+        return generate_latest(self.registry)

@@ -1,0 +1,126 @@
+"""The router's service layer: generation with one retry, control fan-out with a log."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from dpserve import protocol as p
+from dpserve.router.connection import ReplicaLost
+from dpserve.router.policies import FanoutAnswer, ReplicaOutcome, merge_fanout
+from dpserve.router.pool import Replica, ReplicaPool
+
+log = logging.getLogger(__name__)
+
+# Replica-side refusals that say "this replica, not this request": try another one.
+_RETRIABLE = frozenset({p.UNAVAILABLE, p.OVERLOADED})
+
+
+@dataclass(frozen=True)
+class Generated:
+    result: p.GenerateResult
+    images: list[bytes]
+    replica: str
+
+
+class RouterService:
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.pool = pool
+
+    # ------------------------------------------------------------ generation
+
+    async def generate(self, params: p.GenerateParams) -> Generated:
+        """Serve on a replica; if it fails before replying, once more on another.
+
+        The seeds are fixed before the first try, so a retry returns the bytes the
+        first replica would have.
+        """
+        params = p.fill_seeds(params)
+        tried: set[str] = set()
+        last: Exception | None = None
+        for _ in range(2):
+            replica = await self.pool.acquire(tried, self.pool.settings.request_timeout_s)
+            tried.add(replica.endpoint)
+            # The call owns the slot until the replica answers, even if our caller
+            # (a client that went away) stops waiting for it.
+            call = asyncio.create_task(self._call(replica, params))
+            try:
+                return await asyncio.shield(call)
+            except p.RequestError as exc:
+                if exc.code not in _RETRIABLE:
+                    raise
+                last = exc
+            except (ReplicaLost, TimeoutError) as exc:
+                last = exc
+            log.warning("replica %s failed a request (%s); retrying", replica.name, last)
+        raise p.RequestError(p.UNAVAILABLE, f"no replica could serve the request: {last}")
+
+    async def _call(self, replica: Replica, params: p.GenerateParams) -> Generated:
+        try:
+            reply = await replica.conn.request(
+                p.GENERATE, params, self.pool.settings.request_timeout_s
+            )
+            result: p.GenerateResult = reply.body_as(p.GenerateResult)
+            images = [reply.blobs[m.blob] for m in result.images]
+        except (ReplicaLost, TimeoutError) as exc:
+            self.pool.mark_failed(replica, f"request failed: {exc or type(exc).__name__}")
+            raise
+        except p.ProtocolError as exc:
+            raise p.RequestError(
+                p.INTERNAL, f"unreadable reply from {replica.name}: {exc}"
+            ) from exc
+        except IndexError:
+            raise p.RequestError(p.INTERNAL, f"reply from {replica.name} lacks images") from None
+        finally:
+            self.pool.release(replica)
+        replica.served += 1
+        return Generated(result, images, replica.name)
+
+    # ------------------------------------------------------------ control
+
+    async def control(self, op: str, args: dict[str, Any]) -> FanoutAnswer:
+        """Send ``op`` to every replica at once and merge: first error wins.
+
+        State-changing ops that succeed anywhere enter the control log; a replica
+        that failed or was not asked is behind the log, leaves rotation, and is
+        replayed what it missed before it serves again.
+        """
+        p.parse_control(p.ControlRequest(op=op, args=args))
+        mutating = op in p.MUTATING_OPS
+        lock = self.pool.control_lock if mutating else contextlib.nullcontext()
+        async with lock:
+            replicas = list(self.pool.replicas.values())
+            outcomes = await asyncio.gather(*(self._one(r, op, args, mutating) for r in replicas))
+            if mutating and any(o.result is not None for o in outcomes):
+                position = self.pool.log.append(op, args)
+                for replica, outcome in zip(replicas, outcomes, strict=True):
+                    if outcome.result is not None and replica.applied == position - 1:
+                        replica.applied = position
+                    else:
+                        replica.serving = False
+        return merge_fanout(op, outcomes, read_only=not mutating)
+
+    async def _one(
+        self, replica: Replica, op: str, args: dict[str, Any], mutating: bool
+    ) -> ReplicaOutcome:
+        if not replica.answering:
+            return ReplicaOutcome(replica.name, skipped=f"down: {replica.last_error}")
+        if mutating and replica.applied < len(self.pool.log):
+            # Applying this before what it missed would reorder its history.
+            return ReplicaOutcome(replica.name, skipped="catching up; replayed later")
+        request = p.ControlRequest(op=op, args=args)
+        try:
+            reply = await replica.conn.request(
+                p.CONTROL, request, self.pool.settings.control_timeout_s
+            )
+        except p.RequestError as exc:
+            return ReplicaOutcome(replica.name, error=exc.body())
+        except (ReplicaLost, TimeoutError) as exc:
+            self.pool.mark_failed(replica, f"control op failed: {exc}")
+            error = p.ErrorBody(code=p.UNAVAILABLE, message=str(exc) or "timed out")
+            return ReplicaOutcome(replica.name, error=error)
+        body: p.ControlResult = reply.body_as(p.ControlResult)
+        return ReplicaOutcome(replica.name, result=body.result)
