@@ -169,6 +169,12 @@ class Limits:
     max_scale: float = 100.0
 
 
+def invalid_fields(errors: Sequence[FieldError]) -> RequestError:
+    """One error naming every bad field and what is wrong with it."""
+    detail = "; ".join(f"{e.field} {e.message}" for e in errors)
+    return RequestError(INVALID_REQUEST, f"invalid request: {detail}", errors)
+
+
 _SIZE_RE: Final = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
@@ -308,8 +314,7 @@ def parse_generate(
     if fmt not in OUTPUT_FORMATS:
         check.bad("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {fmt!r}")
     if check.errors:
-        names = ", ".join(e.field for e in check.errors)
-        raise RequestError(INVALID_REQUEST, f"invalid request fields: {names}", check.errors)
+        raise invalid_fields(check.errors)
     assert prompt is not None  # a missing prompt was recorded as an error above
     return GenerateParams(
         prompt=prompt,

@@ -188,7 +188,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             headers={REPLICA_HEADER: done.replica},
         )
 
-    @app.get("/v1/images/{name}")
+    @app.get("/v1/images/files/{name}")
     async def stored_image(name: str) -> Response:
         path = store.path(name) if store is not None else None
         if path is None:

@@ -34,8 +34,7 @@ def parse_image_request(body: Any, limits: p.Limits, can_url: bool) -> tuple[p.G
             raise
         problems = [*exc.fields, *problems]
     if problems or params is None:
-        names = ", ".join(f.field for f in problems)
-        raise p.RequestError(p.INVALID_REQUEST, f"invalid request fields: {names}", problems)
+        raise p.invalid_fields(problems)
     return params, str(fmt)
 
 

@@ -13,7 +13,7 @@ _NAME: Final = re.compile(r"^[0-9a-f]{32}\.(png|jpeg|webp)$")
 
 @dataclass(frozen=True)
 class OutputStore:
-    """A folder served back by the router under ``/v1/images/<name>``."""
+    """A folder served back by the router under ``/v1/images/files/<name>``."""
 
     root: Path
     base_url: str  # e.g. http://router:8000, as clients reach the router
@@ -22,7 +22,7 @@ class OutputStore:
         name = f"{uuid.uuid4().hex}.{fmt}"
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / name).write_bytes(data)
-        return f"{self.base_url.rstrip('/')}/v1/images/{name}"
+        return f"{self.base_url.rstrip('/')}/v1/images/files/{name}"
 
     def path(self, name: str) -> Path | None:
         """The file for a name this store made; anything else (``..``, odd names) is None."""

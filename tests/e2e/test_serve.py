@@ -1,0 +1,187 @@
+"""The seed's acceptance: `dpserve serve --dp-size N` serves N requests at once."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.servers import ServeProcess
+
+pytestmark = pytest.mark.e2e
+
+REQUEST = {"prompt": "a paper boat", "size": "64x64", "num_inference_steps": 3, "seed": 42}
+
+
+@pytest.fixture(scope="module")
+def dp2(tiny_model: Path) -> Iterator[ServeProcess]:
+    with ServeProcess(tiny_model, 2) as serve:
+        yield serve
+
+
+def _image(response: httpx.Response) -> bytes:
+    assert response.status_code == 200, response.text
+    return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+
+def test_each_replica_binds_its_own_driver_port(dp2: ServeProcess) -> None:
+    for r in range(2):
+        supervisor = dp2.replica_supervisor(r)
+        listening = {
+            c.laddr.port
+            for child in supervisor.children()
+            for c in child.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN
+        }
+        assert dp2.scheduler_port + r in listening
+
+
+def test_same_seed_same_bytes_on_both_replicas_and_dp1(dp2: ServeProcess, tiny_model: Path) -> None:
+    first = dp2.http.post("/v1/images/generations", json=REQUEST)
+    second = dp2.http.post("/v1/images/generations", json=REQUEST)
+    replicas = {first.headers["X-Dpserve-Replica"], second.headers["X-Dpserve-Replica"]}
+    assert replicas == {"0", "1"}  # round-robin: every replica serves, replica 1 included
+    assert _image(first) == _image(second)
+    assert first.json()["data"][0]["seed"] == 42
+    with ServeProcess(tiny_model, 1) as dp1:
+        assert _image(dp1.http.post("/v1/images/generations", json=REQUEST)) == _image(first)
+
+
+def test_concurrent_pair_runs_on_both_replicas(dp2: ServeProcess) -> None:
+    slow = {**REQUEST, "size": "256x256", "num_inference_steps": 12}
+    with ThreadPoolExecutor(2) as pool:
+        responses = list(
+            pool.map(lambda _: dp2.http.post("/v1/images/generations", json=slow), range(2))
+        )
+    assert {r.headers["X-Dpserve-Replica"] for r in responses} == {"0", "1"}
+    assert all(r.status_code == 200 for r in responses)
+
+
+def test_openai_client_works_unchanged(dp2: ServeProcess) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{dp2.url}/v1", api_key="unused")
+    out = client.images.generate(
+        model="tiny",
+        prompt="a kite",
+        n=2,
+        size="64x64",  # type: ignore[arg-type]
+        response_format="b64_json",
+        extra_body={"seed": 5, "num_inference_steps": 2},
+    )
+    assert len(out.data) == 2
+    pngs = [base64.b64decode(d.b64_json or "") for d in out.data]
+    assert all(p.startswith(b"\x89PNG") for p in pngs) and pngs[0] != pngs[1]
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_control_fan_out_reaches_every_replica(dp2: ServeProcess, tiny_lora: Path) -> None:
+    base = _image(dp2.http.post("/v1/images/generations", json=REQUEST))
+    bad = dp2.http.post("/v1/set_lora", json={"lora_nickname": "s", "lora_path": "/missing"})
+    assert bad.status_code == 400
+    assert [r["ok"] for r in bad.json()["replicas"]] == [False, False]
+    ok = dp2.http.post("/v1/set_lora", json={"lora_nickname": "s", "lora_path": str(tiny_lora)})
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["replicas"]) == 2
+    listed = dp2.http.get("/v1/list_loras").json()
+    assert listed["consistent"] is True
+    assert listed["result"]["loaded"] == [{"nickname": "s", "path": str(tiny_lora)}]
+    sums = dp2.http.get("/get_weights_checksum").json()
+    assert sums["consistent"] is True and len(sums["replicas"]) == 2
+    with_lora = [_image(dp2.http.post("/v1/images/generations", json=REQUEST)) for _ in range(2)]
+    assert with_lora[0] == with_lora[1] != base
+    off = dp2.http.post("/v1/set_lora", json={"lora_nickname": "s", "strength": 0.0})
+    assert off.status_code == 200
+    assert _image(dp2.http.post("/v1/images/generations", json=REQUEST)) == base
+
+
+def test_bad_input_gets_4xx_and_the_router_stays_up(dp2: ServeProcess) -> None:
+    post = dp2.http.post
+    cases = [
+        post(
+            "/v1/images/generations",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        ),
+        post("/v1/images/generations", json=["a list"]),
+        post("/v1/images/generations", json={"prompt": 5}),
+        post("/v1/images/generations", json={"prompt": "x", "size": "65x64"}),
+        post("/v1/images/generations", json={"prompt": "x", "num_inference_steps": 10_000}),
+        post("/v1/images/generations", json={"prompt": "x", "n": 0}),
+        post("/v1/images/generations", json={"prompt": "x", "response_format": "url"}),
+        post("/v1/images/generations", content=b"x" * (2 << 20)),
+        post("/v1/no_such_route", json={}),
+        dp2.http.get("/v1/images/generations"),
+        post("/v1/set_lora", content=b"[1,2]"),
+    ]
+    statuses = [r.status_code for r in cases]
+    assert statuses == [400, 400, 400, 400, 400, 400, 400, 413, 404, 405, 400]
+    for response in cases:
+        assert response.json()["error"]["message"]
+    assert cases[3].json()["error"]["param"] == "size"
+    assert "output store" in cases[6].json()["error"]["message"]
+    assert dp2.http.get("/ready").status_code == 200
+
+
+def test_metrics_and_info(dp2: ServeProcess) -> None:
+    dp2.http.post("/v1/images/generations", json=REQUEST)
+    text = dp2.http.get("/metrics").text
+    assert (
+        'dpserve_requests_total{method="POST",route="/v1/images/generations",status="200"}' in text
+    )
+    assert "dpserve_replica_serving" in text and "dpserve_queue_depth" in text
+    info = dp2.http.get("/server_info").json()
+    assert info["replicas"] == 2 and info["serving"] == 2
+    assert dp2.http.get("/model_info").json()["pipeline_class"] == "FluxPipeline"
+
+
+def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora: Path) -> None:
+    dp2.http.post("/v1/set_lora", json={"lora_nickname": "k", "lora_path": str(tiny_lora)})
+    failures: list[str] = []
+    served: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=dp2.url, timeout=120) as client:
+            while not stop.is_set():
+                r = client.post("/v1/images/generations", json={**REQUEST, "size": "128x128"})
+                (served if r.status_code == 200 else failures).append(
+                    r.headers.get("X-Dpserve-Replica", r.text)
+                )
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    victim = dp2.replica_supervisor(1)
+    for proc in [victim, *victim.children(recursive=True)]:
+        proc.kill()
+    saw_unhealthy = False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not saw_unhealthy:
+        saw_unhealthy = dp2.http.get("/health").status_code == 503
+        assert dp2.http.get("/ready").status_code == 200
+        time.sleep(0.1)
+    assert saw_unhealthy
+    dp2.wait_healthy(120)  # restarted by serve, replayed the control log
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert failures == []
+    assert served.count("1") >= 1 and served.count("0") >= 1
+    listed = dp2.http.get("/v1/list_loras").json()
+    assert listed["consistent"] is True
+    assert "k" in [x["nickname"] for x in listed["result"]["loaded"]]
+    pngs = {
+        r.headers["X-Dpserve-Replica"]: _image(r)
+        for r in (dp2.http.post("/v1/images/generations", json=REQUEST) for _ in range(2))
+    }
+    assert set(pngs) == {"0", "1"} and pngs["0"] == pngs["1"]

@@ -1,0 +1,86 @@
+"""`dpserve serve` as a child process of a test, with an HTTP client on it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+import psutil
+
+from tests.workers import free_port
+
+
+class ServeProcess:
+    def __init__(self, model: Path, dp_size: int, *args: str, timeout_s: float = 180.0) -> None:
+        self.port = free_port()
+        self.scheduler_port = free_port() + 0  # replicas bind scheduler_port + r
+        while any(_taken(self.scheduler_port + r) for r in range(dp_size)):
+            self.scheduler_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dpserve", "serve", "--model", str(model)]
+        cmd += ["--dp-size", str(dp_size), "--port", str(self.port)]
+        cmd += ["--scheduler-port", str(self.scheduler_port), *args]
+        self.proc = subprocess.Popen(cmd)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+        try:
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.url} not healthy in {timeout_s:.0f}s")
+
+    def replica_supervisor(self, replica: int) -> psutil.Process:
+        for child in psutil.Process(self.proc.pid).children():
+            cmd = child.cmdline()
+            if "worker" in cmd and cmd[cmd.index("--replica") + 1] == str(replica):
+                return child
+        raise LookupError(f"no worker process for replica {replica}")
+
+    def close(self) -> int:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _taken(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
