@@ -84,3 +84,43 @@ def _taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+class RouterProcess:
+    """`dpserve router` over given replica endpoints, ready once /ready answers 200."""
+
+    def __init__(self, workers: list[str], *args: str, timeout_s: float = 60.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dpserve", "router", "--port", str(self.port), *args]
+        for worker in workers:
+            cmd += ["--worker", worker]
+        self.proc = subprocess.Popen(cmd)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.http.get("/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError("router did not become ready")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> RouterProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve import protocol as p
-from dpserve.router.metrics import RouterMetrics
+from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import error_body, image_response, parse_image_request
 from dpserve.router.policies import FanoutAnswer
 from dpserve.router.pool import PoolSettings, ReplicaPool
@@ -160,16 +159,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(422, f"invalid request: {exc.errors()}")
 
-    @app.middleware("http")
-    async def observe(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.observe(path, request.method, response.status_code, time.perf_counter() - started)
-        return response
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     # ------------------------------------------------------------ generation
 

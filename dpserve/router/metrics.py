@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dpserve.router.pool import ReplicaPool
@@ -55,3 +58,30 @@ class RouterMetrics:
             self.replica_healthy.labels(replica.endpoint).set(1 if replica.serving else 0)
         self.queue_depth.set(pool.queue_depth)
         return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from routes)."""
+
+    def __init__(self, app: Any, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+
+        async def send_and_record(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            # The router stores the matched route in the (shared) scope.
+            path = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.observe(path, scope["method"], status, time.perf_counter() - started)
