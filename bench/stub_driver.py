@@ -1,0 +1,63 @@
+"""A driver that answers instantly: the router's own cost, without a model behind it.
+
+It speaks the real wire protocol on a real ROUTER socket (ping, model_info,
+generate with one fixed PNG), so every byte the router handles is real; only the
+diffusion is missing. Benchmark double: never used by the product or its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import uuid
+
+import zmq
+import zmq.asyncio
+from PIL import Image
+
+from dpserve import protocol as p
+from dpserve.transport import bind_router
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 120, 40)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+async def serve(port: int, replica: int) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = bind_router(ctx, f"tcp://127.0.0.1:{port}")
+    png, boot, served = _png(), uuid.uuid4().hex, 0
+    info = {"model_path": "/stub", "size_factor": 16, "max_side": 2048, "max_steps": 100}
+    while True:
+        identity, *frames = await sock.recv_multipart()
+        message = p.decode(frames)
+        if message.kind == p.PING:
+            body: object = p.PingResult(
+                replica=replica, boot_id=boot, status="ok", busy=False, queue_depth=0,
+                served=served, released=False, progress_age_s=0.0,
+            )  # fmt: skip
+            reply = p.encode(p.RESULT, message.id, body)
+        elif message.kind == p.CONTROL:
+            reply = p.encode(
+                p.RESULT, message.id, p.ControlResult(op="model_info", replica=replica, result=info)
+            )
+        else:
+            served += 1
+            meta = p.ImageMeta(index=0, blob=0, seed=1, format="png", width=64, height=64)
+            result = p.GenerateResult(
+                images=[meta], replica=replica, inference_time_s=0.0, queue_time_s=0.0,
+                peak_memory_mb=0.0,
+            )  # fmt: skip
+            reply = p.encode(p.RESULT, message.id, result, [png])
+        await sock.send_multipart([identity, *reply])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--replica", type=int, default=0)
+    args = parser.parse_args()
+    asyncio.run(serve(args.port, args.replica))
