@@ -22,6 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve import protocol as p
+from dpserve.layout import ParallelConfig, describe
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import error_body, image_response, parse_image_request
 from dpserve.router.policies import FanoutAnswer
@@ -211,7 +212,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             "replicas": len(replicas),
             "serving": len(pool().serving()),
             "model": _model_name(pool(), settings),
-            "layout": info.get("layout"),
+            "layout": _layout(info, len(replicas)),
             "threads_per_rank": info.get("threads_per_rank"),
             "router": {k: v for k, v in asdict(settings).items() if k != "output_dir"},
             "control_log_length": len(pool().log),
@@ -290,6 +291,12 @@ def _limits(pool: ReplicaPool) -> p.Limits:
         max_side=int(info.get("max_side", 2048)),
         max_steps=int(info.get("max_steps", 100)),
     )
+
+
+def _layout(info: dict[str, Any], replicas: int) -> str | None:
+    """The deployment's layout: each replica's gang, with dp = the number of replicas."""
+    gang = info.get("parallel")
+    return describe(ParallelConfig(**gang, dp=max(replicas, 1))) if gang else None
 
 
 def _model_name(pool: ReplicaPool, settings: RouterSettings) -> str:

@@ -139,6 +139,7 @@ def test_metrics_and_info(dp2: ServeProcess) -> None:
     assert "dpserve_replica_serving" in text and "dpserve_queue_depth" in text
     info = dp2.http.get("/server_info").json()
     assert info["replicas"] == 2 and info["serving"] == 2
+    assert info["layout"] == "tp1-sp1(u1r1)-pp1-cfg1-dp2" and info["threads_per_rank"] == 1
     assert dp2.http.get("/model_info").json()["pipeline_class"] == "FluxPipeline"
 
 
