@@ -1,0 +1,201 @@
+"""The DiffusionService resource: the one source of truth for its CRD and the operator.
+
+The CRD's OpenAPI schema is generated from these models (``dpserve.operator.crd``),
+and the operator parses objects with them, so the two cannot drift. CEL rules
+sit beside the fields they guard; they run in the apiserver.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GROUP = "dpserve.dev"
+VERSION = "v1alpha1"
+KIND = "DiffusionService"
+PLURAL = "diffusionservices"
+SINGULAR = "diffusionservice"
+SHORT_NAMES = ["dsvc"]
+
+ROLE_MESSAGE = (
+    "data-parallel replicas need role monolithic; scale disaggregated roles by adding role "
+    "instances"
+)
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+def _validations(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+class _Model(BaseModel):
+    # Unknown fields are an error in the operator too: the CRD prunes them, so
+    # seeing one means the schema and the code disagree.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+class PVCSource(_Model):
+    claimName: str = Field(min_length=1, description="PersistentVolumeClaim holding the model")
+    readOnly: bool = True
+
+
+class HostPathSource(_Model):
+    path: str = Field(min_length=1, description="folder on the node holding the model")
+
+
+class ModelVolume(_Model):
+    persistentVolumeClaim: PVCSource | None = None
+    hostPath: HostPathSource | None = None
+
+
+class ModelSource(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "!has(self.volume) || (has(self.volume.persistentVolumeClaim) != "
+                "has(self.volume.hostPath))",
+                "model.volume needs exactly one of persistentVolumeClaim or hostPath",
+            )
+        )
+    )
+
+    path: str = Field(
+        min_length=1,
+        description="diffusers pipeline folder inside the pod (under mountPath when a volume "
+        "is given; baked into the image otherwise)",
+    )
+    volume: ModelVolume | None = Field(None, description="where the model comes from")
+    mountPath: str = Field("/models", description="where the volume is mounted")
+
+
+class Parallelism(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "(!has(self.ulysses) && !has(self.ring)) || "
+                "(has(self.ulysses) ? self.ulysses : 1) * (has(self.ring) ? self.ring : 1) "
+                "== self.sp",
+                "parallelism.ulysses * parallelism.ring must equal parallelism.sp",
+            )
+        )
+    )
+
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel degree")
+    sp: int = Field(1, ge=1, le=64, description="sequence-parallel degree (ulysses * ring)")
+    ulysses: int | None = Field(None, ge=1, le=64, description="Ulysses part of sp")
+    ring: int | None = Field(None, ge=1, le=64, description="ring-attention part of sp")
+    cfg: int = Field(1, ge=1, le=2, description="CFG-parallel degree: 1 or 2")
+
+    @property
+    def gang_size(self) -> int:
+        return self.tp * self.sp * self.cfg
+
+
+class ServiceSpec(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(80, ge=1, le=65535)
+
+
+class RouterSpec(_Model):
+    replicas: int = Field(1, ge=0, le=100)
+    service: ServiceSpec = Field(default_factory=ServiceSpec, json_schema_extra={"default": {}})
+    image: str | None = Field(None, description="router image; the chart's default if omitted")
+    requestTimeoutSeconds: int = Field(300, ge=1, le=86400)
+    maxInflightPerReplica: int = Field(2, ge=1, le=1024)
+    maxWaiting: int = Field(256, ge=1, le=100000)
+    resources: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
+
+
+class UpdateStrategy(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "self.maxUnavailable > 0 || self.maxSurge > 0",
+                "updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress",
+            )
+        )
+    )
+
+    maxUnavailable: int = Field(1, ge=0, description="replicas that may be down during a roll")
+    maxSurge: int = Field(0, ge=0, description="extra replicas (and their GPUs) during a roll")
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1)
+    value: str | None = None
+    valueFrom: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
+
+
+class DiffusionServiceSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel("self.role == 'monolithic' || self.replicas <= 1", ROLE_MESSAGE)
+        )
+    )
+
+    model: ModelSource
+    replicas: int = Field(1, ge=0, le=1000, description="data-parallel replicas (pods)")
+    parallelism: Parallelism = Field(
+        default_factory=Parallelism, json_schema_extra={"default": {}}
+    )
+    role: Literal["monolithic", "encoder", "denoiser", "decoder"] = "monolithic"
+    image: str | None = Field(None, description="worker image; the chart's default if omitted")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cpu requests no GPUs")
+    gpuResource: str = Field("nvidia.com/gpu", min_length=1)
+    resources: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
+    nodeSelector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = Field(
+        None, json_schema_extra={"type": "array", "items": _OBJECT}
+    )
+    affinity: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
+    env: list[EnvVar] | None = None
+    schedulerPort: int = Field(5575, ge=1024, le=65535)
+    threadsPerRank: int = Field(1, ge=1, le=256)
+    maxSequenceLength: int | None = Field(None, ge=1, le=4096, description="text tokens")
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
+    updateStrategy: UpdateStrategy = Field(
+        default_factory=UpdateStrategy, json_schema_extra={"default": {}}
+    )
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str
+    observedGeneration: int | None = None
+    lastTransitionTime: str
+
+
+class ReplicaStatus(_Model):
+    index: int
+    pod: str
+    phase: str
+    ready: bool
+    updated: bool
+    node: str | None = None
+    reason: str | None = None
+    message: str | None = None
+
+
+class DiffusionServiceStatus(_Model):
+    replicas: int = 0
+    readyReplicas: int = 0
+    updatedReplicas: int = 0
+    ready: str = Field("0/0", description="ready/desired, for kubectl get")
+    parallel: str = Field("", description="gang layout, for kubectl get")
+    selector: str = ""
+    observedGeneration: int | None = None
+    endpoint: str | None = None
+    replicaStatuses: list[ReplicaStatus] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
