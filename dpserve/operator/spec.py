@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
 
 GROUP = "dpserve.dev"
 VERSION = "v1alpha1"
@@ -24,14 +25,14 @@ ROLE_MESSAGE = (
 )
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    out = {"rule": rule, "message": message}
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
+    out: JsonDict = {"rule": rule, "message": message}
     if field_path:
         out["fieldPath"] = field_path
     return out
 
 
-def _validations(*rules: dict[str, str]) -> dict[str, Any]:
+def _validations(*rules: JsonDict) -> JsonDict:
     return {"x-kubernetes-validations": list(rules)}
 
 
@@ -41,7 +42,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+_OBJECT: JsonDict = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
 class PVCSource(_Model):
@@ -145,9 +146,7 @@ class DiffusionServiceSpec(_Model):
 
     model: ModelSource
     replicas: int = Field(1, ge=0, le=1000, description="data-parallel replicas (pods)")
-    parallelism: Parallelism = Field(
-        default_factory=Parallelism, json_schema_extra={"default": {}}
-    )
+    parallelism: Parallelism = Field(default_factory=Parallelism, json_schema_extra={"default": {}})
     role: Literal["monolithic", "encoder", "denoiser", "decoder"] = "monolithic"
     image: str | None = Field(None, description="worker image; the chart's default if omitted")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cpu requests no GPUs")
@@ -155,7 +154,7 @@ class DiffusionServiceSpec(_Model):
     resources: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
     nodeSelector: dict[str, str] | None = None
     tolerations: list[dict[str, Any]] | None = Field(
-        None, json_schema_extra={"type": "array", "items": _OBJECT}
+        None, json_schema_extra={"type": "array", "items": dict(_OBJECT)}
     )
     affinity: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
     env: list[EnvVar] | None = None

@@ -1,0 +1,378 @@
+"""Pure manifest builders: a DiffusionService in, Kubernetes objects (dicts) out.
+
+Nothing here talks to the API; each builder is a function of its inputs, so each
+is tested against an expected manifest. Child names are deterministic and every
+child carries an owner reference to the CR, so deleting the CR deletes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from dpserve.operator import spec as s
+
+ROUTER_PORT: Final = 8000
+SPEC_HASH: Final = "dpserve.dev/spec-hash"
+REPLICA_LABEL: Final = "dpserve.dev/replica"
+# Seconds a worker gets, beyond the longest request, to drain after SIGTERM.
+DRAIN_MARGIN_S: Final = 30
+
+
+@dataclass(frozen=True)
+class Images:
+    """Defaults for pods whose spec names no image (set by the chart on the operator)."""
+
+    worker: str
+    router: str
+    pull_policy: str = "IfNotPresent"
+
+
+@dataclass(frozen=True)
+class Svc:
+    """The parts of a DiffusionService object the builders need."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: s.DiffusionServiceSpec
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> Svc:
+        meta = obj["metadata"]
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta["uid"],
+            generation=int(meta.get("generation", 1)),
+            spec=s.DiffusionServiceSpec.model_validate(obj.get("spec") or {}),
+        )
+
+
+# ------------------------------------------------------------ names and labels
+
+
+def replica_pod_name(svc: Svc, index: int) -> str:
+    return f"{svc.name}-replica-{index}"
+
+
+def headless_name(svc: Svc) -> str:
+    return f"{svc.name}-replicas"
+
+
+def router_name(svc: Svc) -> str:
+    return f"{svc.name}-router"
+
+
+def control_log_name(svc: Svc) -> str:
+    return f"{svc.name}-control-log"
+
+
+def labels(svc: Svc, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "dpserve",
+        "app.kubernetes.io/instance": svc.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "dpserve-operator",
+    }
+
+
+def selector(svc: Svc, component: str) -> dict[str, str]:
+    """The stable subset of labels that selects a component (never changes)."""
+    full = labels(svc, component)
+    return {k: full[k] for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")} | {
+        "app.kubernetes.io/component": component
+    }
+
+
+def selector_string(svc: Svc) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(svc, "replica").items())
+
+
+def owner_reference(svc: Svc) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{s.GROUP}/{s.VERSION}",
+        "kind": s.KIND,
+        "name": svc.name,
+        "uid": svc.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(svc: Svc, name: str, component: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": svc.namespace,
+        "labels": labels(svc, component),
+        "ownerReferences": [owner_reference(svc)],
+        **extra,
+    }
+
+
+# ------------------------------------------------------------ replicas
+
+
+def spec_hash(spec: s.DiffusionServiceSpec) -> str:
+    """Hash of everything that shapes a replica pod; a change means a rolling replace.
+
+    Replica count, router and update strategy are left out: changing them must
+    not restart the model servers.
+    """
+    relevant = spec.model_dump(mode="json", exclude={"replicas", "router", "updateStrategy"})
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def worker_args(svc: Svc, index: int) -> list[str]:
+    spec, par = svc.spec, svc.spec.parallelism
+    args = ["worker", "--model", spec.model.path, "--port", str(spec.schedulerPort)]
+    args += ["--bind", "0.0.0.0", "--replica", str(index)]
+    args += ["--tp", str(par.tp), "--sp", str(par.sp), "--cfg", str(par.cfg)]
+    if par.ulysses is not None:
+        args += ["--ulysses", str(par.ulysses)]
+    if par.ring is not None:
+        args += ["--ring", str(par.ring)]
+    args += ["--threads-per-rank", str(spec.threadsPerRank), "--device", spec.device]
+    if spec.maxSequenceLength is not None:
+        args += ["--max-sequence-length", str(spec.maxSequenceLength)]
+    args += ["--drain-timeout", str(spec.router.requestTimeoutSeconds)]
+    return args
+
+
+def _resources(spec: s.DiffusionServiceSpec) -> dict[str, Any]:
+    resources = json.loads(json.dumps(spec.resources or {}))  # deep copy, JSON types only
+    if spec.device == "cuda":
+        gpus = spec.parallelism.gang_size
+        for kind in ("limits", "requests"):
+            resources.setdefault(kind, {})[spec.gpuResource] = gpus
+    return resources
+
+
+def _probe(port: int, *extra: str) -> dict[str, Any]:
+    # A real ping through the driver with a deadline, not a TCP check: a hung gang
+    # keeps its port open (DESIGN.md, known traps).
+    command = ["dpserve", "probe", "--port", str(port), "--timeout", "3", *extra]
+    return {"exec": {"command": command}, "timeoutSeconds": 5}
+
+
+def _volumes(spec: s.DiffusionServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # NCCL and torch multiprocessing outgrow a container's default 64 MiB /dev/shm.
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    volume = spec.model.volume
+    if volume is not None and volume.persistentVolumeClaim is not None:
+        pvc = volume.persistentVolumeClaim
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": pvc.claimName, "readOnly": pvc.readOnly},
+            }
+        )
+        mounts.append({"name": "model", "mountPath": spec.model.mountPath, "readOnly": True})
+    elif volume is not None and volume.hostPath is not None:
+        volumes.append(
+            {"name": "model", "hostPath": {"path": volume.hostPath.path, "type": "Directory"}}
+        )
+        mounts.append({"name": "model", "mountPath": spec.model.mountPath, "readOnly": True})
+    return volumes, mounts
+
+
+def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
+    spec = svc.spec
+    volumes, mounts = _volumes(spec)
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *(e.model_dump(exclude_none=True) for e in spec.env or []),
+    ]
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.image or images.worker,
+        "imagePullPolicy": images.pull_policy,
+        "command": ["dpserve"],
+        "args": worker_args(svc, index),
+        "env": env,
+        "ports": [{"name": "zmq", "containerPort": spec.schedulerPort, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Start-up loads the model and warms up; the driver binds only after that.
+        "startupProbe": {**_probe(spec.schedulerPort), "periodSeconds": 5, "failureThreshold": 360},
+        "readinessProbe": {**_probe(spec.schedulerPort), "periodSeconds": 5},
+        "livenessProbe": {
+            **_probe(spec.schedulerPort, "--live"),
+            "periodSeconds": 15,
+            "failureThreshold": 4,
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "restartPolicy": "Always",
+        "hostname": replica_pod_name(svc, index),
+        "subdomain": headless_name(svc),
+        "terminationGracePeriodSeconds": spec.router.requestTimeoutSeconds + DRAIN_MARGIN_S,
+        "securityContext": {"runAsNonRoot": True},
+        "enableServiceLinks": False,
+    }
+    for key, value in (
+        ("nodeSelector", spec.nodeSelector),
+        ("tolerations", spec.tolerations),
+        ("affinity", spec.affinity),
+    ):
+        if value:
+            pod_spec[key] = value
+    meta = _meta(
+        svc,
+        replica_pod_name(svc, index),
+        "replica",
+        annotations={SPEC_HASH: spec_hash(spec)},
+    )
+    meta["labels"][REPLICA_LABEL] = str(index)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def build_headless_service(svc: Svc) -> dict[str, Any]:
+    """Only Ready replicas appear in its EndpointSlices: that is what the router follows."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(svc, headless_name(svc), "replica"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(svc, "replica"),
+            "ports": [
+                {"name": "zmq", "port": svc.spec.schedulerPort, "targetPort": "zmq"},
+            ],
+            "publishNotReadyAddresses": False,
+        },
+    }
+
+
+def build_control_log(svc: Svc) -> dict[str, Any]:
+    """Where the routers keep the control log, so every router and a restart see it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(svc, control_log_name(svc), "router"),
+        "data": {"log": "[]"},
+    }
+
+
+# ------------------------------------------------------------ router
+
+
+def router_args(svc: Svc) -> list[str]:
+    r = svc.spec.router
+    return [
+        "router",
+        "--discovery", "kubernetes",
+        "--namespace", svc.namespace,
+        "--service", headless_name(svc),
+        "--control-log-configmap", control_log_name(svc),
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_PORT),
+        "--request-timeout", str(r.requestTimeoutSeconds),
+        "--max-inflight-per-replica", str(r.maxInflightPerReplica),
+        "--max-waiting", str(r.maxWaiting),
+        "--served-model-name", svc.name,
+    ]  # fmt: skip
+
+
+def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
+    r = svc.spec.router
+    container = {
+        "name": "router",
+        "image": r.image or images.router,
+        "imagePullPolicy": images.pull_policy,
+        "command": ["dpserve"],
+        "args": router_args(svc),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 10},
+        "resources": r.resources or {"requests": {"cpu": "100m", "memory": "128Mi"}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    template = {
+        "metadata": {"labels": labels(svc, "router")},
+        "spec": {
+            "serviceAccountName": router_name(svc),
+            "containers": [container],
+            "securityContext": {"runAsNonRoot": True},
+            "enableServiceLinks": False,
+        },
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(svc, router_name(svc), "router"),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector(svc, "router")},
+            "template": template,
+        },
+    }
+
+
+def build_router_service(svc: Svc) -> dict[str, Any]:
+    svc_spec = svc.spec.router.service
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(svc, svc.name, "router"),
+        "spec": {
+            "type": svc_spec.type,
+            "selector": selector(svc, "router"),
+            "ports": [{"name": "http", "port": svc_spec.port, "targetPort": "http"}],
+        },
+    }
+
+
+# The router reads its replicas' EndpointSlices and keeps the control log.
+ROUTER_RULES: Final = (
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["list", "watch"],
+    },
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "update"]},
+)
+
+
+def build_router_rbac(svc: Svc) -> list[dict[str, Any]]:
+    name = router_name(svc)
+    rules = [dict(rule) for rule in ROUTER_RULES]
+    rules[1] = {**rules[1], "resourceNames": [control_log_name(svc)]}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(svc, name, "router")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(svc, name, "router"),
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(svc, name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": svc.namespace}],
+        },
+    ]
+
+
+def build_children(svc: Svc, images: Images) -> list[dict[str, Any]]:
+    """Every child except the replica pods (those are planned one by one)."""
+    return [
+        build_headless_service(svc),
+        build_control_log(svc),
+        *build_router_rbac(svc),
+        build_router_deployment(svc, images),
+        build_router_service(svc),
+    ]

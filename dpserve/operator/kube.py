@@ -1,0 +1,170 @@
+"""The operator's only door to the Kubernetes API.
+
+Every method declares the (API group, resource, verb) it needs with ``@uses``;
+the chart's ClusterRole is checked against the union of those declarations plus
+what kopf itself needs, so the role grants exactly what the code does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Final, ParamSpec, TypeVar
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+
+from dpserve.operator import spec as s
+from dpserve.operator.builders import ROUTER_RULES
+
+P = ParamSpec("P")
+R = TypeVar("R")
+FIELD_MANAGER: Final = "dpserve-operator"
+
+Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
+
+# What kopf needs beside our own calls: watch the CRs, keep its annotations on
+# them, post events, and discover the CRD.
+KOPF_RULES: Final = frozenset(
+    {
+        (s.GROUP, s.PLURAL, "list"),
+        (s.GROUP, s.PLURAL, "watch"),
+        (s.GROUP, s.PLURAL, "patch"),
+        ("", "events", "create"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        ("", "namespaces", "list"),
+        ("", "namespaces", "watch"),
+    }
+)
+
+
+def uses(*rules: Rule) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Declare the API permissions a method needs (collected by ``required_rules``)."""
+
+    def mark(fn: Callable[P, R]) -> Callable[P, R]:
+        fn.rbac = frozenset(rules)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def required_rules() -> set[Rule]:
+    """Every permission the operator needs: its own calls, kopf's, and the router's.
+
+    The router's role is created by the operator, and RBAC lets a subject grant
+    only permissions it holds itself.
+    """
+    own = {rule for fn in vars(Kube).values() for rule in getattr(fn, "rbac", ())}
+    granted = {
+        (group, resource, verb)
+        for rule in ROUTER_RULES
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    return own | set(KOPF_RULES) | granted
+
+
+def load_config() -> None:
+    """In a pod: its service account; elsewhere: the kubeconfig."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+class Kube:
+    """Blocking client calls, each run in a thread so kopf's event loop never waits."""
+
+    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+        self.api = api_client or client.ApiClient()
+        self.dyn = DynamicClient(self.api)
+
+    def _resource(self, api_version: str, kind: str) -> Any:
+        return self.dyn.resources.get(api_version=api_version, kind=kind)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    @uses((s.GROUP, s.PLURAL, "get"))
+    async def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        resource = self._resource(f"{s.GROUP}/{s.VERSION}", s.KIND)
+        try:
+            obj = await self._run(resource.get, name=name, namespace=namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj.to_dict()
+
+    @uses((s.GROUP, f"{s.PLURAL}/status", "patch"))
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        custom = client.CustomObjectsApi(self.api)
+        await self._run(
+            custom.patch_namespaced_custom_object_status,
+            s.GROUP,
+            s.VERSION,
+            namespace,
+            s.PLURAL,
+            name,
+            {"status": status},
+        )
+
+    @uses(("", "pods", "list"))
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        pods = self._resource("v1", "Pod")
+        listed = await self._run(pods.get, namespace=namespace, label_selector=selector)
+        return [item for item in listed.to_dict()["items"]]
+
+    @uses(("", "pods", "create"))
+    async def create_pod(self, pod: dict[str, Any]) -> bool:
+        """Create; False when a pod of that name still exists (e.g. terminating)."""
+        pods = self._resource("v1", "Pod")
+        try:
+            await self._run(pods.create, body=pod, namespace=pod["metadata"]["namespace"])
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    @uses(("", "pods", "delete"))
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        pods = self._resource("v1", "Pod")
+        try:
+            await self._run(pods.delete, name=name, namespace=namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    @uses(
+        ("", "services", "patch"),
+        ("", "serviceaccounts", "patch"),
+        ("rbac.authorization.k8s.io", "roles", "patch"),
+        ("rbac.authorization.k8s.io", "rolebindings", "patch"),
+        ("apps", "deployments", "patch"),
+    )
+    async def apply(self, obj: dict[str, Any]) -> None:
+        """Server-side apply: the operator owns exactly the fields it sets."""
+        resource = self._resource(obj["apiVersion"], obj["kind"])
+        meta = obj["metadata"]
+        await self._run(
+            resource.server_side_apply,
+            body=obj,
+            name=meta["name"],
+            namespace=meta["namespace"],
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+        )
+
+    @uses(("", "configmaps", "create"))
+    async def create_if_absent(self, obj: dict[str, Any]) -> None:
+        """For objects whose content others own after birth (the control log)."""
+        resource = self._resource(obj["apiVersion"], obj["kind"])
+        try:
+            await self._run(resource.create, body=obj, namespace=obj["metadata"]["namespace"])
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
