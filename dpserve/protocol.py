@@ -34,12 +34,14 @@ ERROR: Final = "error"
 INVALID_REQUEST: Final = "invalid_request"
 UNSUPPORTED: Final = "unsupported"
 OVERLOADED: Final = "overloaded"
+CONFLICT: Final = "conflict"
 UNAVAILABLE: Final = "unavailable"
 INTERNAL: Final = "internal"
 HTTP_STATUS: Final[Mapping[str, int]] = {
     INVALID_REQUEST: 400,
     UNSUPPORTED: 400,
     OVERLOADED: 429,
+    CONFLICT: 409,
     UNAVAILABLE: 503,
     INTERNAL: 500,
 }
@@ -54,6 +56,7 @@ MUTATING_OPS: Final = frozenset(
         "unmerge_lora_weights",
         "release_memory_occupation",
         "resume_memory_occupation",
+        "noop",  # advances a replica past a control-log entry no replica could apply
     }
 )
 READ_ONLY_OPS: Final = frozenset({"model_info", "list_loras", "get_weights_checksum"})
@@ -349,6 +352,10 @@ def fill_seeds(params: GenerateParams) -> GenerateParams:
 class ControlRequest(msgspec.Struct, kw_only=True):
     op: str
     args: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Position of a state-changing op in the router's control log. A replica
+    # applies positions in order, once each, and reports the last in its pings,
+    # so any router (or a restarted one) knows what the replica still needs.
+    log_position: int | None = None
 
 
 class ControlResult(msgspec.Struct, kw_only=True):
@@ -366,6 +373,7 @@ class PingResult(msgspec.Struct, kw_only=True):
     served: int
     released: bool
     progress_age_s: float
+    applied: int = 0  # control-log positions applied since this boot
 
 
 def parse_control(body: ControlRequest) -> ControlRequest:

@@ -36,6 +36,8 @@ KOPF_RULES: Final = frozenset(
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
         ("", "namespaces", "list"),
         ("", "namespaces", "watch"),
+        ("", "pods", "list"),  # the replica-pod event handler watches them
+        ("", "pods", "watch"),
     }
 )
 

@@ -45,7 +45,7 @@ class Replica:
     answering: bool = False
     serving: bool = False
     status: str = "unknown"
-    applied: int = 0  # control-log entries this replica has applied since it booted
+    applied: int = 0  # control-log positions the replica reports applied since it booted
     inflight: int = 0
     served: int = 0
     last_error: str | None = None
@@ -126,6 +126,10 @@ class ReplicaPool:
                 log.exception("health round failed")
 
     async def check_all(self) -> None:
+        try:
+            await self.log.refresh()  # other routers may have appended
+        except Exception as exc:  # keep serving on the log we have
+            log.warning("control log refresh failed: %s", exc)
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
         self._wake()
 
@@ -137,16 +141,16 @@ class ReplicaPool:
             self._down(replica, f"ping failed: {exc or type(exc).__name__}")
             return
         replica.answering, replica.last_seen, replica.status = True, time.monotonic(), ping.status
-        replica.replica_id = str(ping.replica)
+        replica.replica_id, replica.applied = str(ping.replica), ping.applied
         if ping.boot_id != replica.boot_id:
             if replica.boot_id:
-                log.warning("replica %s restarted: replaying the control log", replica.name)
-            replica.boot_id, replica.applied, replica.info = ping.boot_id, 0, None
+                log.warning("replica %s restarted: it will be replayed the log", replica.name)
+            replica.boot_id, replica.info = ping.boot_id, None
         if ping.status != "ok":
             replica.serving = False
             replica.last_error = f"replica reports {ping.status}"
             return
-        if replica.applied < len(self.log) and not await self._catch_up(replica):
+        if self.log.since(replica.applied) and not await self._catch_up(replica):
             return
         if replica.info is None:
             replica.info = await self._model_info(replica)
@@ -166,17 +170,25 @@ class ReplicaPool:
 
     async def _catch_up(self, replica: Replica) -> bool:
         async with self.control_lock:
-            for position, entry in self.log.since(replica.applied):
-                request = p.ControlRequest(op=entry.op, args=entry.args)
-                try:
-                    await replica.conn.request(p.CONTROL, request, self.settings.control_timeout_s)
-                except (ReplicaLost, TimeoutError, p.RequestError) as exc:
-                    replica.serving = False
-                    replica.last_error = f"replaying {entry.op} failed: {exc}"
-                    log.warning("replica %s: %s", replica.name, replica.last_error)
-                    return False
-                replica.applied = position
-        return True
+            return await self.replay(replica)
+
+    async def replay(self, replica: Replica) -> bool:
+        """Send what the replica missed, in order; True when it is caught up.
+
+        The caller holds ``control_lock``.
+        """
+        for position, op, args in self.log.since(replica.applied):
+            request = p.ControlRequest(op=op, args=args, log_position=position)
+            try:
+                await replica.conn.request(p.CONTROL, request, self.settings.control_timeout_s)
+            except (ReplicaLost, TimeoutError, p.RequestError) as exc:
+                replica.serving = False
+                replica.last_error = f"replaying {op} (log position {position}) failed: {exc}"
+                log.warning("replica %s: %s", replica.name, replica.last_error)
+                return False
+            replica.applied = position
+
+        return not self.log.since(replica.applied)
 
     async def _model_info(self, replica: Replica) -> dict[str, Any] | None:
         request = p.ControlRequest(op="model_info")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -84,34 +83,49 @@ class RouterService:
     async def control(self, op: str, args: dict[str, Any]) -> FanoutAnswer:
         """Send ``op`` to every replica at once and merge: first error wins.
 
-        State-changing ops that succeed anywhere enter the control log; a replica
-        that failed or was not asked is behind the log, leaves rotation, and is
-        replayed what it missed before it serves again.
+        A state-changing op first takes its position in the control log; the
+        replicas that apply it record that position. One that failed, was down
+        or is still catching up leaves rotation and is replayed what it missed
+        before it serves again.
         """
         p.parse_control(p.ControlRequest(op=op, args=args))
+        if op == "noop":
+            raise p.RequestError(p.UNSUPPORTED, "noop is internal to control-log replay")
         mutating = op in p.MUTATING_OPS
-        lock = self.pool.control_lock if mutating else contextlib.nullcontext()
-        async with lock:
+        if not mutating:
             replicas = list(self.pool.replicas.values())
-            outcomes = await asyncio.gather(*(self._one(r, op, args, mutating) for r in replicas))
-            if mutating and any(o.result is not None for o in outcomes):
-                position = self.pool.log.append(op, args)
-                for replica, outcome in zip(replicas, outcomes, strict=True):
-                    if outcome.result is not None and replica.applied == position - 1:
-                        replica.applied = position
-                    else:
-                        replica.serving = False
-        return merge_fanout(op, outcomes, read_only=not mutating)
+            outcomes = await asyncio.gather(*(self._one(r, op, args, None) for r in replicas))
+            return merge_fanout(op, outcomes, read_only=True)
+        async with self.pool.control_lock:
+            try:
+                await self.pool.log.refresh()
+                position = await self.pool.log.reserve(op, args)
+            except Exception as exc:
+                raise p.RequestError(p.UNAVAILABLE, f"control log unavailable: {exc}") from exc
+            replicas = list(self.pool.replicas.values())
+            outcomes = await asyncio.gather(*(self._one(r, op, args, position) for r in replicas))
+            applied = [o.result is not None for o in outcomes]
+            await self.pool.log.resolve(position, any(applied))
+            for replica, ok in zip(replicas, applied, strict=True):
+                if ok:
+                    replica.applied = position
+                elif any(applied):
+                    replica.serving = False  # behind the others now: replayed before serving
+            # Replicas that missed this position catch up now: a noop when nobody
+            # applied it, else a retry (a replica that fails it again stays out).
+            behind = [r for r, ok in zip(replicas, applied, strict=True) if r.answering and not ok]
+            await asyncio.gather(*(self.pool.replay(r) for r in behind))
+        return merge_fanout(op, outcomes, read_only=False)
 
     async def _one(
-        self, replica: Replica, op: str, args: dict[str, Any], mutating: bool
+        self, replica: Replica, op: str, args: dict[str, Any], position: int | None
     ) -> ReplicaOutcome:
         if not replica.answering:
             return ReplicaOutcome(replica.name, skipped=f"down: {replica.last_error}")
-        if mutating and replica.applied < len(self.pool.log):
+        if position is not None and replica.applied < position - 1:
             # Applying this before what it missed would reorder its history.
             return ReplicaOutcome(replica.name, skipped="catching up; replayed later")
-        request = p.ControlRequest(op=op, args=args)
+        request = p.ControlRequest(op=op, args=args, log_position=position)
         try:
             reply = await replica.conn.request(
                 p.CONTROL, request, self.pool.settings.control_timeout_s

@@ -43,4 +43,5 @@ class GangStatus:
     busy: bool = False
     served: int = 0
     released: bool = False
+    applied: int = 0
     extra: dict[str, object] = field(default_factory=dict)

@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from dpserve.protocol import (
+    CONFLICT,
     INVALID_REQUEST,
+    MUTATING_OPS,
     UNAVAILABLE,
     UNSUPPORTED,
+    ControlRequest,
     FieldError,
     RequestError,
 )
@@ -70,6 +73,7 @@ class ControlOps:
         self.device = device
         self.offload = WeightOffload(device)
         self.info = info  # static facts for model_info (layout, threads, ...)
+        self.applied_log = 0  # last control-log position applied (see protocol.ControlRequest)
 
     @property
     def released(self) -> bool:
@@ -82,9 +86,24 @@ class ControlOps:
                 "weights are released from the device; call resume_memory_occupation first",
             )
 
-    def run(self, op: str, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        handler: Callable[[Mapping[str, Any], Agree], dict[str, Any]] = getattr(self, f"op_{op}")
-        return handler(args, agree)
+    def run(self, request: ControlRequest, agree: Agree) -> dict[str, Any]:
+        """Run one op; logged ops run in log order, once each (replays are no-ops)."""
+        position = request.log_position if request.op in MUTATING_OPS else None
+        if position is not None and position <= self.applied_log:
+            return {"already_applied": True, "log_position": position}
+        if position is not None and position != self.applied_log + 1:
+            raise RequestError(
+                CONFLICT,
+                f"control log position {position} arrived before {self.applied_log + 1}; "
+                "replay the log in order",
+            )
+        handler: Callable[[Mapping[str, Any], Agree], dict[str, Any]] = getattr(
+            self, f"op_{request.op}"
+        )
+        result = handler(request.args, agree)
+        if position is not None:
+            self.applied_log = position
+        return result
 
     # ------------------------------------------------------------ introspection
 
@@ -224,6 +243,9 @@ class ControlOps:
             raise _bad("lora_nickname", "no merged adapters to unmerge")
         self.loras.unmerge()
         return {"unmerged": list(self.loras.active)}
+
+    def op_noop(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        return {}
 
     # ------------------------------------------------------------ memory
 

@@ -120,7 +120,7 @@ class Executor:
 
     def control(self, request_id: str, request: ControlRequest, replica: int) -> list[bytes]:
         try:
-            result = self.ops.run(request.op, request.args, self._agree)
+            result = self.ops.run(request, self._agree)
             outcome = _RankOutcome(ok=True, result=result)
         except RequestError as exc:
             outcome = _RankOutcome(ok=False, error=exc.body())
@@ -128,6 +128,7 @@ class Executor:
             log.exception("control op %s failed", request.op)
             outcome = _RankOutcome(ok=False, error=ErrorBody(code=INTERNAL, message=str(exc)))
         self.status.released = self.ops.released
+        self.status.applied = self.ops.applied_log
         gathered = self.comm.gather_bytes(msgspec.msgpack.encode(outcome))
         if not self.comm.info.is_driver:
             return []

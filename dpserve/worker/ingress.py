@@ -172,6 +172,7 @@ class Ingress:
             served=self.status.served,
             released=self.status.released,
             progress_age_s=round(age, 3),
+            applied=self.status.applied,
         )
 
 

@@ -1,0 +1,174 @@
+"""kopf handlers: thin wrappers that read state, call the pure parts, apply, write status.
+
+One level-based reconcile serves create, update, resume, a drift timer and
+events of the replica pods; a per-object lock keeps them from interleaving.
+Nothing sleeps in a handler: API conflicts raise ``kopf.TemporaryError`` and the
+work is retried with a delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from dpserve.layout import LayoutError, ParallelConfig
+from dpserve.operator import builders as b
+from dpserve.operator import spec as s
+from dpserve.operator.kube import Kube, load_config
+from dpserve.operator.plan import plan
+from dpserve.operator.status import compute_status, pod_facts
+
+log = logging.getLogger(__name__)
+ANNOTATION_PREFIX = "dpserve.dev"
+DRIFT_INTERVAL_S = 10.0
+
+
+class Runtime:
+    """What the handlers share, created at start-up (kopf's memo holds it)."""
+
+    def __init__(self, kube: Kube, images: b.Images) -> None:
+        self.kube = kube
+        self.images = images
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+
+def images_from_env() -> b.Images:
+    return b.Images(
+        worker=os.environ.get("DPSERVE_WORKER_IMAGE", "dpserve-worker:latest"),
+        router=os.environ.get("DPSERVE_ROUTER_IMAGE", "dpserve-router:latest"),
+        pull_policy=os.environ.get("DPSERVE_IMAGE_PULL_POLICY", "IfNotPresent"),
+    )
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # kopf's own bookkeeping goes to annotations: the structural schema would
+    # silently prune anything it wrote into status (DESIGN.md, known traps).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    load_config()
+    memo.runtime = Runtime(Kube(), images_from_env())
+
+
+def _check_beyond_crd(spec: s.DiffusionServiceSpec) -> None:
+    """Rules the CRD's schema cannot state; a violation is reported, never crashes."""
+    par = spec.parallelism
+    ParallelConfig(tp=par.tp, sp=par.sp, ulysses=par.ulysses or 1, ring=par.ring or 1, cfg=par.cfg)
+
+
+async def reconcile(runtime: Runtime, namespace: str, name: str) -> None:
+    async with runtime.lock(namespace, name):
+        try:
+            await _reconcile(runtime, namespace, name)
+        except ApiException as exc:
+            if exc.status in (409, 429, 500, 503):
+                raise kopf.TemporaryError(f"API answered {exc.status}; retrying", delay=2) from exc
+            raise
+
+
+async def _reconcile(runtime: Runtime, namespace: str, name: str) -> None:
+    kube = runtime.kube
+    obj = await kube.get_service(namespace, name)
+    if obj is None or obj["metadata"].get("deletionTimestamp"):
+        return  # owner references take the children with it
+    try:
+        svc = b.Svc.from_object(obj)
+        _check_beyond_crd(svc.spec)
+    except (ValidationError, LayoutError) as exc:
+        await _report_invalid(kube, obj, str(exc))
+        return
+    for child in b.build_children(svc, runtime.images):
+        if child["kind"] == "ConfigMap":
+            await kube.create_if_absent(child)
+        else:
+            await kube.apply(child)
+    selector = b.selector_string(svc)
+    pods = await kube.list_pods(namespace, selector)
+    todo = plan(
+        replicas=svc.spec.replicas,
+        current_hash=b.spec_hash(svc.spec),
+        max_unavailable=svc.spec.updateStrategy.maxUnavailable,
+        max_surge=svc.spec.updateStrategy.maxSurge,
+        pods=[pod_facts(p).view for p in pods],
+    )
+    for pod_name in todo.delete:
+        log.info("%s/%s: deleting %s", namespace, name, pod_name)
+        await kube.delete_pod(namespace, pod_name)
+    for index in todo.create:
+        log.info("%s/%s: creating replica %d", namespace, name, index)
+        await kube.create_pod(b.build_replica_pod(svc, index, runtime.images))
+    if not todo.empty:
+        pods = await kube.list_pods(namespace, selector)
+    status = compute_status(svc, pods, obj.get("status") or {})
+    await kube.patch_status(namespace, name, status)
+
+
+async def _report_invalid(kube: Kube, obj: dict[str, Any], message: str) -> None:
+    meta = obj["metadata"]
+    kopf.warn(cast(kopf.Body, obj), reason="InvalidSpec", message=message[:1000])
+    previous = {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []}
+    old = previous.get("Degraded") or {}
+    condition = {
+        "type": "Degraded",
+        "status": "True",
+        "reason": "InvalidSpec",
+        "message": message[:1000],
+        "observedGeneration": meta.get("generation"),
+        "lastTransitionTime": old.get("lastTransitionTime")
+        if old.get("reason") == "InvalidSpec"
+        else _now(),
+    }
+    others = [c for t, c in previous.items() if t != "Degraded"]
+    status = {"observedGeneration": meta.get("generation"), "conditions": [*others, condition]}
+    await kube.patch_status(meta["namespace"], meta["name"], status)
+
+
+def _now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL)
+@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL)
+@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL)
+async def on_change(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    await reconcile(memo.runtime, namespace or "", name)
+
+
+@kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=DRIFT_INTERVAL_S, idle=0)
+async def on_drift(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    await reconcile(memo.runtime, namespace or "", name)
+
+
+@kopf.on.event(
+    "pods",
+    labels={"app.kubernetes.io/name": "dpserve", "app.kubernetes.io/component": "replica"},
+)
+async def on_replica_pod(
+    namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any
+) -> None:
+    """A replica pod changed (ready, gone, failing): reconcile its owner now."""
+    owner = labels.get("app.kubernetes.io/instance")
+    if owner:
+        try:
+            await reconcile(memo.runtime, namespace or "", owner)
+        except kopf.TemporaryError as exc:  # the drift timer will catch up
+            log.info("reconcile after a pod event deferred: %s", exc)
