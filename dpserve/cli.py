@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -70,9 +71,11 @@ def _add_router_args(r: argparse.ArgumentParser) -> None:
 
 def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser("router", help="HTTP front over replicas (OpenAI images API)")
-    r.add_argument(
-        "--worker", action="append", required=True, help="replica driver, tcp://HOST:PORT"
-    )
+    r.add_argument("--worker", action="append", default=[], help="replica driver tcp://HOST:PORT")
+    r.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    r.add_argument("--namespace", help="kubernetes: namespace of the replicas' Service")
+    r.add_argument("--service", help="kubernetes: the replicas' headless Service")
+    r.add_argument("--control-log-configmap", help="kubernetes: ConfigMap holding the log")
     _add_router_args(r)
 
 
@@ -83,6 +86,22 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--scheduler-port", type=_port, default=5575, help="replica r binds this + r")
     _add_gang_args(s)
     _add_router_args(s)
+
+
+def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    o = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    scope = o.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", help="watch only these namespaces")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch the whole cluster")
+    o.add_argument("--liveness-port", type=_port, default=8080, help="serves /healthz")
+    sub.add_parser("crd", help="print the DiffusionService CRD (generated from the code)")
+    probe = sub.add_parser("probe", help="ping a local replica's driver (pod probes)")
+    probe.add_argument("--port", type=_port, required=True)
+    probe.add_argument("--host", default="127.0.0.1")
+    probe.add_argument("--timeout", type=float, default=3.0)
+    probe.add_argument(
+        "--live", action="store_true", help="liveness: answering and not stalled is enough"
+    )
 
 
 def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -103,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_router(sub)
     _add_serve(sub)
+    _add_k8s(sub)
     _add_tiny(sub)
     return parser
 
@@ -140,9 +160,19 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
 def _router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from dpserve.router.app import create_app
+    from dpserve.router.app import KubernetesDiscovery, create_app
 
-    app = create_app(_router_settings(args, args.worker))
+    settings = _router_settings(args, args.worker)
+    if args.discovery == "kubernetes":
+        if not (args.namespace and args.service):
+            print("dpserve router: kubernetes discovery needs --namespace and --service")
+            return 2
+        k8s = KubernetesDiscovery(args.namespace, args.service, args.control_log_configmap)
+        settings = dataclasses.replace(settings, kubernetes=k8s)
+    elif not args.worker:
+        print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
+        return 2
+    app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port)
     return 0
 
@@ -156,6 +186,42 @@ def _serve(args: argparse.Namespace) -> int:
     replicas = ReplicaSetConfig(model, args.dp_size, args.scheduler_port, tuple(_gang_flags(args)))
     settings = _router_settings(args, [])
     return serve(replicas, args.host, args.port, settings)
+
+
+def _operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    import dpserve.operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.run(
+        standalone=True,  # one replica (Recreate): no peering objects needed
+        clusterwide=args.all_namespaces or not args.namespace,
+        namespaces=args.namespace or [],
+        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
+    )
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """Exit 0 when the driver answers within the deadline and says it can serve.
+
+    Readiness wants status "ok"; liveness (--live) accepts "draining" too, but not
+    "stalled" (a hung gang keeps its port open, so only a real ping tells).
+    """
+    from dpserve.client import ReplicaClient, ReplicaTimeout
+    from dpserve.layout import replica_endpoint
+
+    try:
+        with ReplicaClient(replica_endpoint(args.host, args.port, 0)) as client:
+            ping = client.ping(timeout_s=args.timeout)
+    except ReplicaTimeout as exc:
+        print(f"probe: {exc}", file=sys.stderr)
+        return 1
+    good = {"ok", "draining"} if args.live else {"ok"}
+    if ping.status not in good:
+        print(f"probe: replica {ping.replica} is {ping.status}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -205,6 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "router":
             return _router(args)
+        if args.command == "operator":
+            return _operator(args)
+        if args.command == "crd":
+            from dpserve.operator.crd import crd_yaml
+
+            sys.stdout.write(crd_yaml())
+            return 0
+        if args.command == "probe":
+            return _probe(args)
         return _serve(args)
     except LayoutError as exc:
         print(f"dpserve {args.command}: {exc}", file=sys.stderr)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve import protocol as p
 from dpserve.layout import ParallelConfig, describe
+from dpserve.router.control_log import ControlLog
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import error_body, image_response, parse_image_request
 from dpserve.router.policies import FanoutAnswer
@@ -37,8 +38,18 @@ REPLICA_HEADER = "X-Dpserve-Replica"
 
 
 @dataclass(frozen=True)
+class KubernetesDiscovery:
+    """Replicas are the ready endpoints of a headless Service; the log is a ConfigMap."""
+
+    namespace: str
+    service: str
+    control_log_configmap: str | None = None
+
+
+@dataclass(frozen=True)
 class RouterSettings:
-    workers: tuple[str, ...]
+    workers: tuple[str, ...] = ()
+    kubernetes: KubernetesDiscovery | None = None
     pool: PoolSettings = field(default_factory=PoolSettings)
     max_body_bytes: int = 1 << 20
     output_dir: Path | None = None
@@ -118,13 +129,30 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = ReplicaPool(settings.pool)
-        await pool.set_endpoints(settings.workers)
+        k8s = settings.kubernetes
+        if k8s is None:
+            pool = ReplicaPool(settings.pool)
+            await pool.set_endpoints(settings.workers)
+            discovery = None
+        else:
+            from dpserve.router import kubernetes as kube
+
+            kube.load_config()
+            store = (
+                kube.ConfigMapLogStore(k8s.namespace, k8s.control_log_configmap)
+                if k8s.control_log_configmap
+                else None
+            )
+            pool = ReplicaPool(settings.pool, log=ControlLog(store))
+            discovery = kube.EndpointSliceDiscovery(k8s.namespace, k8s.service, pool.set_endpoints)
+            await discovery.start()
         await pool.start()
         running.pool, running.service = pool, RouterService(pool)
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             await pool.close()
 
     app = FastAPI(title="dpserve router", lifespan=lifespan)
@@ -256,6 +284,11 @@ def create_app(settings: RouterSettings) -> FastAPI:
             message = "no replicas known" if not replicas else "some replicas do not answer"
             return JSONResponse({"status": "unhealthy", "message": message, "silent": silent}, 503)
         return JSONResponse({"status": "ok", "replicas": len(replicas)})
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        """The process and its event loop are alive (replica health is /health's job)."""
+        return {"status": "ok"}
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

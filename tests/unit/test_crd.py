@@ -1,0 +1,124 @@
+"""The CRD: generated from the code, structural, and its CEL rules say what they mean."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+
+from dpserve.operator.crd import build_crd, crd_yaml
+from dpserve.operator.spec import ROLE_MESSAGE
+
+CHECKED_IN = Path(__file__).parents[2] / "charts/dpserve/crds/diffusionservices.dpserve.dev.yaml"
+
+
+def test_checked_in_crd_is_the_generated_one() -> None:
+    assert CHECKED_IN.read_text() == crd_yaml(), (
+        "charts/dpserve/crds is stale: run `dpserve crd > "
+        "charts/dpserve/crds/diffusionservices.dpserve.dev.yaml`"
+    )
+
+
+def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    if isinstance(node, dict):
+        out.append((path, node))
+        for key, value in node.get("properties", {}).items():
+            out += _walk(value, f"{path}.{key}")
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                out += _walk(node[key], f"{path}[{key}]")
+    return out
+
+
+def test_schema_is_structural() -> None:
+    version = build_crd()["spec"]["versions"][0]
+    root = version["schema"]["openAPIV3Schema"]
+    for path, node in _walk(root):
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "title", "$defs"):
+            assert banned not in node, f"{path} has {banned}"
+        assert node.get("additionalProperties") is not False, path
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert "status" in version["subresources"]
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Ready", "Replicas", "Parallel", "Age"]
+    names = build_crd()["spec"]["names"]
+    assert names["shortNames"] == ["dsvc"] and names["kind"] == "DiffusionService"
+
+
+def test_defaults_and_bounds() -> None:
+    spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    props = spec["properties"]
+    assert spec["required"] == ["model"]
+    assert props["replicas"]["default"] == 1 and props["replicas"]["minimum"] == 0
+    assert props["parallelism"]["default"] == {}
+    assert props["parallelism"]["properties"]["cfg"]["maximum"] == 2
+    assert props["role"]["enum"] == ["monolithic", "encoder", "denoiser", "decoder"]
+    assert props["gpuResource"]["default"] == "nvidia.com/gpu"
+    strategy = props["updateStrategy"]["properties"]
+    assert strategy["maxUnavailable"]["default"] == 1 and strategy["maxSurge"]["default"] == 0
+
+
+def _rules() -> dict[str, tuple[dict[str, Any], list[dict[str, str]]]]:
+    """Every CEL rule with the schema node it sits on, by its message."""
+    root = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    out = {}
+    for _, node in _walk(root):
+        for rule in node.get("x-kubernetes-validations", []):
+            out[rule["message"]] = (node, [rule])
+    return out
+
+
+def _holds(message: str, obj: dict[str, Any]) -> bool:
+    _, (rule,) = _rules()[message]
+    env = celpy.Environment()
+    program = env.program(env.compile(rule["rule"]))
+    return bool(program.evaluate({"self": celpy.json_to_cel(obj)}))
+
+
+def test_cel_role_rule() -> None:
+    assert _holds(ROLE_MESSAGE, {"role": "monolithic", "replicas": 4})
+    assert _holds(ROLE_MESSAGE, {"role": "denoiser", "replicas": 1})
+    assert not _holds(ROLE_MESSAGE, {"role": "denoiser", "replicas": 2})
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "ok"),
+    [
+        ({"sp": 4}, True),
+        ({"sp": 4, "ulysses": 2, "ring": 2}, True),
+        ({"sp": 4, "ulysses": 4}, True),
+        ({"sp": 4, "ulysses": 2}, False),
+        ({"sp": 2, "ulysses": 2, "ring": 2}, False),
+        ({"sp": 1, "ring": 2}, False),
+    ],
+)
+def test_cel_sequence_parallel_rule(parallelism: dict[str, int], ok: bool) -> None:
+    message = "parallelism.ulysses * parallelism.ring must equal parallelism.sp"
+    assert _holds(message, {"tp": 1, "cfg": 1, **parallelism}) is ok
+
+
+def test_cel_volume_and_strategy_rules() -> None:
+    volume = "model.volume needs exactly one of persistentVolumeClaim or hostPath"
+    assert _holds(volume, {"path": "/m"})
+    assert _holds(volume, {"path": "/m", "volume": {"hostPath": {"path": "/x"}}})
+    both = {"persistentVolumeClaim": {"claimName": "a"}, "hostPath": {"path": "/x"}}
+    assert not _holds(volume, {"path": "/m", "volume": both})
+    assert not _holds(volume, {"path": "/m", "volume": {}})
+    strategy = "updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress"
+    assert _holds(strategy, {"maxUnavailable": 0, "maxSurge": 1})
+    assert not _holds(strategy, {"maxUnavailable": 0, "maxSurge": 0})
+
+
+def test_crd_file_parses_as_yaml() -> None:
+    assert yaml.safe_load(CHECKED_IN.read_text())["metadata"]["name"] == (
+        "diffusionservices.dpserve.dev"
+    )
