@@ -29,9 +29,9 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# The quick loop while working: skips the gang and e2e tiers.
+# The quick loop while working: skips the gang, e2e and cluster tiers.
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not gang and not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not gang and not e2e and not cluster" $(PYTEST_ARGS)
 
 bench-cfg: $(STAMP)
 	$(PY) bench/cfg_parallel.py

@@ -68,9 +68,16 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 def _check_beyond_crd(spec: s.DiffusionServiceSpec) -> None:
-    """Rules the CRD's schema cannot state; a violation is reported, never crashes."""
+    """Rules the apiserver may not have enforced; a violation is reported, never crashes."""
+    found = s.problems(spec)
+    if found:
+        raise InvalidSpec("; ".join(found))
     par = spec.parallelism
     ParallelConfig(tp=par.tp, sp=par.sp, ulysses=par.ulysses or 1, ring=par.ring or 1, cfg=par.cfg)
+
+
+class InvalidSpec(ValueError):
+    pass
 
 
 async def reconcile(runtime: Runtime, namespace: str, name: str) -> None:
@@ -91,7 +98,7 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str) -> None:
     try:
         svc = b.Svc.from_object(obj)
         _check_beyond_crd(svc.spec)
-    except (ValidationError, LayoutError) as exc:
+    except (ValidationError, LayoutError, InvalidSpec) as exc:
         await _report_invalid(kube, obj, str(exc))
         return
     for child in b.build_children(svc, runtime.images):

@@ -198,3 +198,33 @@ class DiffusionServiceStatus(_Model):
     endpoint: str | None = None
     replicaStatuses: list[ReplicaStatus] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
+
+
+def problems(spec: DiffusionServiceSpec) -> list[str]:
+    """What is wrong with a spec that the apiserver admitted anyway.
+
+    The CEL rules are mirrored here because Helm never upgrades a CRD: a cluster
+    may run an older CRD without them. The model path rules are the operator's
+    own (they need no cluster-side check to be reported in status).
+    """
+    found = []
+    if spec.role != "monolithic" and spec.replicas > 1:
+        found.append(ROLE_MESSAGE)
+    par = spec.parallelism
+    if (par.ulysses is not None or par.ring is not None) and (par.ulysses or 1) * (
+        par.ring or 1
+    ) != par.sp:
+        found.append("parallelism.ulysses * parallelism.ring must equal parallelism.sp")
+    volume = spec.model.volume
+    if volume is not None and (volume.persistentVolumeClaim is None) == (volume.hostPath is None):
+        found.append("model.volume needs exactly one of persistentVolumeClaim or hostPath")
+    if spec.updateStrategy.maxUnavailable == 0 and spec.updateStrategy.maxSurge == 0:
+        found.append("updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress")
+    if not spec.model.path.startswith("/"):
+        found.append(f"model.path must be absolute inside the pod, got {spec.model.path!r}")
+    elif volume is not None and not spec.model.path.startswith(spec.model.mountPath):
+        found.append(
+            f"model.path {spec.model.path!r} is not under model.mountPath "
+            f"{spec.model.mountPath!r}, where the volume is mounted"
+        )
+    return found

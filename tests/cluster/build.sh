@@ -30,7 +30,7 @@ if [[ -z "$K8S_VERSION" || -z "$ETCD_VERSION" ]]; then
 fi
 
 CACHE_ROOT="${DPSERVE_CACHE:-$HOME/.cache/dpserve}/k8s"
-DEST="$CACHE_ROOT/${K8S_VERSION}-etcd${ETCD_VERSION}"
+DEST="$CACHE_ROOT/${K8S_VERSION}-etcd${ETCD_VERSION#v}"
 BIN="$DEST/bin"
 
 complete() {
@@ -57,8 +57,11 @@ if complete "$DEST"; then
 fi
 
 # Temp dir on the same filesystem as DEST so the final rename is atomic.
-TMP=$(mktemp -d "$CACHE_ROOT/.build.${K8S_VERSION}-etcd${ETCD_VERSION}.XXXXXX")
+# Leftovers of a killed build (we hold the lock, so none is live).
+rm -rf "$DEST".building.*
+TMP=$(mktemp -d "$DEST.building.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
+trap 'exit 130' INT TERM
 mkdir -p "$TMP/bin"
 
 export CGO_ENABLED=0          # static binaries, as upstream builds the control plane
