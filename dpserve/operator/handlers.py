@@ -28,6 +28,7 @@ from dpserve.operator.status import compute_status, pod_facts
 log = logging.getLogger(__name__)
 ANNOTATION_PREFIX = "dpserve.dev"
 DRIFT_INTERVAL_S = 10.0
+RETRY_S = 5.0  # after an unexpected API error (kopf's default would wait a minute)
 
 
 class Runtime:
@@ -153,14 +154,14 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL)
-@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL)
-@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL)
+@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL, backoff=RETRY_S)
+@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL, backoff=RETRY_S)
+@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL, backoff=RETRY_S)
 async def on_change(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     await reconcile(memo.runtime, namespace or "", name)
 
 
-@kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=DRIFT_INTERVAL_S, idle=0)
+@kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=DRIFT_INTERVAL_S, backoff=RETRY_S)
 async def on_drift(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     await reconcile(memo.runtime, namespace or "", name)
 

@@ -146,7 +146,11 @@ class DiffusionServiceSpec(_Model):
 
     model: ModelSource
     replicas: int = Field(1, ge=0, le=1000, description="data-parallel replicas (pods)")
-    parallelism: Parallelism = Field(default_factory=Parallelism, json_schema_extra={"default": {}})
+    # Object defaults are spelled out: the apiserver checks them against the
+    # object's CEL rules without applying the nested defaults first.
+    parallelism: Parallelism = Field(
+        default_factory=Parallelism, json_schema_extra={"default": {"tp": 1, "sp": 1, "cfg": 1}}
+    )
     role: Literal["monolithic", "encoder", "denoiser", "decoder"] = "monolithic"
     image: str | None = Field(None, description="worker image; the chart's default if omitted")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cpu requests no GPUs")
@@ -163,7 +167,8 @@ class DiffusionServiceSpec(_Model):
     maxSequenceLength: int | None = Field(None, ge=1, le=4096, description="text tokens")
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
     updateStrategy: UpdateStrategy = Field(
-        default_factory=UpdateStrategy, json_schema_extra={"default": {}}
+        default_factory=UpdateStrategy,
+        json_schema_extra={"default": {"maxUnavailable": 1, "maxSurge": 0}},
     )
 
 

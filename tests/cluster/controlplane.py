@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -249,15 +250,19 @@ class ControlPlane:
         )
 
     def _wait(self, url: str, tls: bool, verify: bool = True, timeout_s: float = 120) -> None:
-        cert = (str(self.pki / "admin.crt"), str(self.pki / "admin.key")) if tls else None
-        ca: str | bool = str(self.pki / "ca.crt") if (tls and verify) else False
+        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        if tls:
+            context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        if not verify:  # components' self-signed serving certs
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"{dead[0]} exited: {self.log_tail(dead[0])}")
             try:
-                if httpx.get(url, cert=cert, verify=ca, timeout=2).status_code == 200:
+                if httpx.get(url, verify=context, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -89,6 +89,18 @@ subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubern
 sign admin "/O=system:masters/CN=kubernetes-admin" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=clientAuth"
+# Front-proxy (request-header) CA and client, as kubeadm sets up: without it the
+# controller-manager and scheduler log errors about a missing requestheader CA.
+ossl req -x509 -newkey rsa:2048 -nodes -days 2 -keyout "$P/front-proxy-ca.key" \
+    -out "$P/front-proxy-ca.crt" -subj "/CN=dpserve-smoke-front-proxy-ca" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+ossl req -new -newkey rsa:2048 -nodes -keyout "$P/front-proxy-client.key" \
+    -out "$P/front-proxy-client.csr" -subj "/CN=front-proxy-client"
+printf '%s\n' "basicConstraints=CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" \
+    "extendedKeyUsage=clientAuth" >"$P/front-proxy-client.ext"
+ossl x509 -req -in "$P/front-proxy-client.csr" -CA "$P/front-proxy-ca.crt" \
+    -CAkey "$P/front-proxy-ca.key" -CAcreateserial -days 2 -out "$P/front-proxy-client.crt" \
+    -extfile "$P/front-proxy-client.ext"
 ossl genrsa -out "$P/sa.key" 2048
 ossl rsa -in "$P/sa.key" -pubout -out "$P/sa.pub"
 
@@ -133,6 +145,13 @@ log "kube-apiserver on https://127.0.0.1:$API_PORT"
     --service-account-key-file="$P/sa.pub" \
     --service-account-signing-key-file="$P/sa.key" \
     --service-cluster-ip-range=10.96.0.0/24 \
+    --requestheader-client-ca-file="$P/front-proxy-ca.crt" \
+    --requestheader-allowed-names=front-proxy-client \
+    --requestheader-username-headers=X-Remote-User \
+    --requestheader-group-headers=X-Remote-Group \
+    --requestheader-extra-headers-prefix=X-Remote-Extra- \
+    --proxy-client-cert-file="$P/front-proxy-client.crt" \
+    --proxy-client-key-file="$P/front-proxy-client.key" \
     --endpoint-reconciler-type=none \
     --allow-privileged=true \
     >"$D/kube-apiserver.log" 2>&1 &

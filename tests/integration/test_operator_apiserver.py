@@ -36,6 +36,11 @@ def cluster() -> Iterator[ControlPlane]:
         plane.kubectl("apply", "-f", str(REPO / "charts/dpserve/crds"))
         plane.kubectl("wait", "--for=condition=Established", "crd/diffusionservices.dpserve.dev")
         plane.kubectl("create", "namespace", NS)
+        # Pods need the namespace's default service account (the controller-manager's work).
+        eventually(
+            lambda: plane.kubectl("-n", NS, "get", "sa", "default", check=False).returncode == 0,
+            what="default service account",
+        )
         yield plane
     finally:
         plane.stop()
@@ -88,7 +93,8 @@ def dsvc(name: str, **spec: Any) -> dict[str, Any]:
 
 
 def pods(cluster: ControlPlane, name: str) -> dict[str, dict[str, Any]]:
-    listed = get(cluster, "pods", "-l", f"app.kubernetes.io/instance={name}")
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
+    listed = get(cluster, "pods", "-l", selector)
     return {p["metadata"]["name"]: p for p in listed["items"]}
 
 
@@ -161,7 +167,7 @@ def test_children_status_scale_roll_and_cascade(
         what="Degraded",
     )
     assert degraded["reason"] == "Unschedulable"
-    assert "nodes are available" in degraded["message"]
+    assert "no nodes available to schedule pods" in degraded["message"]
     first = status(cluster, "tiny")
     assert first["replicas"] == 2 and first["readyReplicas"] == 0
     assert first["observedGeneration"] == get(cluster, "dsvc", "tiny")["metadata"]["generation"]

@@ -59,7 +59,7 @@ def test_defaults_and_bounds() -> None:
     props = spec["properties"]
     assert spec["required"] == ["model"]
     assert props["replicas"]["default"] == 1 and props["replicas"]["minimum"] == 0
-    assert props["parallelism"]["default"] == {}
+    assert props["parallelism"]["default"] == {"tp": 1, "sp": 1, "cfg": 1}
     assert props["parallelism"]["properties"]["cfg"]["maximum"] == 2
     assert props["role"]["enum"] == ["monolithic", "encoder", "denoiser", "decoder"]
     assert props["gpuResource"]["default"] == "nvidia.com/gpu"

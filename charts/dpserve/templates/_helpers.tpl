@@ -137,3 +137,10 @@ follow namespaces, lists and watches them.
   resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
+
+{{/* The operator's ServiceAccount as the subject of a (Cluster)RoleBinding. */}}
+{{- define "dpserve.rbacSubjects" -}}
+- kind: ServiceAccount
+  name: {{ include "dpserve.serviceAccountName" . }}
+  namespace: {{ .Release.Namespace }}
+{{- end }}
