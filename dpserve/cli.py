@@ -194,6 +194,7 @@ def _operator(args: argparse.Namespace) -> int:
     import dpserve.operator.handlers  # noqa: F401  (registers the handlers)
 
     kopf.run(
+        memo=kopf.Memo(namespaces=args.namespace or []),
         standalone=True,  # one replica (Recreate): no peering objects needed
         clusterwide=args.all_namespaces or not args.namespace,
         namespaces=args.namespace or [],

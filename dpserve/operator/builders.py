@@ -28,6 +28,13 @@ class Images:
     worker: str
     router: str
     pull_policy: str = "IfNotPresent"
+    pull_secrets: tuple[str, ...] = ()
+
+    def secrets(self) -> dict[str, Any]:
+        """The pod-spec field for private registries (empty when there are none)."""
+        if not self.pull_secrets:
+            return {}
+        return {"imagePullSecrets": [{"name": n} for n in self.pull_secrets]}
 
 
 @dataclass(frozen=True)
@@ -216,6 +223,7 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
         "terminationGracePeriodSeconds": spec.router.requestTimeoutSeconds + DRAIN_MARGIN_S,
         "securityContext": {"runAsNonRoot": True},
         "enableServiceLinks": False,
+        **images.secrets(),
     }
     for key, value in (
         ("nodeSelector", spec.nodeSelector),
@@ -306,6 +314,7 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
             "containers": [container],
             "securityContext": {"runAsNonRoot": True},
             "enableServiceLinks": False,
+            **images.secrets(),
         },
     }
     return {

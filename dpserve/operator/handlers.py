@@ -44,15 +44,17 @@ class Runtime:
 
 
 def images_from_env() -> b.Images:
+    secrets = os.environ.get("DPSERVE_IMAGE_PULL_SECRETS", "")
     return b.Images(
         worker=os.environ.get("DPSERVE_WORKER_IMAGE", "dpserve-worker:latest"),
         router=os.environ.get("DPSERVE_ROUTER_IMAGE", "dpserve-router:latest"),
         pull_policy=os.environ.get("DPSERVE_IMAGE_PULL_POLICY", "IfNotPresent"),
+        pull_secrets=tuple(s.strip() for s in secrets.split(",") if s.strip()),
     )
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's own bookkeeping goes to annotations: the structural schema would
     # silently prune anything it wrote into status (DESIGN.md, known traps).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
@@ -66,6 +68,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.client_timeout = 330
     load_config()
     memo.runtime = Runtime(Kube(), images_from_env())
+    memo.drift = asyncio.create_task(drift_loop(memo.runtime, list(memo.get("namespaces", []))))
 
 
 def _check_beyond_crd(spec: s.DiffusionServiceSpec) -> None:
@@ -161,9 +164,36 @@ async def on_change(namespace: str | None, name: str, memo: Any, **_: Any) -> No
     await reconcile(memo.runtime, namespace or "", name)
 
 
-@kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=DRIFT_INTERVAL_S, backoff=RETRY_S)
-async def on_drift(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-    await reconcile(memo.runtime, namespace or "", name)
+async def drift_loop(runtime: Runtime, namespaces: list[str]) -> None:
+    """Re-reconcile every DiffusionService periodically: children deleted or edited
+    behind the operator's back come back.
+
+    A task of our own rather than a kopf timer: kopf guards timers with a finalizer
+    on the CR, which would block deleting a CR whenever the operator is down.
+    """
+    while True:
+        await asyncio.sleep(DRIFT_INTERVAL_S)
+        try:
+            scopes: list[str | None] = list(namespaces) or [None]
+            found = [obj for ns in scopes for obj in await runtime.kube.list_services(ns)]
+        except ApiException as exc:
+            log.warning("drift check could not list DiffusionServices: %s", exc.status)
+            continue
+        for obj in found:
+            meta = obj["metadata"]
+            try:
+                await reconcile(runtime, meta["namespace"], meta["name"])
+            except Exception as exc:  # the next round retries; one bad CR must not stop it
+                log.warning(
+                    "drift reconcile of %s/%s failed: %s", meta["namespace"], meta["name"], exc
+                )
+
+
+@kopf.on.cleanup()
+async def stop_drift(memo: Any, **_: Any) -> None:
+    task = getattr(memo, "drift", None)
+    if task is not None:
+        task.cancel()
 
 
 @kopf.on.event(

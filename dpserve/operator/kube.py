@@ -101,6 +101,13 @@ class Kube:
             raise
         return obj.to_dict()
 
+    @uses((s.GROUP, s.PLURAL, "list"))
+    async def list_services(self, namespace: str | None) -> list[dict[str, Any]]:
+        """DiffusionServices in one namespace, or in all (None)."""
+        resource = self._resource(f"{s.GROUP}/{s.VERSION}", s.KIND)
+        listed = await self._run(resource.get, namespace=namespace)
+        return list(listed.to_dict()["items"])
+
     @uses((s.GROUP, f"{s.PLURAL}/status", "patch"))
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         custom = client.CustomObjectsApi(self.api)
@@ -142,11 +149,18 @@ class Kube:
                 raise
 
     @uses(
-        ("", "services", "patch"),
-        ("", "serviceaccounts", "patch"),
-        ("rbac.authorization.k8s.io", "roles", "patch"),
-        ("rbac.authorization.k8s.io", "rolebindings", "patch"),
-        ("apps", "deployments", "patch"),
+        *(
+            (group, resource, verb)
+            for group, resource in (
+                ("", "services"),
+                ("", "serviceaccounts"),
+                ("rbac.authorization.k8s.io", "roles"),
+                ("rbac.authorization.k8s.io", "rolebindings"),
+                ("apps", "deployments"),
+            )
+            # An apply that creates the object is authorized as a create too.
+            for verb in ("patch", "create")
+        )
     )
     async def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply: the operator owns exactly the fields it sets."""

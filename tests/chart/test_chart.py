@@ -342,13 +342,6 @@ def test_the_operator_holds_what_it_grants_the_router() -> None:
                     assert (group, resource, verb) in required_rules()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dpserve/operator/kube.py: Kube.apply (server-side apply) declares only 'patch', "
-    "but an apply that creates the object is also authorized as 'create' (apiserver "
-    "handlers/patch.go); the operator gets 403 on a new DiffusionService's children. Once "
-    "kube.py declares 'create', drop this mark and add 'create' to the chart's rules.",
-)
 def test_server_side_apply_is_allowed_to_create() -> None:
     from dpserve.operator.kube import Kube
 

@@ -24,12 +24,11 @@ D=$(mktemp -d "${TMPDIR:-/tmp}/dpserve-k8s-smoke.XXXXXX")
 PIDS=()
 cleanup() {
     local rc=$? i pid
+    # Newest first (scheduler, controller-manager, apiserver, etcd), each given up
+    # to 10 s to exit on SIGTERM before SIGKILL, so leases are released cleanly.
     for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
         pid=${PIDS[i]}
         kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${PIDS[@]}"; do
-        # Give each up to 10 s to exit on SIGTERM, then SIGKILL.
         for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         kill -9 "$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import pytest
 
 from dpserve.operator.builders import SPEC_HASH
-from tests.cluster.controlplane import ControlPlane, build_binaries
+from tests.cluster.controlplane import ControlPlane
 from tests.workers import free_port
 
 pytestmark = pytest.mark.cluster
@@ -30,20 +30,17 @@ NS = "op-test"
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[ControlPlane]:
-    plane = ControlPlane(build_binaries()).start()
-    try:
-        plane.kubectl("apply", "-f", str(REPO / "charts/dpserve/crds"))
-        plane.kubectl("wait", "--for=condition=Established", "crd/diffusionservices.dpserve.dev")
-        plane.kubectl("create", "namespace", NS)
-        # Pods need the namespace's default service account (the controller-manager's work).
-        eventually(
-            lambda: plane.kubectl("-n", NS, "get", "sa", "default", check=False).returncode == 0,
-            what="default service account",
-        )
-        yield plane
-    finally:
-        plane.stop()
+def cluster(control_plane: ControlPlane) -> ControlPlane:
+    plane = control_plane
+    plane.kubectl("apply", "-f", str(REPO / "charts/dpserve/crds"))
+    plane.kubectl("wait", "--for=condition=Established", "crd/diffusionservices.dpserve.dev")
+    plane.kubectl("create", "namespace", NS)
+    # Pods need the namespace's default service account (the controller-manager's work).
+    eventually(
+        lambda: plane.kubectl("-n", NS, "get", "sa", "default", check=False).returncode == 0,
+        what="default service account",
+    )
+    return plane
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +231,8 @@ def test_children_status_scale_roll_and_cascade(
     assert seen_unavailable <= 1  # maxUnavailable 1: one replica at a time
     assert condition(cluster, "tiny", "Progressing")["status"] == "False"
 
+    # No finalizer: deleting a CR never hangs on the operator being up.
+    assert not get(cluster, "dsvc", "tiny")["metadata"].get("finalizers")
     # Deleting the CR deletes its children (owner references, garbage collector).
     cluster.kubectl("-n", NS, "delete", "dsvc", "tiny")
     eventually(lambda: not pods(cluster, "tiny"), what="pods collected")

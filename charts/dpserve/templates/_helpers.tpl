@@ -83,7 +83,7 @@ Namespaced resources: bound cluster-wide, or per watched namespace in namespaced
 - pods: replica pods are created, listed, watched and deleted by the operator itself.
 - services, serviceaccounts, deployments, roles, rolebindings: the headless and router
   Services, the router's Deployment, ServiceAccount and Role(Binding), by server-side
-  apply (patch).
+  apply (patch; an apply that creates the object is authorized as create too).
 - configmaps create: the control log; get/update: the router's Role grants them, and RBAC
   lets the operator grant only what it holds itself (escalation prevention).
 - endpointslices list/watch: also granted to the router's Role (same reason).
@@ -101,10 +101,10 @@ Namespaced resources: bound cluster-wide, or per watched namespace in namespaced
   verbs: ["create", "delete", "list", "watch"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["patch"]
+  verbs: ["create", "patch"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["patch"]
+  verbs: ["create", "patch"]
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["create", "get", "update"]
@@ -113,13 +113,13 @@ Namespaced resources: bound cluster-wide, or per watched namespace in namespaced
   verbs: ["create"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["patch"]
+  verbs: ["create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles"]
-  verbs: ["patch"]
+  verbs: ["create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["rolebindings"]
-  verbs: ["patch"]
+  verbs: ["create", "patch"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["list", "watch"]
