@@ -176,6 +176,15 @@ def test_children_status_scale_roll_and_cascade(
     columns = cluster.kubectl("-n", NS, "get", "dsvc", "tiny").stdout.split("\n")[0].split()
     assert columns == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
 
+    # A lost pod comes back under the same name.
+    uid = pods(cluster, "tiny")["tiny-replica-1"]["metadata"]["uid"]
+    cluster.kubectl("-n", NS, "delete", "pod", "tiny-replica-1", "--wait=false")
+    eventually(
+        lambda: pods(cluster, "tiny")["tiny-replica-1"]["metadata"]["uid"] != uid,
+        what="tiny-replica-1 recreated",
+    )
+    mark_ready(cluster, "tiny-replica-1")
+
     # The scale subresource: kubectl scale (and an HPA) work on the CR.
     cluster.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=3")
     eventually(lambda: "tiny-replica-2" in pods(cluster, "tiny"), what="third replica")

@@ -23,6 +23,17 @@ def test_light_modules_do_not_import_torch(module: str) -> None:
     assert "torch" not in loaded and "diffusers" not in loaded
 
 
+@pytest.mark.parametrize(
+    "module", ["dpserve.operator.handlers", "dpserve.router.app", "dpserve.router.kubernetes"]
+)
+def test_operator_and_router_never_import_the_worker_or_torch(module: str) -> None:
+    loaded = _modules_after_import(module)
+    assert "torch" not in loaded and "diffusers" not in loaded
+    assert not any(m.startswith("dpserve.worker") for m in loaded)
+    if module.startswith("dpserve.operator"):
+        assert not any(m.startswith("dpserve.router") for m in loaded)
+
+
 def test_worker_does_not_import_fastapi() -> None:
     loaded = _modules_after_import("dpserve.worker.rank, dpserve.worker.executor")
     assert "fastapi" not in loaded and "starlette" not in loaded
