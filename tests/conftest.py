@@ -8,6 +8,8 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.cluster.controlplane import ControlPlane
+    from tests.cluster.localcluster import LocalCluster
+    from tests.e2e.backends import Backend
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +44,50 @@ def control_plane() -> Iterator[ControlPlane]:
         yield plane
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    """Test network, a real control plane on the bridge address, and a test kubelet.
+
+    Pods bound to node ``node-1`` run as local processes with their own 10.244.0.x
+    addresses (tests/cluster/kubelet.py). Needs root; skipped without it.
+    """
+    from tests.cluster.localcluster import LocalCluster
+    from tests.cluster.network import available
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    cluster = LocalCluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cluster",
+        choices=("local", "kind"),
+        default="local",
+        help="Kubernetes e2e backend: the local control plane (default) or kind (needs Docker)",
+    )
+
+
+@pytest.fixture(scope="session")
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """The cluster the Kubernetes e2e journey runs on."""
+    from tests.e2e.backends import KindBackend, LocalBackend, kind_unavailable
+
+    if request.config.getoption("--cluster") == "local":
+        yield LocalBackend(request.getfixturevalue("local_cluster"))  # that fixture tears down
+        return
+    why = kind_unavailable()
+    if why is not None:
+        pytest.skip(f"--cluster kind needs Docker and kind: {why}")
+    kind = KindBackend()
+    try:
+        yield kind
+    finally:
+        kind.close()

@@ -9,6 +9,8 @@ work is retried with a delay.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -38,6 +40,12 @@ class Runtime:
         self.kube = kube
         self.images = images
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # A reconcile waiting for the lock will read the newest state anyway, so
+        # events arriving meanwhile need not queue another one behind it.
+        self.waiting: set[tuple[str, str]] = set()
+        # Hash of the children last applied per object: unchanged children are
+        # re-applied only by the drift check, not on every pod event.
+        self.applied: dict[tuple[str, str], str] = {}
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -84,17 +92,24 @@ class InvalidSpec(ValueError):
     pass
 
 
-async def reconcile(runtime: Runtime, namespace: str, name: str) -> None:
+async def reconcile(
+    runtime: Runtime, namespace: str, name: str, coalesce: bool = False, drift: bool = False
+) -> None:
+    key = (namespace, name)
+    if coalesce and key in runtime.waiting:
+        return
+    runtime.waiting.add(key)
     async with runtime.lock(namespace, name):
+        runtime.waiting.discard(key)
         try:
-            await _reconcile(runtime, namespace, name)
+            await _reconcile(runtime, namespace, name, drift)
         except ApiException as exc:
             if exc.status in (409, 429, 500, 503):
                 raise kopf.TemporaryError(f"API answered {exc.status}; retrying", delay=2) from exc
             raise
 
 
-async def _reconcile(runtime: Runtime, namespace: str, name: str) -> None:
+async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -> None:
     kube = runtime.kube
     obj = await kube.get_service(namespace, name)
     if obj is None or obj["metadata"].get("deletionTimestamp"):
@@ -105,11 +120,15 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str) -> None:
     except (ValidationError, LayoutError, InvalidSpec) as exc:
         await _report_invalid(kube, obj, str(exc))
         return
-    for child in b.build_children(svc, runtime.images):
-        if child["kind"] == "ConfigMap":
-            await kube.create_if_absent(child)
-        else:
-            await kube.apply(child)
+    children = b.build_children(svc, runtime.images)
+    digest = hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
+    if drift or runtime.applied.get((namespace, name)) != digest:
+        for child in children:
+            if child["kind"] == "ConfigMap":
+                await kube.create_if_absent(child)
+            else:
+                await kube.apply(child)
+        runtime.applied[(namespace, name)] = digest
     selector = b.selector_string(svc)
     pods = await kube.list_pods(namespace, selector)
     todo = plan(
@@ -182,7 +201,7 @@ async def drift_loop(runtime: Runtime, namespaces: list[str]) -> None:
         for obj in found:
             meta = obj["metadata"]
             try:
-                await reconcile(runtime, meta["namespace"], meta["name"])
+                await reconcile(runtime, meta["namespace"], meta["name"], drift=True)
             except Exception as exc:  # the next round retries; one bad CR must not stop it
                 log.warning(
                     "drift reconcile of %s/%s failed: %s", meta["namespace"], meta["name"], exc
@@ -207,6 +226,6 @@ async def on_replica_pod(
     owner = labels.get("app.kubernetes.io/instance")
     if owner:
         try:
-            await reconcile(memo.runtime, namespace or "", owner)
+            await reconcile(memo.runtime, namespace or "", owner, coalesce=True)
         except kopf.TemporaryError as exc:  # the drift timer will catch up
             log.info("reconcile after a pod event deferred: %s", exc)

@@ -1,0 +1,180 @@
+"""Where the Kubernetes e2e suite runs: the local control plane, or kind (needs Docker).
+
+Both backends offer the same few verbs; only reaching the router differs (a pod IP
+on the local test network, a port-forward on kind).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from tests.chart import tools
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Backend(Protocol):
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]: ...
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]: ...
+
+    def helm_values(self) -> list[str]: ...
+
+    def provide_files(self, mounts: dict[str, Path]) -> None: ...
+
+    def router_url(self, namespace: str, name: str) -> str: ...
+
+    def get(self, namespace: str, *what: str) -> Any: ...
+
+    def pod_ready(self, namespace: str, selector: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class _Common:
+    kubeconfig: Path
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [shutil.which("kubectl") or "kubectl", f"--kubeconfig={self.kubeconfig}", *args]
+        return subprocess.run(cmd, check=check, capture_output=True, text=True, input=input)
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = tools.helm_env(Path(tempfile.mkdtemp(prefix="dpserve-helm-")))
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        result = subprocess.run(
+            [str(tools.helm()), *args], capture_output=True, text=True, env=env, timeout=300
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def get(self, namespace: str, *what: str) -> Any:
+        return json.loads(self.kubectl("-n", namespace, "get", *what, "-o", "json").stdout)
+
+    def pod_ready(self, namespace: str, selector: str) -> bool:
+        items = self.get(namespace, "pods", "-l", selector)["items"]
+        return bool(items) and all(
+            any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+            for conds in ((p.get("status") or {}).get("conditions") or [] for p in items)
+        )
+
+
+class LocalBackend(_Common):
+    """The real control plane of tests/cluster with the test kubelet."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.kubeconfig = cluster.kubeconfig
+        self._router: tuple[float, str, str] = (0.0, "", "")
+
+    def helm_values(self) -> list[str]:
+        return []  # images are ignored: pods run from this test's environment
+
+    def provide_files(self, mounts: dict[str, Path]) -> None:
+        self.cluster.images["*"] = {k: str(v) for k, v in mounts.items()}
+
+    def router_url(self, namespace: str, name: str) -> str:
+        """A Ready router pod's address (no kube-proxy here: Service IPs do not route)."""
+        cached_at, key, url = self._router
+        if key == f"{namespace}/{name}" and time.monotonic() - cached_at < 2:
+            return url
+        selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=router"
+        for pod in self.get(namespace, "pods", "-l", selector)["items"]:
+            conds = (pod.get("status") or {}).get("conditions") or []
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
+                url = f"http://{pod['status']['podIP']}:8000"
+                self._router = (time.monotonic(), f"{namespace}/{name}", url)
+                return url
+        raise LookupError(f"no ready router pod for {namespace}/{name}")
+
+    def close(self) -> None:
+        """The session's local_cluster fixture owns the cluster and stops it."""
+
+
+class KindBackend(_Common):
+    """A kind cluster with the images built and loaded (Docker required)."""
+
+    def __init__(self) -> None:
+        self.name = "dpserve-e2e"
+        self.kubeconfig = Path(tempfile.mkdtemp(prefix="dpserve-kind-")) / "kubeconfig"
+        self._forwards: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+        subprocess.run(
+            [
+                "kind",
+                "create",
+                "cluster",
+                "--name",
+                self.name,
+                "--kubeconfig",
+                str(self.kubeconfig),
+            ],
+            check=True,
+        )
+        for target in ("operator", "router", "worker"):
+            tag = f"dpserve-{target}:e2e"
+            subprocess.run(
+                ["docker", "build", "--target", target, "-t", tag, str(REPO)], check=True
+            )
+            subprocess.run(["kind", "load", "docker-image", tag, "--name", self.name], check=True)
+
+    def helm_values(self) -> list[str]:
+        return [
+            f"--set-string=image.{t}.repository=dpserve-{t},image.{t}.tag=e2e"
+            for t in ("operator", "router", "worker")
+        ] + ["--set-string=image.pullPolicy=Never"]
+
+    def provide_files(self, mounts: dict[str, Path]) -> None:
+        """The CPU worker image carries /models/tiny; LoRAs are copied into the node."""
+        for container_path, host_path in mounts.items():
+            if container_path != "/models":
+                subprocess.run(
+                    ["docker", "cp", str(host_path), f"{self.name}-control-plane:{container_path}"],
+                    check=True,
+                )
+
+    def router_url(self, namespace: str, name: str) -> str:
+        key = f"{namespace}/{name}"
+        if key not in self._forwards or self._forwards[key][0].poll() is not None:
+            port = _free_port()
+            proc = subprocess.Popen(
+                [shutil.which("kubectl") or "kubectl", f"--kubeconfig={self.kubeconfig}",
+                 "-n", namespace, "port-forward", f"svc/{name}", f"{port}:80"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            time.sleep(1)
+            self._forwards[key] = (proc, f"http://127.0.0.1:{port}")
+        return self._forwards[key][1]
+
+    def close(self) -> None:
+        for proc, _ in self._forwards.values():
+            proc.terminate()
+        subprocess.run(["kind", "delete", "cluster", "--name", self.name], check=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kind_unavailable() -> str | None:
+    """Why kind cannot run here, or None."""
+    if shutil.which("kind") is None:
+        return "kind is not installed"
+    if shutil.which("docker") is None:
+        return "docker is not installed"
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        return "no Docker engine is running"
+    return None

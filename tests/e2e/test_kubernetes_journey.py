@@ -1,0 +1,231 @@
+"""The user journey on Kubernetes: helm install → kubectl apply → images, and everything after.
+
+Backends: ``--cluster local`` (default) runs on the real control plane of
+tests/cluster with the test kubelet (pods are local processes in their own
+network namespaces); ``--cluster kind`` uses a kind cluster and needs Docker.
+The steps are the same; only how the router is reached differs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from tests.e2e.backends import Backend
+
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+NS = "journey"
+REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
+
+
+def eventually(check: Callable[[], T], timeout_s: float = 120, what: str = "") -> T:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as exc:  # polling through transient API/HTTP errors
+            last = exc
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}: {last}")
+
+
+class Load:
+    """Generation requests in a loop from two clients; every failure is recorded."""
+
+    def __init__(self, url: Callable[[], str]) -> None:
+        self.url = url
+        self.failures: list[str] = []
+        self.served: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120) as http:
+            while not self._stop.is_set():
+                try:
+                    r = http.post(f"{self.url()}/v1/images/generations", json=REQUEST)
+                except httpx.HTTPError as exc:
+                    self.failures.append(f"transport: {exc!r}")
+                    continue
+                if r.status_code == 200:
+                    self.served.append(r.headers["X-Dpserve-Replica"])
+                else:
+                    self.failures.append(f"{r.status_code}: {r.text[:300]}")
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=180)
+
+
+@pytest.fixture(scope="module")
+def k8s(backend: Backend, tiny_model: Path, tiny_lora: Path) -> Iterator[Backend]:
+    backend.provide_files({"/models": tiny_model.parent, "/loras": tiny_lora.parent})
+    backend.helm("install", "dpserve", str(REPO / "charts/dpserve"),
+                 "-n", "dpserve-system", "--create-namespace", *backend.helm_values())  # fmt: skip
+    eventually(
+        lambda: backend.pod_ready("dpserve-system", "app.kubernetes.io/name=dpserve"),
+        what="the operator pod",
+    )
+    backend.kubectl("create", "namespace", NS)
+    eventually(lambda: backend.kubectl("-n", NS, "get", "sa", "default", check=False)
+               .returncode == 0, what="default service account")  # fmt: skip
+    yield backend
+    backend.helm("uninstall", "dpserve", "-n", "dpserve-system", check=False)
+
+
+def status(k8s: Backend, name: str = "tiny") -> dict[str, Any]:
+    return k8s.get(NS, "dsvc", name).get("status") or {}
+
+
+def serving(k8s: Backend) -> list[str]:
+    reps = httpx.get(f"{k8s.router_url(NS, 'tiny')}/health/replicas", timeout=5).json()
+    return sorted(r["replica"] for r in reps["replicas"] if r["state"] == "serving")
+
+
+def replica_pods(k8s: Backend, name: str = "tiny") -> dict[str, dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
+    items = k8s.get(NS, "pods", "-l", selector)["items"]
+    return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
+
+
+def image(response: httpx.Response) -> bytes:
+    assert response.status_code == 200, response.text
+    return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+
+def test_journey(k8s: Backend, tiny_lora: Path) -> None:
+    # 2. apply the example; the CR becomes Ready; kubectl shows the printer columns.
+    k8s.kubectl("-n", NS, "apply", "-f", str(REPO / "examples/diffusionservice-cpu.yaml"))
+    eventually(lambda: status(k8s).get("readyReplicas") == 2, 300, "2 ready replicas")
+    ready = next(c for c in status(k8s)["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+    header = k8s.kubectl("-n", NS, "get", "dsvc").stdout.splitlines()[0].split()
+    assert header == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
+
+    # 3. through the router: both replicas serve, same seed ⇒ same bytes.
+    url = k8s.router_url(NS, "tiny")
+    eventually(lambda: serving(k8s) == ["0", "1"], 120, "router sees both replicas")
+    with httpx.Client(base_url=url, timeout=120) as http:
+        first = http.post("/v1/images/generations", json=REQUEST)
+        second = http.post("/v1/images/generations", json=REQUEST)
+    assert {first.headers["X-Dpserve-Replica"], second.headers["X-Dpserve-Replica"]} == {"0", "1"}
+    assert image(first) == image(second)
+
+    with Load(lambda: k8s.router_url(NS, "tiny")) as load:
+        # 4. scale out and in: the router follows within seconds, nothing fails.
+        k8s.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=3")
+        eventually(lambda: serving(k8s) == ["0", "1", "2"], 240, "router sees 3")
+        k8s.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=1")
+        eventually(lambda: serving(k8s) == ["0"], 60, "router sees 1")
+        eventually(lambda: set(replica_pods(k8s)) == {"tiny-replica-0"}, 120, "pods gone")
+
+        # 9. a control op reaches every replica; one created later gets it first.
+        body = {"lora_nickname": "style", "lora_path": "/loras/" + tiny_lora.name}
+        done = httpx.post(f"{url}/v1/set_lora", json=body, timeout=120)
+        assert done.status_code == 200, done.text
+        k8s.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=2")
+        eventually(lambda: serving(k8s) == ["0", "1"], 240, "router sees 2 again")
+        listed = httpx.get(f"{url}/v1/list_loras", timeout=60).json()
+        assert listed["consistent"] is True and len(listed["replicas"]) == 2
+        assert [x["nickname"] for x in listed["result"]["loaded"]] == ["style"]
+
+        # 5. a replica pod deleted under load is recreated; nothing fails.
+        uid = replica_pods(k8s)["tiny-replica-1"]["metadata"]["uid"]
+        k8s.kubectl("-n", NS, "delete", "pod", "tiny-replica-1", "--wait=false")
+        eventually(lambda: replica_pods(k8s).get("tiny-replica-1", {}).get("metadata", {})
+                   .get("uid") not in (None, uid), 120, "replacement pod")  # fmt: skip
+        eventually(lambda: serving(k8s) == ["0", "1"], 240, "replacement serving")
+
+        # 6. a spec change rolls the pods one at a time; status tells the truth.
+        patch = {"spec": {"env": [{"name": "DPSERVE_JOURNEY", "value": "2"}]}}
+        k8s.kubectl("-n", NS, "patch", "dsvc", "tiny", "--type=merge", "-p", json.dumps(patch))
+        generation = k8s.get(NS, "dsvc", "tiny")["metadata"]["generation"]
+        lowest_ready = 2
+
+        def rolled() -> bool:
+            nonlocal lowest_ready
+            st = status(k8s)
+            assert st.get("updatedReplicas", 0) <= 2
+            lowest_ready = min(lowest_ready, st.get("readyReplicas", 0))
+            return st.get("observedGeneration") == generation and st.get(
+                "updatedReplicas"
+            ) == 2 == st.get("readyReplicas")
+
+        eventually(rolled, 420, "the roll")
+        assert lowest_ready >= 1  # maxUnavailable 1
+        eventually(lambda: serving(k8s) == ["0", "1"], 120, "both serving after the roll")
+        time.sleep(2)
+    assert load.failures == [], load.failures[:5]
+    assert {"0", "1"} <= set(load.served)
+
+
+def test_crd_refuses_invalid_specs(k8s: Backend) -> None:
+    bad = {
+        "apiVersion": "dpserve.dev/v1alpha1",
+        "kind": "DiffusionService",
+        "metadata": {"name": "bad", "namespace": NS},
+        "spec": {"model": {"path": "/m"}, "role": "denoiser", "replicas": 2},
+    }
+    refused = k8s.kubectl("apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused.returncode != 0
+    assert "data-parallel replicas need role monolithic" in refused.stderr
+    bad["spec"] = {"model": {"path": "/m"}, "parallelism": {"sp": 2, "ulysses": 2, "ring": 2}}
+    refused = k8s.kubectl("apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert "ulysses * parallelism.ring must equal parallelism.sp" in refused.stderr
+
+
+def test_more_gpus_than_the_node_has_is_degraded(k8s: Backend) -> None:
+    greedy = {
+        "apiVersion": "dpserve.dev/v1alpha1",
+        "kind": "DiffusionService",
+        "metadata": {"name": "greedy", "namespace": NS},
+        # 3 replicas x cfg 2 = 6 GPUs; the node has 4. The image never matters: the
+        # third pod is never scheduled, and the point is what status says about it.
+        "spec": {"model": {"path": "/models/tiny"}, "replicas": 3, "parallelism": {"cfg": 2}},
+    }
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(greedy))
+    try:
+
+        def unschedulable() -> dict[str, Any] | None:
+            st = status(k8s, "greedy")
+            return next(
+                (r for r in st.get("replicaStatuses", []) if r.get("reason") == "Unschedulable"),
+                None,
+            )
+
+        stuck = eventually(unschedulable, 120, "an unschedulable replica")
+        assert "nvidia.com/gpu" in stuck["message"]
+        degraded = next(c for c in status(k8s, "greedy")["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True"
+    finally:
+        k8s.kubectl("-n", NS, "delete", "dsvc", "greedy", "--wait=false", check=False)
+
+
+def test_delete_collects_every_child(k8s: Backend) -> None:
+    k8s.kubectl("-n", NS, "delete", "dsvc", "tiny", "--wait=false")
+    kinds = "pods,services,deployments,serviceaccounts,roles,rolebindings,configmaps"
+
+    def leftovers() -> list[str]:
+        listed = k8s.get(NS, kinds, "-l", "app.kubernetes.io/instance=tiny")["items"]
+        return [f"{o['kind']}/{o['metadata']['name']}" for o in listed]
+
+    eventually(lambda: leftovers() == [], 180, "garbage collection")
