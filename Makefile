@@ -6,7 +6,7 @@ STAMP := $(VENV)/.dpserve-installed
 CACHE ?= $(HOME)/.cache/dpserve
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint bench-cfg clean
+.PHONY: setup serve test test-fast lint cluster-bins bench-cfg clean
 
 setup: $(STAMP)
 
@@ -25,9 +25,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check dpserve tests bench
 	$(VENV)/bin/mypy
 
-# Every tier: unit, gang (multi-process worker gangs) and e2e.
-test: lint
+# Every tier: unit, gang (multi-process worker gangs), e2e, and cluster (a real control
+# plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s).
+test: lint cluster-bins
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+cluster-bins:
+	bash tests/cluster/build.sh >/dev/null
 
 # The quick loop while working: skips the gang, e2e and cluster tiers.
 test-fast: $(STAMP)
