@@ -89,7 +89,8 @@ def main() -> None:
         cluster.kubectl("apply", "-f", str(REPO / "charts/dpserve/crds"))
         cluster.kubectl("wait", "--for=condition=Established", "crd/diffusionservices.dpserve.dev")
         cluster.kubectl("create", "namespace", NS)
-        _wait(lambda: cluster.kubectl("-n", NS, "get", "sa", "default", check=False).returncode == 0)
+        has_sa = ("-n", NS, "get", "sa", "default")
+        _wait(lambda: cluster.kubectl(*has_sa, check=False).returncode == 0)
         operator = subprocess.Popen(
             [sys.executable, "-m", "dpserve", "operator", "--all-namespaces",
              "--liveness-port", str(free_port())],

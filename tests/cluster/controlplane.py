@@ -282,10 +282,11 @@ class ControlPlane:
         return subprocess.run(cmd, check=check, capture_output=True, text=True, input=input)
 
     def stop(self) -> None:
+        # One at a time, newest first: an apiserver whose etcd is already gone spends
+        # its whole shutdown timeout retrying (seconds instead of ~1 s).
         for proc in reversed(list(self.procs.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:

@@ -56,7 +56,12 @@ class Load:
         with httpx.Client(timeout=120) as http:
             while not self._stop.is_set():
                 try:
-                    r = http.post(f"{self.url()}/v1/images/generations", json=REQUEST)
+                    url = self.url()
+                except LookupError:  # no router pod Ready this instant: nothing was sent
+                    time.sleep(0.2)
+                    continue
+                try:
+                    r = http.post(f"{url}/v1/images/generations", json=REQUEST)
                 except httpx.HTTPError as exc:
                     self.failures.append(f"transport: {exc!r}")
                     continue
@@ -121,8 +126,9 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
     header = k8s.kubectl("-n", NS, "get", "dsvc").stdout.splitlines()[0].split()
     assert header == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
 
-    # 3. through the router: both replicas serve, same seed ⇒ same bytes.
-    url = k8s.router_url(NS, "tiny")
+    # 3. through the router: both replicas serve, same seed ⇒ same bytes. (The router
+    # turns Ready one probe period after it has found a replica.)
+    url = eventually(lambda: k8s.router_url(NS, "tiny"), 120, "a ready router pod")
     eventually(lambda: serving(k8s) == ["0", "1"], 120, "router sees both replicas")
     with httpx.Client(base_url=url, timeout=120) as http:
         first = http.post("/v1/images/generations", json=REQUEST)
