@@ -81,6 +81,7 @@ class ReplicaPool:
 
     def __post_init__(self) -> None:
         self._rr = RoundRobin()
+        self._leaving: dict[str, tuple[Replica, asyncio.Task[None]]] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         # Serializes control fan-outs with catch-up replays, so log order is apply order.
         self.control_lock = asyncio.Lock()
@@ -92,14 +93,36 @@ class ReplicaPool:
         """Discovery's view of the world: connect new replicas, drop vanished ones."""
         wanted = set(endpoints)
         for endpoint in wanted - set(self.replicas):
+            leaving = self._leaving.pop(endpoint, None)
+            if leaving is not None:  # back before it finished draining: keep it
+                self.replicas[endpoint] = leaving[0]
+                continue
             self.replicas[endpoint] = Replica(endpoint, ReplicaConnection(self.ctx, endpoint))
             log.info("replica %s added", endpoint)
         for endpoint in set(self.replicas) - wanted:
             replica = self.replicas.pop(endpoint)
-            replica.serving = False
-            await replica.conn.close()
-            log.info("replica %s removed", endpoint)
+            replica.serving = replica.answering = False
+            # A removed replica is usually draining (scale-down, rollout): it gets no
+            # new work, but what it is running still gets its answer.
+            task = asyncio.create_task(self._drain(replica), name=f"drain {endpoint}")
+            self._leaving[endpoint] = (replica, task)
+            log.info("replica %s removed; draining %d in flight", endpoint, replica.inflight)
         self._wake()
+
+    async def _drain(self, replica: Replica) -> None:
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        back = False
+        try:
+            while replica.conn.in_flight and time.monotonic() < deadline:
+                if self.replicas.get(replica.endpoint) is replica:
+                    back = True  # re-added by discovery: it stays connected
+                    return
+                await asyncio.sleep(0.1)
+            back = self.replicas.get(replica.endpoint) is replica
+        finally:
+            if not back:
+                self._leaving.pop(replica.endpoint, None)
+                await replica.conn.close()
 
     async def start(self) -> None:
         await self.check_all()
@@ -110,6 +133,10 @@ class ReplicaPool:
             self._health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health
+        for _, task in list(self._leaving.values()):
+            task.cancel()  # its cleanup closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for replica in self.replicas.values():
             await replica.conn.close()
         self.replicas.clear()
