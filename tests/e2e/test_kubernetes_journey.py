@@ -14,32 +14,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.e2e.backends import Backend
+from tests.polling import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
-T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 NS = "journey"
 REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
-
-
-def eventually(check: Callable[[], T], timeout_s: float = 120, what: str = "") -> T:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception as exc:  # polling through transient API/HTTP errors
-            last = exc
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}: {last}")
 
 
 class Load:

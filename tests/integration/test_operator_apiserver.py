@@ -13,18 +13,18 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from dpserve.operator.builders import SPEC_HASH
 from tests.cluster.controlplane import ControlPlane
+from tests.polling import eventually
 from tests.workers import free_port
 
 pytestmark = pytest.mark.cluster
-T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 NS = "op-test"
 
@@ -55,20 +55,6 @@ def operator(cluster: ControlPlane) -> Iterator[subprocess.Popen[bytes]]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def eventually(check: Callable[[], T], timeout_s: float = 60, what: str = "") -> T:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except (AssertionError, KeyError, IndexError, subprocess.CalledProcessError) as exc:
-            last = exc
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what or check}: {last}")
 
 
 def get(cluster: ControlPlane, *what: str) -> Any:
