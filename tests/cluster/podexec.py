@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 MS_RDONLY = 1
@@ -88,6 +89,20 @@ def apply_mounts(mounts: list[dict]) -> None:
             ) from None
 
 
+def keep_host_tools_visible(mounts: list[dict]) -> list[dict]:
+    """Re-bind the venv and the repo over any volume that hides them.
+
+    Pods run their commands from this machine's venv (images are ignored); a volume
+    at, say, /tmp would hide a checkout living under /tmp, and the command with it.
+    """
+    tools = {sys.prefix, str(Path(__file__).resolve().parents[2])}
+    hidden = [
+        t for t in sorted(tools)
+        if any(t == m["target"] or t.startswith(m["target"].rstrip("/") + "/") for m in mounts)
+    ]  # fmt: skip
+    return [*mounts, *({"type": "bind", "source": t, "target": t} for t in hidden)]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: podexec.py SPEC.json", file=sys.stderr)
@@ -100,7 +115,7 @@ def main(argv: list[str]) -> int:
     if spec.get("parent") and os.getppid() != spec["parent"]:
         return 128  # the kubelet is already gone
     try:
-        apply_mounts(spec.get("mounts", []))
+        apply_mounts(keep_host_tools_visible(spec.get("mounts", [])))
         if spec.get("hostname"):
             socket.sethostname(spec["hostname"])
         if spec.get("gid") is not None:
