@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 import msgspec
@@ -44,4 +44,3 @@ class GangStatus:
     served: int = 0
     released: bool = False
     applied: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
