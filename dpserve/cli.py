@@ -47,6 +47,11 @@ def _add_gang_args(w: argparse.ArgumentParser) -> None:
         "--max-sequence-length", type=_positive, default=None, help="text tokens per prompt"
     )
     w.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish work")
+    w.add_argument("--max-sessions", type=_positive, default=8, help="realtime sessions held")
+    w.add_argument("--max-session-mb", type=_positive, default=256, help="state per session")
+    w.add_argument(
+        "--session-idle-timeout", type=float, default=60.0, help="seconds before an idle release"
+    )
 
 
 def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -133,6 +138,8 @@ def _gang_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--threads-per-rank", args.threads_per_rank, "--device", args.device]
     flags += ["--dtype", args.dtype, "--max-queue", args.max_queue, "--max-side", args.max_side]
     flags += ["--max-steps", args.max_steps, "--drain-timeout", args.drain_timeout]
+    flags += ["--max-sessions", args.max_sessions, "--max-session-mb", args.max_session_mb]
+    flags += ["--session-idle-timeout", args.session_idle_timeout]
     for name in ("ulysses", "ring", "max_sequence_length"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
@@ -247,6 +254,9 @@ def _worker(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         drain_timeout_s=args.drain_timeout,
         max_sequence_length=args.max_sequence_length,
+        max_sessions=args.max_sessions,
+        max_session_mb=args.max_session_mb,
+        session_idle_timeout_s=args.session_idle_timeout,
     )
     if not (config.model / "model_index.json").is_file():
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)

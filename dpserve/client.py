@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import zmq
 
 from dpserve import protocol as p
+from dpserve import realtime as rt
 from dpserve.transport import connect_dealer
 
 
@@ -47,10 +49,16 @@ class ReplicaClient:
             raise ReplicaTimeout(f"no reply from {self.endpoint} within {wait:.1f}s")
         return p.decode(self._sock.recv_multipart())
 
-    def call(self, kind: str, body: Any = None, timeout_s: float | None = None) -> p.Message:
+    def call(
+        self,
+        kind: str,
+        body: Any = None,
+        timeout_s: float | None = None,
+        blobs: Sequence[bytes] = (),
+    ) -> p.Message:
         """One request and its reply; an error reply raises :class:`protocol.RequestError`."""
         request_id = uuid.uuid4().hex
-        self.send_raw(p.encode(kind, request_id, body))
+        self.send_raw(p.encode(kind, request_id, body, blobs))
         while True:
             reply = self.recv(timeout_s)
             if reply.id == request_id:  # skip late replies to requests that timed out
@@ -67,6 +75,17 @@ class ReplicaClient:
         reply = self.call(p.GENERATE, fields)
         result: p.GenerateResult = reply.body_as(p.GenerateResult)
         return result, [reply.blobs[meta.blob] for meta in result.images]
+
+    def session(
+        self, request: rt.SessionRequest, blobs: Sequence[bytes] = ()
+    ) -> tuple[Any, list[bytes]]:
+        """A session action: a :class:`realtime.FrameResult` and its frame for open and
+        step, a :class:`realtime.SessionInfo` (and no blobs) for resume and close."""
+        reply = self.call(p.SESSION, request, blobs=blobs)
+        if request.action in (rt.OPEN, rt.STEP):
+            frame: rt.FrameResult = reply.body_as(rt.FrameResult)
+            return frame, [reply.blobs[frame.blob]]
+        return reply.body_as(rt.SessionInfo), []
 
     def control(self, op: str, **args: Any) -> dict[str, Any]:
         reply = self.call(p.CONTROL, p.ControlRequest(op=op, args=args))

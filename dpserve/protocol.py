@@ -25,7 +25,8 @@ PROTOCOL_VERSION: Final = 1
 GENERATE: Final = "generate"
 CONTROL: Final = "control"
 PING: Final = "ping"
-REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING})
+SESSION: Final = "session"  # realtime sessions (dpserve.realtime): open, step, resume, close
+REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING, SESSION})
 # Message kinds, reply side.
 RESULT: Final = "result"
 ERROR: Final = "error"
@@ -35,6 +36,7 @@ INVALID_REQUEST: Final = "invalid_request"
 UNSUPPORTED: Final = "unsupported"
 OVERLOADED: Final = "overloaded"
 CONFLICT: Final = "conflict"
+NOT_FOUND: Final = "not_found"
 UNAVAILABLE: Final = "unavailable"
 INTERNAL: Final = "internal"
 HTTP_STATUS: Final[Mapping[str, int]] = {
@@ -42,6 +44,7 @@ HTTP_STATUS: Final[Mapping[str, int]] = {
     UNSUPPORTED: 400,
     OVERLOADED: 429,
     CONFLICT: 409,
+    NOT_FOUND: 404,
     UNAVAILABLE: 503,
     INTERNAL: 500,
 }
@@ -181,7 +184,7 @@ def invalid_fields(errors: Sequence[FieldError]) -> RequestError:
 _SIZE_RE: Final = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
-class _Checker:
+class FieldChecker:
     """Collects every bad field of a request, so one reply names them all."""
 
     def __init__(self, body: Mapping[str, Any]) -> None:
@@ -237,7 +240,7 @@ class _Checker:
         return value
 
 
-def _parse_size(check: _Checker, limits: Limits) -> tuple[int | None, int | None]:
+def parse_size(check: FieldChecker, limits: Limits) -> tuple[int | None, int | None]:
     width = check.side("width", limits)
     height = check.side("height", limits)
     size = check.body.get("size")
@@ -250,13 +253,13 @@ def _parse_size(check: _Checker, limits: Limits) -> tuple[int | None, int | None
     if "width" in check.body or "height" in check.body:
         check.bad("size", "give either size or width/height, not both")
         return width, height
-    sized = _Checker({"width": int(match[1]), "height": int(match[2])})
+    sized = FieldChecker({"width": int(match[1]), "height": int(match[2])})
     width, height = sized.side("width", limits), sized.side("height", limits)
     check.errors += [FieldError("size", f"{e.field} {e.message}") for e in sized.errors]
     return width, height
 
 
-def _parse_seeds(check: _Checker, n: int) -> list[int] | None:
+def _parse_seeds(check: FieldChecker, n: int) -> list[int] | None:
     seed = check.body.get("seed")
     if seed is None:
         return None
@@ -301,14 +304,14 @@ def parse_generate(
     """
     if not isinstance(body, Mapping):
         raise RequestError(INVALID_REQUEST, "the request body must be an object")
-    check = _Checker(body)
+    check = FieldChecker(body)
     unknown = sorted(str(k) for k in body if k not in _GENERATE_FIELDS | ignore)
     for key in unknown:
         check.bad(key, "is not a known field")
     prompt = check.text("prompt", required=True)
     negative = check.text("negative_prompt", required=False)
     n = check.integer("n", 1, limits.max_n)
-    width, height = _parse_size(check, limits)
+    width, height = parse_size(check, limits)
     steps = check.integer("num_inference_steps", 1, limits.max_steps)
     guidance = check.number("guidance_scale", 0.0, limits.max_scale)
     true_cfg = check.number("true_cfg_scale", 0.0, limits.max_scale)
@@ -374,6 +377,9 @@ class PingResult(msgspec.Struct, kw_only=True):
     released: bool
     progress_age_s: float
     applied: int = 0  # control-log positions applied since this boot
+    sessions: int = 0  # realtime sessions held
+    max_sessions: int = 0
+    session_bytes: int = 0  # memory their state takes, on the driver's rank
 
 
 def parse_control(body: ControlRequest) -> ControlRequest:

@@ -8,16 +8,19 @@ from typing import Final
 import msgspec
 
 from dpserve.protocol import ControlRequest, GenerateParams
+from dpserve.realtime import SessionRequest
 
 TICK: Final = "tick"  # idle heartbeat: proves the gang is alive, keeps collectives warm
 STOP: Final = "stop"
 
 
 class GangCommand(msgspec.Struct, kw_only=True):
-    kind: str  # protocol.GENERATE, protocol.CONTROL, TICK or STOP
+    kind: str  # protocol.GENERATE, protocol.CONTROL, protocol.SESSION, TICK or STOP
     id: str = ""
     generate: GenerateParams | None = None
     control: ControlRequest | None = None
+    session: SessionRequest | None = None
+    blobs: list[bytes] = msgspec.field(default_factory=list)  # a session's starting image
 
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
@@ -44,3 +47,5 @@ class GangStatus:
     served: int = 0
     released: bool = False
     applied: int = 0
+    sessions: int = 0
+    session_bytes: int = 0

@@ -31,6 +31,9 @@ class WorkerConfig:
     stall_s: float = 120.0  # no progress for this long while busy: pings report "stalled"
     collective_timeout_s: float = 600.0
     drain_timeout_s: float = 300.0
+    max_sessions: int = 8  # realtime sessions held at once
+    max_session_mb: int = 256  # state one session may take
+    session_idle_timeout_s: float = 60.0  # a session nobody stepped for this long is released
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
+from dpserve import realtime as rt
 from dpserve.protocol import (
     INTERNAL,
     RESULT,
@@ -28,6 +29,7 @@ from dpserve.worker.commands import GangStatus
 from dpserve.worker.control import ControlOps
 from dpserve.worker.denoiser import DenoiserPatch
 from dpserve.worker.pipeline import Pipeline, cfg_requested, encode_image, pipeline_kwargs
+from dpserve.worker.sessions import Rendered, SessionHost, SessionLimits
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
@@ -58,32 +60,40 @@ class Executor:
     device: torch.device
     call_defaults: dict[str, Any]
     fixed_kwargs: dict[str, Any]  # pipeline arguments set at start-up, for every request
+    session_limits: SessionLimits = field(default_factory=SessionLimits)
 
     def __post_init__(self) -> None:
         self.patch = DenoiserPatch(self.comm.info.cfg_rank, self.comm.cfg_group, self._progress)
         self.split_ok = self.patch.can_split(denoiser_of(self.pipe))
+        self.sessions = SessionHost(
+            self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
+        )
 
     def _progress(self) -> None:
         self.status.progress_at = time.monotonic()
 
     # ------------------------------------------------------------ generation
 
+    def run_pipe(self, pipe: Pipeline, kwargs: dict[str, Any], params: GenerateParams) -> Any:
+        """One pipeline call on this rank, with the denoiser split when CFG asks for it."""
+        self.ops.require_weights()
+        split = self.split_ok and cfg_requested(params, self.call_defaults)
+        reset_peak_memory(self.device)
+        with torch.inference_mode(), self.patch.applied(denoiser_of(pipe), split):
+            return pipe(**kwargs).images
+
     def generate(self, request_id: str, params: GenerateParams, queue_s: float) -> list[bytes]:
         """Every rank runs the pipeline; the returned frames matter on the driver only."""
         start = time.perf_counter()
         output_rank = self.comm.info.is_output_rank
         try:
-            self.ops.require_weights()
             # Only the output rank decodes latents to pixels; the others skip the VAE.
             output_type = "pil" if output_rank else "latent"
             kwargs = {
                 **self.fixed_kwargs,
                 **pipeline_kwargs(params, self.call_defaults, output_type),
             }
-            split = self.split_ok and cfg_requested(params, self.call_defaults)
-            reset_peak_memory(self.device)
-            with torch.inference_mode(), self.patch.applied(denoiser_of(self.pipe), split):
-                images = self.pipe(**kwargs).images
+            images = self.run_pipe(self.pipe, kwargs, params)
         except RequestError as exc:
             return encode_error(request_id, exc)
         except Exception as exc:
@@ -112,6 +122,72 @@ class Executor:
             peak_memory_mb=peak_memory_mb(self.device),
         )
         return encode(RESULT, request_id, result, blobs)
+
+    # ------------------------------------------------------------ realtime sessions
+
+    def session(
+        self, request_id: str, request: rt.SessionRequest, blobs: list[bytes]
+    ) -> list[bytes]:
+        """Open, step, resume or close a session; a rendered frame is the reply's blob."""
+        output_rank = self.comm.info.is_output_rank
+        host, sid = self.sessions, request.session_id
+        try:
+            if request.action == rt.OPEN:
+                assert request.params is not None  # checked by the ingress
+                first = blobs[request.first_frame] if request.first_frame is not None else None
+                rendered = host.open(sid, request.params, first, output_rank)
+                return self._frame(request_id, sid, rendered)
+            if request.action == rt.STEP:
+                rendered = host.step(sid, request.epoch, request.prompt, output_rank)
+                return self._frame(request_id, sid, rendered)
+            if request.action == rt.RESUME:
+                session, released = host.resume(sid), False
+            else:
+                found = host.close(sid)
+                if found is None:
+                    return encode(RESULT, request_id, self._info(sid, None, released=False))
+                session, released = found, True
+            return encode(RESULT, request_id, self._info(sid, session, released))
+        except RequestError as exc:
+            return encode_error(request_id, exc)
+        except Exception as exc:
+            log.exception("session %s: %s failed", sid, request.action)
+            host.close(sid)  # its state may be half-updated: better gone than wrong
+            return encode_error(
+                request_id, RequestError(INTERNAL, f"session {request.action} failed: {exc}")
+            )
+        finally:
+            self.status.sessions = len(host.sessions)
+            self.status.session_bytes = host.state_bytes
+
+    def _frame(self, request_id: str, sid: str, rendered: Rendered) -> list[bytes]:
+        if rendered.image is None:
+            return []
+        session = rendered.session
+        fmt = session.params.output_format
+        body = rt.FrameResult(
+            session_id=sid,
+            replica=self.comm.info.replica,
+            index=session.frames - 1,
+            epoch=session.epoch,
+            blob=0,
+            format=fmt,
+            width=rendered.image.width,
+            height=rendered.image.height,
+            inference_time_s=rendered.seconds,
+            state_bytes=session.state_bytes,
+        )
+        return encode(RESULT, request_id, body, [encode_image(rendered.image, fmt)])
+
+    def _info(self, sid: str, session: Any, released: bool) -> rt.SessionInfo:
+        return rt.SessionInfo(
+            session_id=sid,
+            replica=self.comm.info.replica,
+            epoch=session.epoch if session else 0,
+            frames=session.frames if session else 0,
+            state_bytes=session.state_bytes if session else 0,
+            released=released,
+        )
 
     # ------------------------------------------------------------ control
 

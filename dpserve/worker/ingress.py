@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from dpserve import protocol as p
+from dpserve import realtime as rt
 from dpserve.transport import bind_router, inproc_pair
 from dpserve.worker.commands import GangCommand, GangStatus
 
@@ -43,12 +44,14 @@ class Ingress:
         status: GangStatus,
         max_queue: int,
         stall_s: float,
+        max_sessions: int = 0,
     ) -> None:
         self.endpoint = endpoint
         self.replica = replica
         self.limits = limits
         self.status = status
         self.stall_s = stall_s
+        self.max_sessions = max_sessions
         self.boot_id = uuid.uuid4().hex
         self.work: queue.Queue[Work] = queue.Queue(maxsize=max_queue)
         self.draining = threading.Event()
@@ -135,6 +138,8 @@ class Ingress:
             command = GangCommand(
                 kind=p.GENERATE, id=message.id, generate=p.fill_seeds(self._parse(body))
             )
+        elif message.kind == p.SESSION:
+            command = self._session(message)
         elif message.kind == p.CONTROL:
             control = p.parse_control(message.body_as(p.ControlRequest))
             command = GangCommand(kind=p.CONTROL, id=message.id, control=control)
@@ -156,6 +161,15 @@ class Ingress:
     def _parse(self, body: Any) -> p.GenerateParams:
         return p.parse_generate(body, self.limits)
 
+    def _session(self, message: p.Message) -> GangCommand:
+        request = rt.session_request(message.body_as(rt.SessionRequest))
+        if request.first_frame is not None and not 0 <= request.first_frame < len(message.blobs):
+            raise p.RequestError(p.INVALID_REQUEST, "first_frame names a blob the message lacks")
+        if request.params is not None:
+            _check_session_params(request.params, self.limits)
+        blobs = list(message.blobs) if request.first_frame is not None else []
+        return GangCommand(kind=p.SESSION, id=message.id, session=request, blobs=blobs)
+
     def ping(self) -> p.PingResult:
         age = time.monotonic() - self.status.progress_at
         status = "ok"
@@ -173,6 +187,30 @@ class Ingress:
             released=self.status.released,
             progress_age_s=round(age, 3),
             applied=self.status.applied,
+            sessions=self.status.sessions,
+            max_sessions=self.max_sessions,
+            session_bytes=self.status.session_bytes,
+        )
+
+
+def _check_session_params(params: rt.SessionParams, limits: p.Limits) -> None:
+    """The bounds a generation request gets, applied to what a session renders."""
+    body = {
+        "prompt": params.prompt,
+        "negative_prompt": params.negative_prompt,
+        "width": params.width,
+        "height": params.height,
+        "num_inference_steps": params.num_inference_steps,
+        "guidance_scale": params.guidance_scale,
+        "true_cfg_scale": params.true_cfg_scale,
+        "seed": params.seed,
+        "output_format": params.output_format,
+    }
+    p.parse_generate({k: v for k, v in body.items() if v is not None}, limits)
+    if not 1 <= params.frame_steps <= limits.max_steps or not 0 < params.strength <= 1:
+        raise p.RequestError(
+            p.INVALID_REQUEST,
+            f"frame_steps must be 1..{limits.max_steps} and strength in (0, 1]",
         )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dpserve import protocol as p
+from dpserve import realtime as rt
 from dpserve.layout import describe
 from dpserve.proc import die_with_parent
 from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_command
@@ -94,6 +95,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     from dpserve.worker.control import ControlOps
     from dpserve.worker.executor import Executor
     from dpserve.worker.pipeline import call_defaults, load_pipeline, size_factor
+    from dpserve.worker.sessions import SessionLimits
 
     started = time.perf_counter()
     pipe = load_pipeline(cfg.model, device, dtype)
@@ -121,8 +123,12 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     info["max_sequence_length"] = fixed.get(
         "max_sequence_length", defaults.get("max_sequence_length")
     )
+    info["max_sessions"] = cfg.max_sessions
+    info["session_idle_timeout_s"] = cfg.session_idle_timeout_s
     ops = ControlOps(pipe, cfg.model, device, info)
-    executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed)
+    limits = SessionLimits(cfg.max_sessions, cfg.max_session_mb << 20, cfg.session_idle_timeout_s)
+    executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed, limits)
+    info["realtime"] = executor.sessions.unsupported() or "supported"
     info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")
     return executor
 
@@ -158,7 +164,13 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         max_steps=cfg.max_steps,
     )
     ingress = Ingress(
-        cfg.endpoint, cfg.replica, limits, executor.status, cfg.max_queue, cfg.stall_s
+        cfg.endpoint,
+        cfg.replica,
+        limits,
+        executor.status,
+        cfg.max_queue,
+        cfg.stall_s,
+        cfg.max_sessions,
     )
     ingress.start()
     log.info(
@@ -172,9 +184,15 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
 
 
 def _next_command(
-    ingress: Ingress, cfg: WorkerConfig, draining: dict[str, bool]
+    ingress: Ingress, executor: Executor, cfg: WorkerConfig, draining: dict[str, bool]
 ) -> tuple[GangCommand, bytes, float]:
-    """The driver's choice for this turn: queued work, a tick, or STOP once drained."""
+    """The driver's choice for this turn: an expiry, queued work, a tick, or STOP once drained."""
+    expired = executor.sessions.expired(time.monotonic())
+    if expired:
+        # The driver's clock decides, and the whole gang drops the session together.
+        log.info("session %s idle for %gs: released", expired[0], cfg.session_idle_timeout_s)
+        close = rt.SessionRequest(action=rt.CLOSE, session_id=expired[0])
+        return GangCommand(kind=p.SESSION, id="expiry", session=close), b"", 0.0
     if draining["asked"] and not ingress.draining.is_set():
         log.info("draining: no new requests, finishing %d queued", ingress.work.qsize())
         ingress.draining.set()
@@ -200,7 +218,7 @@ def _loop(
         status.progress_at = time.monotonic()
         identity, queue_s, payload = b"", 0.0, None
         if ingress is not None:
-            command, identity, queue_s = _next_command(ingress, cfg, draining)
+            command, identity, queue_s = _next_command(ingress, executor, cfg, draining)
             payload = _encode(command)
         command = decode_command(comm.broadcast_bytes(payload))
         if command.kind == STOP:
@@ -210,10 +228,13 @@ def _loop(
         status.busy = True
         if command.generate is not None:
             frames = executor.generate(command.id, command.generate, queue_s)
+        elif command.session is not None:
+            frames = executor.session(command.id, command.session, command.blobs)
         else:
             assert command.control is not None
             frames = executor.control(command.id, command.control, cfg.replica)
         status.busy = False
-        status.served += 1
-        if ingress is not None and frames:
+        if identity or ingress is None:  # the driver's own expiries are not served requests
+            status.served += 1
+        if ingress is not None and frames and identity:  # the driver's own commands get none
             ingress.reply(identity, frames)

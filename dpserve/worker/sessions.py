@@ -1,0 +1,276 @@
+"""Realtime session state, held by every rank of the owner's gang.
+
+A session is the last frame's latents plus its own noise generator. The first
+frame is an ordinary generation from the session's seed (or an image-to-image
+pass over a starting image); each later frame re-noises the previous latents to
+``strength`` and denoises them ``frame_steps`` steps under the current prompt,
+so frames evolve smoothly. Every rank renders the same frame (CFG-parallel
+ranks share the denoiser's work) and keeps its own copy of the state; only the
+output rank decodes pixels.
+
+Every rank sees the same command stream, so every rank's table takes the same
+decisions (capacity, epochs). Idle expiry is the driver's call, relayed to the
+gang as a ``close`` command, for the same reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from dpserve.protocol import (
+    CONFLICT,
+    INVALID_REQUEST,
+    NOT_FOUND,
+    OVERLOADED,
+    UNSUPPORTED,
+    GenerateParams,
+    RequestError,
+)
+from dpserve.realtime import SessionParams
+from dpserve.worker.pipeline import Pipeline, pipeline_kwargs
+
+log = logging.getLogger(__name__)
+
+# Runs the pipeline (weights check, CFG split) and returns its images.
+RunPipe = Callable[[Pipeline, dict[str, Any], GenerateParams], list[Image.Image]]
+_NEEDED_ARGS = ("latents", "sigmas", "callback_on_step_end")
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_sessions: int = 8
+    max_state_bytes: int = 256 << 20
+    idle_timeout_s: float = 60.0
+
+
+@dataclass
+class Session:
+    params: SessionParams
+    prompt: str
+    latents: torch.Tensor
+    noise: torch.Generator  # re-noising draws from here, so frames are reproducible
+    last_used: float
+    frames: int = 1
+    epoch: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        return self.latents.numel() * self.latents.element_size()
+
+
+@dataclass
+class Rendered:
+    session: Session
+    image: Image.Image | None  # on the output rank only
+    seconds: float
+
+
+class _Capture:
+    """A step-end callback keeping the latest latents: after the last step, the frame's."""
+
+    def __init__(self) -> None:
+        self.latents: torch.Tensor | None = None
+
+    def __call__(self, pipe: Any, step: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        self.latents = kwargs["latents"]
+        return {}
+
+
+@dataclass
+class SessionHost:
+    pipe: Pipeline
+    defaults: dict[str, Any]
+    fixed_kwargs: dict[str, Any]
+    limits: SessionLimits
+    run: RunPipe
+    sessions: dict[str, Session] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._flat: Any = None  # a scheduler that takes the frame sigmas as given
+        self._img2img: Pipeline | None = None
+
+    # ------------------------------------------------------------ bookkeeping
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.state_bytes for s in self.sessions.values())
+
+    def expired(self, now: float) -> list[str]:
+        idle = self.limits.idle_timeout_s
+        return [sid for sid, s in self.sessions.items() if now - s.last_used > idle]
+
+    def get(self, session_id: str, epoch: int | None = None) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise RequestError(
+                NOT_FOUND,
+                f"no session {session_id!r} here: it was closed, expired after "
+                f"{self.limits.idle_timeout_s:g}s idle, or this replica restarted",
+            )
+        if epoch is not None and epoch != session.epoch:
+            raise RequestError(
+                CONFLICT,
+                f"session {session_id!r} was resumed by another connection; "
+                "this one no longer drives it",
+            )
+        return session
+
+    def resume(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        session.epoch += 1
+        session.last_used = time.monotonic()
+        return session
+
+    def close(self, session_id: str) -> Session | None:
+        return self.sessions.pop(session_id, None)
+
+    # ------------------------------------------------------------ rendering
+
+    def unsupported(self) -> str | None:
+        """Why this pipeline cannot hold sessions, or None."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if not isinstance(self.pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+            kind = type(self.pipe.scheduler).__name__
+            return f"realtime sessions need a flow-matching scheduler; this pipeline uses {kind}"
+        params = inspect.signature(self.pipe.__call__).parameters
+        missing = [a for a in _NEEDED_ARGS if a not in params]
+        if missing:
+            return f"{type(self.pipe).__name__} does not take {', '.join(missing)}"
+        return None
+
+    def open(
+        self, session_id: str, params: SessionParams, first_frame: bytes | None, output_rank: bool
+    ) -> Rendered:
+        reason = self.unsupported()
+        if reason is not None:
+            raise RequestError(UNSUPPORTED, reason)
+        if session_id in self.sessions:
+            raise RequestError(CONFLICT, f"session {session_id!r} is already open here")
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise RequestError(
+                OVERLOADED,
+                f"this replica holds its maximum of {self.limits.max_sessions} sessions",
+            )
+        start = time.perf_counter()
+        request = _as_request(params, params.prompt, params.num_inference_steps)
+        capture = _Capture()
+        kwargs = self._kwargs(request, output_rank, capture)
+        pipe = self.pipe
+        if first_frame is not None:
+            pipe = self._image_to_image()
+            kwargs.update(image=_image(first_frame), strength=params.strength)
+        images = self.run(pipe, kwargs, request)
+        assert capture.latents is not None, "the pipeline ran no denoising step"
+        noise = torch.Generator("cpu").manual_seed((params.seed + 1) % 2**63)
+        now = time.monotonic()
+        session = Session(params, params.prompt, capture.latents, noise, now)
+        if session.state_bytes > self.limits.max_state_bytes:
+            raise RequestError(
+                OVERLOADED,
+                f"this session's state takes {session.state_bytes} bytes, over the replica's "
+                f"limit of {self.limits.max_state_bytes} (use a smaller size)",
+            )
+        self.sessions[session_id] = session
+        return Rendered(session, images[0] if output_rank else None, time.perf_counter() - start)
+
+    def step(self, session_id: str, epoch: int, prompt: str | None, output_rank: bool) -> Rendered:
+        session = self.get(session_id, epoch)
+        start = time.perf_counter()
+        if prompt is not None:
+            session.prompt = prompt
+        params = session.params
+        k, s = params.frame_steps, params.strength
+        # Flow matching: x_s = (1 - s) x_0 + s noise, then denoise from s down to 0.
+        noise = torch.randn(session.latents.shape, generator=session.noise)
+        noised = (1 - s) * session.latents + s * noise.to(session.latents)
+        request = _as_request(params, session.prompt, k)
+        capture = _Capture()
+        kwargs = self._kwargs(request, output_rank, capture)
+        kwargs.update(latents=noised, sigmas=[s * (k - i) / k for i in range(k)])
+        with self._flat_schedule():
+            images = self.run(self.pipe, kwargs, request)
+        assert capture.latents is not None, "the pipeline ran no denoising step"
+        session.latents = capture.latents
+        session.frames += 1
+        session.last_used = time.monotonic()
+        return Rendered(session, images[0] if output_rank else None, time.perf_counter() - start)
+
+    def _kwargs(
+        self, request: GenerateParams, output_rank: bool, capture: _Capture
+    ) -> dict[str, Any]:
+        output_type = "pil" if output_rank else "latent"
+        return {
+            **self.fixed_kwargs,
+            **pipeline_kwargs(request, self.defaults, output_type),
+            "callback_on_step_end": capture,
+            "callback_on_step_end_tensor_inputs": ["latents"],
+        }
+
+    def _image_to_image(self) -> Pipeline:
+        if self._img2img is None:
+            from diffusers import AutoPipelineForImage2Image
+
+            try:
+                self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipe)
+            except ValueError as exc:
+                raise RequestError(
+                    UNSUPPORTED, f"first_frame needs an image-to-image pipeline: {exc}"
+                ) from None
+            self._img2img.set_progress_bar_config(disable=True)
+        return self._img2img
+
+    @contextlib.contextmanager
+    def _flat_schedule(self) -> Iterator[None]:
+        """Swap in a scheduler that uses the frame's sigmas unshifted, for one call."""
+        if self._flat is None:
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+            self._flat = FlowMatchEulerDiscreteScheduler.from_config(
+                self.pipe.scheduler.config,
+                use_dynamic_shifting=False,
+                shift=1.0,
+                shift_terminal=None,
+                use_karras_sigmas=False,
+                use_exponential_sigmas=False,
+                use_beta_sigmas=False,
+                invert_sigmas=False,
+            )
+        original = self.pipe.scheduler
+        self.pipe.scheduler = self._flat
+        try:
+            yield
+        finally:
+            self.pipe.scheduler = original
+
+
+def _as_request(params: SessionParams, prompt: str, steps: int | None) -> GenerateParams:
+    return GenerateParams(
+        prompt=prompt,
+        negative_prompt=params.negative_prompt,
+        width=params.width,
+        height=params.height,
+        num_inference_steps=steps,
+        guidance_scale=params.guidance_scale,
+        true_cfg_scale=params.true_cfg_scale,
+        seed=[params.seed],
+        output_format=params.output_format,
+    )
+
+
+def _image(data: bytes) -> Image.Image:
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise RequestError(INVALID_REQUEST, f"first_frame is not a readable image: {exc}") from None
