@@ -189,11 +189,7 @@ def parse_init(message: Mapping[str, Any], limits: Limits) -> ClientInit:
     guidance = check.number("guidance_scale", 0.0, limits.max_scale)
     true_cfg = check.number("true_cfg_scale", 0.0, limits.max_scale)
     fmt = _format(check)
-    mode = message.get("mode", "stream")
-    if mode not in MODES:
-        check.bad("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
-    fps = check.number("fps", 0.01, 1000.0)
-    max_frames = _alias_int(check, "max_frames", "max_chunks")
+    options = _options(check)
     first = message.get("first_frame")
     if first is not None and not isinstance(first, bytes):
         check.bad("first_frame", "must be the image file's bytes (msgpack bin)")
@@ -215,8 +211,34 @@ def parse_init(message: Mapping[str, Any], limits: Limits) -> ClientInit:
         true_cfg_scale=true_cfg,
         output_format=fmt,
     )
-    options = StreamOptions(mode=str(mode), fps=fps, max_frames=max_frames)
     return ClientInit(params, options, first)
+
+
+def _options(check: FieldChecker) -> StreamOptions:
+    mode = check.body.get("mode", "stream")
+    if mode not in MODES:
+        check.bad("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+    fps = check.number("fps", 0.01, 1000.0)
+    max_frames = _alias_int(check, "max_frames", "max_chunks")
+    return StreamOptions(mode=str(mode), fps=fps, max_frames=max_frames)
+
+
+_RESUME_FIELDS: Final = frozenset({"type", "session_id", "mode", "fps", "max_frames", "max_chunks"})
+
+
+def parse_resume(message: Mapping[str, Any]) -> tuple[str, StreamOptions]:
+    """A ``resume`` message: the session id ``init_ack`` gave, and how to pace it now."""
+    check = FieldChecker(message)
+    for key in sorted(str(k) for k in message if k not in _RESUME_FIELDS):
+        check.bad(key, "is not a known field")
+    session_id = message.get("session_id")
+    if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        check.bad("session_id", "must be the session_id that init_ack returned")
+    options = _options(check)
+    if check.errors:
+        raise invalid_fields(check.errors)
+    assert isinstance(session_id, str)
+    return session_id, options
 
 
 def _format(check: FieldChecker) -> str:
@@ -247,10 +269,3 @@ def parse_prompt(message: Mapping[str, Any]) -> str:
         raise invalid_fields(check.errors)
     assert text is not None
     return text
-
-
-def parse_session_id(message: Mapping[str, Any]) -> str:
-    value = message.get("session_id")
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_ID_CHARS:
-        raise RequestError(INVALID_REQUEST, "resume needs the session_id init_ack returned")
-    return value

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,7 +28,9 @@ from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import error_body, image_response, parse_image_request
 from dpserve.router.policies import FanoutAnswer
 from dpserve.router.pool import PoolSettings, ReplicaPool
+from dpserve.router.realtime_ws import RealtimeConnection, RealtimeSettings
 from dpserve.router.service import RouterService
+from dpserve.router.sessions import SessionRouter
 from dpserve.router.store import OutputStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class RouterSettings:
     workers: tuple[str, ...] = ()
     kubernetes: KubernetesDiscovery | None = None
     pool: PoolSettings = field(default_factory=PoolSettings)
+    realtime: RealtimeSettings = field(default_factory=RealtimeSettings)
     max_body_bytes: int = 1 << 20
     output_dir: Path | None = None
     public_url: str = "http://127.0.0.1:8000"
@@ -64,6 +67,7 @@ class _Running:
 
     pool: ReplicaPool | None = None
     service: RouterService | None = None
+    sessions: SessionRouter | None = None
 
 
 class BadBody(Exception):
@@ -148,6 +152,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             await discovery.start()
         await pool.start()
         running.pool, running.service = pool, RouterService(pool)
+        running.sessions = SessionRouter(pool)
         try:
             yield
         finally:
@@ -206,6 +211,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
             image_response(done.result, done.images, urls),
             headers={REPLICA_HEADER: done.replica},
         )
+
+    @app.websocket("/v1/realtime_video/generate")
+    async def realtime(ws: WebSocket) -> None:
+        assert running.sessions is not None, "used outside the app's lifespan"
+        limits = lambda: _limits(pool())  # noqa: E731  (read when each init arrives)
+        await RealtimeConnection(ws, running.sessions, limits, settings.realtime).run()
 
     @app.get("/v1/images/files/{name}")
     async def stored_image(name: str) -> Response:

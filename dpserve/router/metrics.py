@@ -40,6 +40,12 @@ class RouterMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.replica_sessions = Gauge(
+            "dpserve_replica_realtime_sessions",
+            "Realtime sessions each replica holds (as of its last ping)",
+            ["replica"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "dpserve_queue_depth", "Requests waiting for a replica slot", registry=self.registry
         )
@@ -53,7 +59,9 @@ class RouterMetrics:
         """Gauges are read from the pool at scrape time, so they are never stale."""
         self.replica_inflight.clear()
         self.replica_healthy.clear()
+        self.replica_sessions.clear()
         for replica in pool.replicas.values():
+            self.replica_sessions.labels(replica.endpoint).set(replica.sessions)
             self.replica_inflight.labels(replica.endpoint).set(replica.inflight)
             self.replica_healthy.labels(replica.endpoint).set(1 if replica.serving else 0)
         self.queue_depth.set(pool.queue_depth)

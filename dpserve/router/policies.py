@@ -37,13 +37,23 @@ class RoundRobin:
         return None
 
 
-def hrw_owner(session_id: str, keys: Iterable[str]) -> str | None:
-    """Rendezvous hashing: the key with the highest hash of (session, key)."""
+def hrw_order(session_id: str, keys: Iterable[str]) -> list[str]:
+    """Rendezvous hashing: keys by falling hash of (session, key).
+
+    The first is the session's owner; the rest are where it goes when the owner
+    is full, in an order that adding or removing other keys never changes.
+    """
 
     def score(key: str) -> bytes:
         return hashlib.blake2b(f"{session_id}\x00{key}".encode(), digest_size=8).digest()
 
-    return max(keys, key=score, default=None)
+    return sorted(keys, key=score, reverse=True)
+
+
+def hrw_owner(session_id: str, keys: Iterable[str]) -> str | None:
+    """The key with the highest hash of (session, key)."""
+    order = hrw_order(session_id, keys)
+    return order[0] if order else None
 
 
 @dataclass(frozen=True)

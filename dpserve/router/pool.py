@@ -51,6 +51,13 @@ class Replica:
     last_error: str | None = None
     last_seen: float = 0.0
     info: dict[str, Any] | None = None
+    sessions: int = 0  # realtime sessions it holds, as of its last ping
+    max_sessions: int = 0
+    session_bytes: int = 0
+
+    @property
+    def full(self) -> bool:
+        return 0 < self.max_sessions <= self.sessions
 
     @property
     def name(self) -> str:
@@ -65,6 +72,9 @@ class Replica:
             "in_flight": self.inflight,
             "served": self.served,
             "applied_control_ops": self.applied,
+            "sessions": self.sessions,
+            "max_sessions": self.max_sessions,
+            "session_bytes": self.session_bytes,
             "last_error": self.last_error,
             "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3)
             if self.last_seen
@@ -169,6 +179,8 @@ class ReplicaPool:
             return
         replica.answering, replica.last_seen, replica.status = True, time.monotonic(), ping.status
         replica.replica_id, replica.applied = str(ping.replica), ping.applied
+        replica.sessions, replica.max_sessions = ping.sessions, ping.max_sessions
+        replica.session_bytes = ping.session_bytes
         if ping.boot_id != replica.boot_id:
             if replica.boot_id:
                 log.warning("replica %s restarted: it will be replayed the log", replica.name)

@@ -1,0 +1,190 @@
+"""Realtime sessions through the router: placement, and every message to the owner.
+
+A new session gets a random key; rendezvous hashing of the key over the serving
+replicas orders where it may live (a replica at its session limit is skipped).
+The owner's endpoint is written into the session id the client receives, so any
+router (this one after a restart, or another replica of the router) sends the
+session's messages to the same replica without shared state, and replicas that
+join later never move it. Nothing here retries a session on another replica:
+its state lives on the owner only, so when the owner is gone, so is the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import secrets
+from dataclasses import dataclass
+
+from dpserve import protocol as p
+from dpserve import realtime as rt
+from dpserve.router.connection import ReplicaLost
+from dpserve.router.policies import hrw_order
+from dpserve.router.pool import Replica, ReplicaPool
+
+log = logging.getLogger(__name__)
+
+_SEPARATOR = "."
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class SessionLost(Exception):
+    """The owner no longer holds the session's state; the client must open a new one."""
+
+
+class SessionMoved(Exception):
+    """Another connection resumed the session; this one no longer drives it."""
+
+
+def make_session_id(key: str, owner: str) -> str:
+    encoded = base64.urlsafe_b64encode(owner.encode()).decode().rstrip("=")
+    return f"{key}{_SEPARATOR}{encoded}"
+
+
+def session_owner(session_id: str) -> str:
+    """The owner's endpoint recorded in a session id; a malformed id is the client's error."""
+    key, _, encoded = session_id.partition(_SEPARATOR)
+    try:
+        owner = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        owner = ""
+    if not key or not owner.startswith("tcp://"):
+        raise p.RequestError(
+            p.INVALID_REQUEST, f"{session_id!r} is not a session id this service gave out"
+        )
+    return owner
+
+
+@dataclass
+class Attached:
+    """This connection's hold on a session: the owner and the epoch it drives."""
+
+    session_id: str
+    owner: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Frame:
+    meta: rt.FrameResult
+    content: bytes
+
+
+class SessionRouter:
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.pool = pool
+
+    async def open(self, init: rt.ClientInit) -> tuple[Attached, Frame]:
+        """Place a new session and render its first frame."""
+        key = secrets.token_hex(16)
+        serving = {r.endpoint: r for r in self.pool.serving()}
+        if not serving:
+            raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet; retry shortly")
+        order = [serving[e] for e in hrw_order(key, serving)]
+        tried = 0
+        for replica in [r for r in order if not r.full]:
+            session_id = make_session_id(key, replica.endpoint)
+            blobs = [init.first_frame] if init.first_frame is not None else []
+            request = rt.SessionRequest(
+                action=rt.OPEN,
+                session_id=session_id,
+                params=init.params,
+                first_frame=0 if blobs else None,
+            )
+            tried += 1
+            try:
+                reply = await self._send(replica, request, blobs)
+            except p.RequestError as exc:
+                if exc.code != p.OVERLOADED:
+                    raise
+                replica.sessions = max(replica.sessions, replica.max_sessions)  # until next ping
+                log.info("replica %s refused a session: %s", replica.name, exc)
+                continue
+            except (ReplicaLost, TimeoutError) as exc:
+                self.pool.mark_failed(replica, f"session open failed: {exc}")
+                continue
+            replica.sessions += 1
+            return Attached(session_id, replica.endpoint, 0), _frame(reply, replica)
+        limit = max(r.max_sessions for r in order)
+        raise p.RequestError(
+            p.OVERLOADED,
+            f"all {len(order)} serving replicas hold their maximum of {limit} realtime sessions "
+            f"({tried} asked); close a session or retry later",
+        )
+
+    async def resume(self, session_id: str) -> tuple[Attached, rt.SessionInfo]:
+        """Attach to a live session; the connection that drove it before is told so."""
+        owner = self._owner(session_id)
+        request = rt.SessionRequest(action=rt.RESUME, session_id=session_id)
+        reply = await self._to_owner(owner, session_id, request)
+        info: rt.SessionInfo = reply.body_as(rt.SessionInfo)
+        return Attached(session_id, owner.endpoint, info.epoch), info
+
+    async def step(self, session: Attached, prompt: str | None) -> Frame:
+        owner = self._owner(session.session_id)
+        request = rt.SessionRequest(
+            action=rt.STEP, session_id=session.session_id, epoch=session.epoch, prompt=prompt
+        )
+        return _frame(await self._to_owner(owner, session.session_id, request), owner)
+
+    async def close(self, session: Attached) -> None:
+        """Release the state on the owner, and nowhere else; best effort."""
+        replica = self.pool.replicas.get(session.owner)
+        if replica is None:
+            return
+        request = rt.SessionRequest(action=rt.CLOSE, session_id=session.session_id)
+        try:
+            reply = await replica.conn.request(p.SESSION, request, _CLOSE_TIMEOUT_S)
+            info: rt.SessionInfo = reply.body_as(rt.SessionInfo)
+        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
+            log.warning("releasing session %s failed: %s", session.session_id, exc)
+            return
+        if info.released:
+            replica.sessions = max(0, replica.sessions - 1)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _owner(self, session_id: str) -> Replica:
+        endpoint = session_owner(session_id)
+        replica = self.pool.replicas.get(endpoint)
+        if replica is None:
+            raise SessionLost(
+                f"the replica that held session {session_id} ({endpoint}) has left the service; "
+                "its state was lost; open a new session"
+            )
+        return replica
+
+    async def _to_owner(
+        self, owner: Replica, session_id: str, request: rt.SessionRequest
+    ) -> p.Message:
+        try:
+            return await self._send(owner, request, [])
+        except (ReplicaLost, TimeoutError) as exc:
+            raise SessionLost(
+                f"replica {owner.name} that held session {session_id} failed "
+                f"({exc or 'timed out'}); its state was lost; open a new session"
+            ) from exc
+        except p.RequestError as exc:
+            if exc.code == p.CONFLICT and request.action == rt.STEP:
+                raise SessionMoved(str(exc)) from exc
+            if exc.code in (p.NOT_FOUND, p.INTERNAL):
+                raise SessionLost(f"{exc}; open a new session") from exc
+            raise
+
+    async def _send(
+        self, replica: Replica, request: rt.SessionRequest, blobs: list[bytes]
+    ) -> p.Message:
+        # The call finishes even if its caller is cancelled (a client that left):
+        # the replica then holds what it did, and close releases it.
+        call = replica.conn.request(p.SESSION, request, self.pool.settings.request_timeout_s, blobs)
+        return await asyncio.shield(asyncio.ensure_future(call))
+
+
+def _frame(reply: p.Message, replica: Replica) -> Frame:
+    try:
+        meta: rt.FrameResult = reply.body_as(rt.FrameResult)
+        return Frame(meta, reply.blobs[meta.blob])
+    except (p.ProtocolError, IndexError) as exc:
+        raise p.RequestError(p.INTERNAL, f"unreadable frame from {replica.name}: {exc}") from None
