@@ -48,7 +48,7 @@ def _add_gang_args(w: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish work")
     w.add_argument("--max-sessions", type=_positive, default=8, help="realtime sessions held")
-    w.add_argument("--max-session-mb", type=_positive, default=256, help="state per session")
+    w.add_argument("--max-session-mb", type=float, default=256.0, help="state per session")
     w.add_argument(
         "--session-idle-timeout", type=float, default=60.0, help="seconds before an idle release"
     )

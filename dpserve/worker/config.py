@@ -32,7 +32,7 @@ class WorkerConfig:
     collective_timeout_s: float = 600.0
     drain_timeout_s: float = 300.0
     max_sessions: int = 8  # realtime sessions held at once
-    max_session_mb: int = 256  # state one session may take
+    max_session_mb: float = 256.0  # state one session may take
     session_idle_timeout_s: float = 60.0  # a session nobody stepped for this long is released
 
     @property

@@ -126,7 +126,9 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     info["max_sessions"] = cfg.max_sessions
     info["session_idle_timeout_s"] = cfg.session_idle_timeout_s
     ops = ControlOps(pipe, cfg.model, device, info)
-    limits = SessionLimits(cfg.max_sessions, cfg.max_session_mb << 20, cfg.session_idle_timeout_s)
+    limits = SessionLimits(
+        cfg.max_sessions, int(cfg.max_session_mb * (1 << 20)), cfg.session_idle_timeout_s
+    )
     executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed, limits)
     info["realtime"] = executor.sessions.unsupported() or "supported"
     info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")

@@ -1,0 +1,185 @@
+"""Realtime sessions, the pure parts: client messages, session ids, placement."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from dpserve import protocol as p
+from dpserve import realtime as rt
+from dpserve.router.policies import hrw_order, hrw_owner
+from dpserve.router.realtime_ws import frame_message
+from dpserve.router.sessions import Frame, make_session_id, session_owner
+
+LIMITS = p.Limits(size_factor=16, min_side=16, max_side=512, max_steps=50)
+
+
+def _fields(exc: pytest.ExceptionInfo[p.RequestError]) -> set[str]:
+    return {f.field for f in exc.value.fields}
+
+
+def test_init_defaults_follow_sglang() -> None:
+    init = rt.parse_init({"type": "init", "prompt": "a fox"}, LIMITS)
+    assert init.params.seed == 42
+    assert init.params.output_format == "png"
+    assert init.params.frame_steps == 2 and init.params.strength == 0.5
+    assert init.options == rt.StreamOptions(mode="stream", fps=None, max_frames=None)
+    assert init.first_frame is None
+
+
+def test_init_takes_sglang_aliases_and_size() -> None:
+    init = rt.parse_init(
+        {
+            "type": "init",
+            "prompt": "a fox",
+            "size": "128x64",
+            "seed": 7,
+            "realtime_output_format": "jpeg",
+            "max_chunks": 5,
+            "mode": "step",
+            "first_frame": b"\x89PNG...",
+        },
+        LIMITS,
+    )
+    assert (init.params.width, init.params.height, init.params.seed) == (128, 64, 7)
+    assert init.params.output_format == "jpeg"
+    assert init.options.max_frames == 5 and init.options.mode == "step"
+    assert init.first_frame == b"\x89PNG..."
+
+
+def test_init_names_every_bad_field() -> None:
+    message = {
+        "type": "init",
+        "size": "100x64",
+        "seed": -1,
+        "mode": "burst",
+        "strength": 2.0,
+        "frame_steps": 0,
+        "fps": "fast",
+        "first_frame": "not bytes",
+        "output_format": "gif",
+        "colour": "red",
+    }
+    with pytest.raises(p.RequestError) as exc:
+        rt.parse_init(message, LIMITS)
+    assert exc.value.code == p.INVALID_REQUEST
+    assert _fields(exc) == {
+        "prompt",
+        "size",
+        "seed",
+        "mode",
+        "strength",
+        "frame_steps",
+        "fps",
+        "first_frame",
+        "output_format",
+        "colour",
+    }
+    assert "multiple of 16" in str(exc.value)
+
+
+def test_max_frames_and_its_alias_are_exclusive() -> None:
+    with pytest.raises(p.RequestError) as exc:
+        rt.parse_init({"type": "init", "prompt": "x", "max_frames": 2, "max_chunks": 3}, LIMITS)
+    assert _fields(exc) == {"max_frames"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"\xc1", "not valid msgpack"),
+        (msgspec.msgpack.encode([1, 2]), "msgpack map"),
+        (msgspec.msgpack.encode({"prompt": "x"}), '"type"'),
+        (msgspec.msgpack.encode({"type": 3}), '"type"'),
+        ('{"type": "init"}', "binary msgpack"),
+    ],
+)
+def test_malformed_client_messages_are_refused_clearly(raw: bytes | str, needle: str) -> None:
+    with pytest.raises(p.RequestError) as exc:
+        rt.decode_client(raw)
+    assert needle in str(exc.value)
+
+
+def test_prompt_messages_take_action_content_or_prompt() -> None:
+    assert rt.parse_prompt({"type": "prompt", "action_content": "a cat"}) == "a cat"
+    assert rt.parse_prompt({"type": "prompt", "prompt": "a dog"}) == "a dog"
+    with pytest.raises(p.RequestError) as exc:
+        rt.parse_prompt({"type": "prompt", "action_content": 5})
+    assert _fields(exc) == {"action_content"}
+
+
+def test_resume_needs_a_session_id() -> None:
+    session_id, options = rt.parse_resume(
+        {"type": "resume", "session_id": "abc.def", "mode": "step"}
+    )
+    assert session_id == "abc.def" and options.mode == "step"
+    with pytest.raises(p.RequestError) as exc:
+        rt.parse_resume({"type": "resume", "prompt": "x"})
+    assert _fields(exc) == {"session_id", "prompt"}
+
+
+def test_session_request_checks_what_each_action_needs() -> None:
+    ok = rt.session_request(rt.SessionRequest(action="step", session_id="s"))
+    assert ok.action == "step"
+    for bad, needle in (
+        (rt.SessionRequest(action="jump", session_id="s"), "unknown session action"),
+        (rt.SessionRequest(action="step", session_id=""), "session_id"),
+        (rt.SessionRequest(action="open", session_id="s"), "params"),
+        (rt.SessionRequest(action="step", session_id="s", prompt="x" * 20_000), "prompt"),
+    ):
+        with pytest.raises(p.RequestError, match=needle):
+            rt.session_request(bad)
+
+
+def test_session_id_carries_its_owner() -> None:
+    owner = "tcp://10.244.0.17:5555"
+    session_id = make_session_id("a" * 32, owner)
+    assert session_id.startswith("a" * 32 + ".")
+    assert session_owner(session_id) == owner
+    assert "=" not in session_id  # safe in URLs and logs
+
+
+@pytest.mark.parametrize("bad", ["", "nodot", ".dGNw", "abc.!!!", "abc.aGVsbG8"])
+def test_foreign_session_ids_are_refused(bad: str) -> None:
+    with pytest.raises(p.RequestError, match="not a session id"):
+        session_owner(bad)
+
+
+def test_hrw_order_is_stable_when_replicas_join() -> None:
+    keys = [f"tcp://10.0.0.{i}:5555" for i in range(4)]
+    moved = 0
+    for n in range(200):
+        session = f"session-{n}"
+        before = hrw_order(session, keys)
+        after = hrw_order(session, [*keys, "tcp://10.0.0.9:5555"])
+        # The old keys keep their relative order; only the newcomer is slotted in.
+        assert [k for k in after if k in keys] == before
+        assert hrw_owner(session, keys) == before[0]
+        moved += after[0] != before[0]
+    assert 10 < moved < 90  # about 1/5 of new placements would go to the newcomer
+
+
+def test_hrw_spreads_sessions() -> None:
+    keys = ["tcp://a:1", "tcp://b:1", "tcp://c:1"]
+    owners = [hrw_owner(f"s{n}", keys) for n in range(600)]
+    assert all(150 < owners.count(k) < 250 for k in keys)
+
+
+def test_frames_travel_as_binary_msgpack() -> None:
+    meta = rt.FrameResult(
+        session_id="s",
+        replica=1,
+        index=3,
+        epoch=0,
+        blob=0,
+        format="png",
+        width=64,
+        height=64,
+        inference_time_s=0.01,
+        state_bytes=1024,
+    )
+    raw = frame_message(Frame(meta, b"\x89PNG\r\n\x1a\nrest"))
+    assert b"\x89PNG\r\n\x1a\nrest" in raw  # the bytes themselves, not base64
+    decoded = msgspec.msgpack.decode(raw)
+    assert decoded["type"] == "frame" and decoded["content"].startswith(b"\x89PNG")
+    assert (decoded["index"], decoded["replica"]) == (3, 1)
