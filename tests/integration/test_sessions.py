@@ -53,7 +53,7 @@ def _open(c: ReplicaClient, sid: str, params: rt.SessionParams = PARAMS) -> byte
 
 
 def _step(c: ReplicaClient, sid: str, prompt: str | None = None, epoch: int = 0) -> bytes:
-    frame, blobs = c.session(
+    _frame, blobs = c.session(
         rt.SessionRequest(action="step", session_id=sid, prompt=prompt, epoch=epoch)
     )
     return blobs[0]
@@ -144,7 +144,7 @@ def test_idle_sessions_are_released(client: ReplicaClient) -> None:
     _open(client, "s0")
     _open(client, "s1")
     assert client.ping().sessions == 2
-    eventually(lambda: client.ping().sessions == 0, timeout_s=15, what="idle sessions to be released")
+    eventually(lambda: client.ping().sessions == 0, timeout_s=15, what="an idle release")
     with pytest.raises(p.RequestError, match="expired after 3s idle"):
         _step(client, "s0")
 
