@@ -156,7 +156,9 @@ class RealtimeConnection:
             for task in (reader, stepper):
                 with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
                     await task
-        finished = done.pop()
+        # The stepper's verdict first: after it ended a lost or moved session, the
+        # reader sees the close it caused, which must not count as the client leaving.
+        finished = stepper if stepper in done else reader
         return bool(finished.result())  # a disconnect re-raises here and is handled by run()
 
     async def _read(self, drive: _Drive) -> bool:

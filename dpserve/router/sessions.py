@@ -83,8 +83,9 @@ class SessionRouter:
         if not serving:
             raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet; retry shortly")
         order = [serving[e] for e in hrw_order(key, serving)]
-        tried = 0
-        for replica in [r for r in order if not r.full]:
+        # Replicas whose last ping said "full" go last, not away: the ping may be stale,
+        # and the replica's own answer is the one that counts.
+        for replica in sorted(order, key=lambda r: r.full):
             session_id = make_session_id(key, replica.endpoint)
             blobs = [init.first_frame] if init.first_frame is not None else []
             request = rt.SessionRequest(
@@ -93,7 +94,6 @@ class SessionRouter:
                 params=init.params,
                 first_frame=0 if blobs else None,
             )
-            tried += 1
             try:
                 reply = await self._send(replica, request, blobs)
             except p.RequestError as exc:
@@ -110,8 +110,8 @@ class SessionRouter:
         limit = max(r.max_sessions for r in order)
         raise p.RequestError(
             p.OVERLOADED,
-            f"all {len(order)} serving replicas hold their maximum of {limit} realtime sessions "
-            f"({tried} asked); close a session or retry later",
+            f"all {len(order)} serving replicas hold their maximum of {limit} realtime sessions"
+            "; close a session or retry later",
         )
 
     async def resume(self, session_id: str) -> tuple[Attached, rt.SessionInfo]:

@@ -167,6 +167,12 @@ class Ingress:
             raise p.RequestError(p.INVALID_REQUEST, "first_frame names a blob the message lacks")
         if request.params is not None:
             _check_session_params(request.params, self.limits)
+        if request.action == rt.OPEN and self.status.sessions >= self.max_sessions:
+            # Refused here, without waiting behind the gang's queue; the gang's own
+            # table still decides when this view is stale.
+            raise p.RequestError(
+                p.OVERLOADED, f"this replica holds its maximum of {self.max_sessions} sessions"
+            )
         blobs = list(message.blobs) if request.first_frame is not None else []
         return GangCommand(kind=p.SESSION, id=message.id, session=request, blobs=blobs)
 
