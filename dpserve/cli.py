@@ -167,7 +167,7 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
 def _router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from dpserve.router.app import KubernetesDiscovery, create_app
+    from dpserve.router.app import KubernetesDiscovery, create_app, server_config
 
     settings = _router_settings(args, args.worker)
     if args.discovery == "kubernetes":
@@ -180,7 +180,7 @@ def _router(args: argparse.Namespace) -> int:
         print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
         return 2
     app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port)
+    uvicorn.Server(server_config(app, args.host, args.port)).run()
     return 0
 
 

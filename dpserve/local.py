@@ -197,13 +197,13 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
 
     import uvicorn
 
-    from dpserve.router.app import create_app
+    from dpserve.router.app import create_app, server_config
 
     local = LocalReplicas(replicas)
     local.start()
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     settings = dataclasses.replace(settings, workers=tuple(local.endpoints), public_url=url)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=host, port=port))
+    server = uvicorn.Server(server_config(create_app(settings), host, port))
 
     async def announce() -> None:
         while not server.started:

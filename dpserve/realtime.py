@@ -67,7 +67,9 @@ class SessionRequest(msgspec.Struct, kw_only=True):
     session_id: str
     params: SessionParams | None = None  # open
     first_frame: int | None = None  # open: index of the blob holding a starting image
-    epoch: int = 0  # step: the attachment driving the session (resume starts a new one)
+    # step, close: the attachment acting (resume starts a new one); None: whichever.
+    # A connection another one took over can neither step nor release the session.
+    epoch: int | None = None
     prompt: str | None = None  # step: the prompt from this frame on
 
 

@@ -16,7 +16,8 @@ class RealtimeSocket:
     def __init__(self, router_url: str, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
         # The client is a context manager in websockets >= 16; this object is ours.
-        self._connection = connect(router_url.replace("http", "ws", 1) + PATH, max_size=None)
+        url = router_url.replace("http", "ws", 1) + PATH
+        self._connection = connect(url, max_size=None, compression=None)
         self.ws = self._connection.__enter__()
         self.session_id: str | None = None
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -321,6 +322,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return Response(metrics.render(pool()), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    """How the router is served. Frames are PNG or JPEG already: WebSocket
+    compression would only spend CPU on both ends of every frame."""
+    return uvicorn.Config(app, host=host, port=port, ws_per_message_deflate=False)
 
 
 def _limits(pool: ReplicaPool) -> p.Limits:

@@ -134,7 +134,9 @@ class SessionRouter:
         replica = self.pool.replicas.get(session.owner)
         if replica is None:
             return
-        request = rt.SessionRequest(action=rt.CLOSE, session_id=session.session_id)
+        request = rt.SessionRequest(
+            action=rt.CLOSE, session_id=session.session_id, epoch=session.epoch
+        )
         try:
             reply = await replica.conn.request(p.SESSION, request, _CLOSE_TIMEOUT_S)
             info: rt.SessionInfo = reply.body_as(rt.SessionInfo)

@@ -143,7 +143,7 @@ class Executor:
             if request.action == rt.RESUME:
                 session, released = host.resume(sid), False
             else:
-                found = host.close(sid)
+                found = host.close(sid, request.epoch)
                 if found is None:
                     return encode(RESULT, request_id, self._info(sid, None, released=False))
                 session, released = found, True

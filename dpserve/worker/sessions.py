@@ -131,8 +131,12 @@ class SessionHost:
         session.last_used = time.monotonic()
         return session
 
-    def close(self, session_id: str) -> Session | None:
-        return self.sessions.pop(session_id, None)
+    def close(self, session_id: str, epoch: int | None = None) -> Session | None:
+        """Drop a session, unless ``epoch`` says a newer attachment drives it."""
+        session = self.sessions.get(session_id)
+        if session is None or (epoch is not None and epoch != session.epoch):
+            return None
+        return self.sessions.pop(session_id)
 
     # ------------------------------------------------------------ rendering
 
@@ -184,7 +188,9 @@ class SessionHost:
         self.sessions[session_id] = session
         return Rendered(session, images[0] if output_rank else None, time.perf_counter() - start)
 
-    def step(self, session_id: str, epoch: int, prompt: str | None, output_rank: bool) -> Rendered:
+    def step(
+        self, session_id: str, epoch: int | None, prompt: str | None, output_rank: bool
+    ) -> Rendered:
         session = self.get(session_id, epoch)
         start = time.perf_counter()
         if prompt is not None:

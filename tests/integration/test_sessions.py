@@ -52,7 +52,7 @@ def _open(c: ReplicaClient, sid: str, params: rt.SessionParams = PARAMS) -> byte
     return blobs[0]
 
 
-def _step(c: ReplicaClient, sid: str, prompt: str | None = None, epoch: int = 0) -> bytes:
+def _step(c: ReplicaClient, sid: str, prompt: str | None = None, epoch: int | None = None) -> bytes:
     _frame, blobs = c.session(
         rt.SessionRequest(action="step", session_id=sid, prompt=prompt, epoch=epoch)
     )
@@ -138,6 +138,10 @@ def test_resume_takes_over_and_the_old_epoch_is_refused(client: ReplicaClient) -
         _step(client, "s0", epoch=0)
     assert exc.value.code == p.CONFLICT and "resumed by another connection" in str(exc.value)
     assert _step(client, "s0", epoch=1).startswith(b"\x89PNG")
+    # The connection that was taken over cannot release the session either.
+    stale = rt.SessionRequest(action="close", session_id="s0", epoch=0)
+    info, _ = client.session(stale)
+    assert not info.released and client.ping().sessions == 1
 
 
 def test_idle_sessions_are_released(client: ReplicaClient) -> None:
