@@ -234,5 +234,7 @@ def _banner(url: str, replicas: ReplicaSetConfig) -> str:
         '      -d \'{"prompt": "a lighthouse at dusk", "size": "256x256", '
         '"num_inference_steps": 8, "seed": 1}\' | head -c 300; echo\n'
         f"    curl -s {url}/health/replicas\n"
+        f"  realtime sessions: {url.replace('http', 'ws', 1)}/v1/realtime_video/generate"
+        " (docs/realtime.md)\n"
         "  Ctrl-C stops everything.\n"
     )

@@ -146,6 +146,9 @@ def worker_args(svc: Svc, index: int) -> list[str]:
     if spec.maxSequenceLength is not None:
         args += ["--max-sequence-length", str(spec.maxSequenceLength)]
     args += ["--drain-timeout", str(spec.router.requestTimeoutSeconds)]
+    rt = spec.realtime
+    args += ["--max-sessions", str(rt.maxSessions), "--max-session-mb", str(rt.maxSessionMB)]
+    args += ["--session-idle-timeout", str(rt.idleTimeoutSeconds)]
     return args
 
 

@@ -131,6 +131,16 @@ class UpdateStrategy(_Model):
     maxSurge: int = Field(0, ge=0, description="extra replicas (and their GPUs) during a roll")
 
 
+class RealtimeSpec(_Model):
+    """Realtime sessions each replica holds (docs/realtime.md)."""
+
+    maxSessions: int = Field(8, ge=1, le=1024, description="sessions a replica holds at once")
+    maxSessionMB: int = Field(256, ge=1, le=1048576, description="state one session may take")
+    idleTimeoutSeconds: int = Field(
+        60, ge=1, le=86400, description="a session nobody stepped for this long is released"
+    )
+
+
 class EnvVar(_Model):
     name: str = Field(min_length=1)
     value: str | None = None
@@ -166,6 +176,9 @@ class DiffusionServiceSpec(_Model):
     threadsPerRank: int = Field(1, ge=1, le=256)
     maxSequenceLength: int | None = Field(None, ge=1, le=4096, description="text tokens")
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
+    realtime: RealtimeSpec = Field(
+        default_factory=RealtimeSpec, json_schema_extra={"default": {}}
+    )
     updateStrategy: UpdateStrategy = Field(
         default_factory=UpdateStrategy,
         json_schema_extra={"default": {"maxUnavailable": 1, "maxSurge": 0}},

@@ -148,6 +148,8 @@ def test_cpu_replica_requests_no_gpu_and_passes_layout_flags() -> None:
     args = container["args"]
     assert args[args.index("--ulysses") + 1] == "2" and args[args.index("--ring") + 1] == "2"
     assert args[args.index("--max-sequence-length") + 1] == "77"
+    assert args[args.index("--max-sessions") + 1] == "8"  # realtime defaults reach the worker
+    assert args[args.index("--session-idle-timeout") + 1] == "60"
     assert args[args.index("--threads-per-rank") + 1] == "2"
     assert args[args.index("--device") + 1] == "cpu"
 
