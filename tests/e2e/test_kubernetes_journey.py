@@ -19,8 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from dpserve.router.sessions import session_owner
 from tests.e2e.backends import Backend
 from tests.polling import eventually
+from tests.realtime_client import RealtimeSocket
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
 REPO = Path(__file__).resolve().parents[2]
@@ -121,6 +123,15 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
         second = http.post("/v1/images/generations", json=REQUEST)
     assert {first.headers["X-Dpserve-Replica"], second.headers["X-Dpserve-Replica"]} == {"0", "1"}
     assert image(first) == image(second)
+
+    # 3b. a realtime session through the router pod: the session id names its owner
+    # pod's address (from the EndpointSlices), and every frame comes from that pod.
+    with RealtimeSocket(url) as sock:
+        ack, first_frame = sock.init(prompt="a kite", size="64x64", num_inference_steps=2)
+        pod = replica_pods(k8s)[f"tiny-replica-{ack['replica']}"]
+        assert session_owner(ack["session_id"]).startswith(f"tcp://{pod['status']['podIP']}:")
+        frames = [first_frame, *sock.frames(3)]
+        assert {f["replica"] for f in frames} == {int(ack["replica"])}
 
     with Load(lambda: k8s.router_url(NS, "tiny")) as load:
         # 4. scale out and in: the router follows within seconds, nothing fails.

@@ -87,6 +87,12 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         "cuda",
                         "--drain-timeout",
                         "300",
+                        "--max-sessions",
+                        "8",
+                        "--max-session-mb",
+                        "256",
+                        "--session-idle-timeout",
+                        "60",
                     ],
                     "env": [
                         {
