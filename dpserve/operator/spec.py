@@ -176,9 +176,7 @@ class DiffusionServiceSpec(_Model):
     threadsPerRank: int = Field(1, ge=1, le=256)
     maxSequenceLength: int | None = Field(None, ge=1, le=4096, description="text tokens")
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
-    realtime: RealtimeSpec = Field(
-        default_factory=RealtimeSpec, json_schema_extra={"default": {}}
-    )
+    realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, json_schema_extra={"default": {}})
     updateStrategy: UpdateStrategy = Field(
         default_factory=UpdateStrategy,
         json_schema_extra={"default": {"maxUnavailable": 1, "maxSurge": 0}},
