@@ -42,7 +42,8 @@ ACTIONS: Final = frozenset({OPEN, STEP, RESUME, CLOSE})
 # Client modes: "stream" renders frames back to back (paced by ``fps`` when
 # given); "step" renders one frame per ``step`` message.
 MODES: Final = ("stream", "step")
-MAX_FIRST_FRAME_BYTES: Final = 16 << 20
+MAX_FIRST_FRAME_BYTES: Final = 8 << 20
+MAX_MESSAGE_BYTES: Final = 16 << 20  # the router's WebSocket closes with 1009 above this
 MAX_SESSION_ID_CHARS: Final = 200
 
 

@@ -23,6 +23,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve import protocol as p
+from dpserve import realtime as rt
 from dpserve.layout import ParallelConfig, describe
 from dpserve.router.control_log import ControlLog
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
@@ -327,7 +328,13 @@ def create_app(settings: RouterSettings) -> FastAPI:
 def server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
     """How the router is served. Frames are PNG or JPEG already: WebSocket
     compression would only spend CPU on both ends of every frame."""
-    return uvicorn.Config(app, host=host, port=port, ws_per_message_deflate=False)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ws_per_message_deflate=False,
+        ws_max_size=rt.MAX_MESSAGE_BYTES,
+    )
 
 
 def _limits(pool: ReplicaPool) -> p.Limits:

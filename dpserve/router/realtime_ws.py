@@ -36,7 +36,6 @@ SESSION_TAKEN: Final = 4009  # another connection resumed the session
 @dataclass(frozen=True)
 class RealtimeSettings:
     send_timeout_s: float = 30.0  # a client that reads nothing for this long is gone
-    max_message_bytes: int = 20 << 20
 
 
 @dataclass
@@ -84,17 +83,19 @@ class RealtimeConnection:
         self.sessions = sessions
         self.limits = limits
         self.settings = settings
+        self.attached: Attached | None = None  # set as soon as the owner holds a session
 
     async def run(self) -> None:
         await self.ws.accept()
-        attached: Attached | None = None
         release = True
         try:
-            attached, drive = await self._attach()
-            release = await self._drive(attached, drive)
+            drive = await self._attach()
+            assert self.attached is not None
+            release = await self._drive(self.attached, drive)
         except WebSocketDisconnect as exc:
             release = exc.code != SERVICE_RESTART
         finally:
+            attached = self.attached
             if attached is not None and release:
                 await self.sessions.close(attached)
             elif attached is not None:
@@ -102,7 +103,7 @@ class RealtimeConnection:
 
     # ------------------------------------------------------------ attaching
 
-    async def _attach(self) -> tuple[Attached, _Drive]:
+    async def _attach(self) -> _Drive:
         """Until a valid init or resume: bad ones get an error and another chance."""
         while True:
             message = await self._receive()
@@ -112,15 +113,15 @@ class RealtimeConnection:
             try:
                 if kind == "init":
                     init = rt.parse_init(message, self.limits())
-                    attached, first = await self.sessions.open(init)
-                    await self._ack(attached, init.options, resumed=False, frames=1)
+                    self.attached, first = await self.sessions.open(init)
+                    await self._ack(self.attached, init.options, resumed=False, frames=1)
                     await self._send(frame_message(first))
-                    return attached, _Drive(init.options, frames=1)
+                    return _Drive(init.options, frames=1)
                 if kind == "resume":
                     session_id, options = rt.parse_resume(message)
-                    attached, info = await self.sessions.resume(session_id)
-                    await self._ack(attached, options, resumed=True, frames=info.frames)
-                    return attached, _Drive(options)
+                    self.attached, info = await self.sessions.resume(session_id)
+                    await self._ack(self.attached, options, resumed=True, frames=info.frames)
+                    return _Drive(options)
                 await self._error(f"send init (or resume) first; got {kind!r}")
             except p.RequestError as exc:
                 await self._error(str(exc), exc.code)
@@ -239,9 +240,6 @@ class RealtimeConnection:
         if raw is None:
             raw = event.get("text", "")
         try:
-            if len(raw) > self.settings.max_message_bytes:
-                limit = self.settings.max_message_bytes
-                raise p.RequestError(p.INVALID_REQUEST, f"message is larger than {limit} bytes")
             return rt.decode_client(raw)
         except p.RequestError as exc:
             await self._error(str(exc), exc.code)

@@ -180,8 +180,11 @@ class SessionRouter:
     ) -> p.Message:
         # The call finishes even if its caller is cancelled (a client that left):
         # the replica then holds what it did, and close releases it.
-        call = replica.conn.request(p.SESSION, request, self.pool.settings.request_timeout_s, blobs)
-        return await asyncio.shield(asyncio.ensure_future(call))
+        call = asyncio.ensure_future(
+            replica.conn.request(p.SESSION, request, self.pool.settings.request_timeout_s, blobs)
+        )
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await asyncio.shield(call)
 
 
 def _frame(reply: p.Message, replica: Replica) -> Frame:

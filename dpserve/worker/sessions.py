@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # Runs the pipeline (weights check, CFG split) and returns its images.
 RunPipe = Callable[[Pipeline, dict[str, Any], GenerateParams], list[Image.Image]]
 _NEEDED_ARGS = ("latents", "sigmas", "callback_on_step_end")
+MAX_FIRST_FRAME_PIXELS = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,12 @@ def _as_request(params: SessionParams, prompt: str, steps: int | None) -> Genera
 def _image(data: bytes) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as img:
+            # The header tells the size before anything is decoded.
+            if img.width * img.height > MAX_FIRST_FRAME_PIXELS:
+                raise RequestError(
+                    INVALID_REQUEST,
+                    f"first_frame is {img.width}x{img.height}; at most 4096x4096 pixels",
+                )
             return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
         raise RequestError(INVALID_REQUEST, f"first_frame is not a readable image: {exc}") from None

@@ -166,6 +166,11 @@ def test_a_first_frame_starts_the_session(client: ReplicaClient) -> None:
         client.session(bad, [b"not an image"])
     with pytest.raises(p.RequestError, match="blob the message lacks"):
         client.session(bad)
+    huge = io.BytesIO()
+    Image.new("L", (5000, 4000)).save(huge, format="PNG")  # a few KiB, 20 Mpx decoded
+    with pytest.raises(p.RequestError, match="at most 4096x4096 pixels"):
+        client.session(bad, [huge.getvalue()])
+    assert client.ping().sessions == 2
 
 
 def test_malformed_session_messages_leave_the_replica_serving(client: ReplicaClient) -> None:
