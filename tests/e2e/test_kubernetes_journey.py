@@ -126,17 +126,23 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
 
     # 3b. a realtime session through the router pod: the session id names its owner
     # pod's address (from the EndpointSlices), and every frame comes from that pod.
-    with RealtimeSocket(url) as sock:
-        ack, first_frame = sock.init(prompt="a kite", size="64x64", num_inference_steps=2)
-        pod = replica_pods(k8s)[f"tiny-replica-{ack['replica']}"]
-        assert session_owner(ack["session_id"]).startswith(f"tcp://{pod['status']['podIP']}:")
-        frames = [first_frame, *sock.frames(3)]
-        assert {f["replica"] for f in frames} == {int(ack["replica"])}
+    session = RealtimeSocket(url)
+    ack, first_frame = session.init(
+        prompt="a kite", size="64x64", num_inference_steps=2, mode="step"
+    )
+    owner = int(ack["replica"])
+    pod = replica_pods(k8s)[f"tiny-replica-{owner}"]
+    assert session_owner(ack["session_id"]).startswith(f"tcp://{pod['status']['podIP']}:")
+    assert [f["replica"] for f in (first_frame, session.step(), session.step())] == [owner] * 3
 
     with Load(lambda: k8s.router_url(NS, "tiny")) as load:
-        # 4. scale out and in: the router follows within seconds, nothing fails.
+        # 4. scale out and in: the router follows within seconds, nothing fails; the
+        # live session stays on its owner when a replica joins.
         k8s.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=3")
         eventually(lambda: serving(k8s) == ["0", "1", "2"], 240, "router sees 3")
+        frame = session.step(prompt="a kite at night")
+        assert (frame["replica"], frame["index"]) == (owner, 3)
+        session.close()
         k8s.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=1")
         eventually(lambda: serving(k8s) == ["0"], 60, "router sees 1")
         eventually(lambda: set(replica_pods(k8s)) == {"tiny-replica-0"}, 120, "pods gone")
