@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -137,10 +138,20 @@ def test_metrics_and_info(dp2: ServeProcess) -> None:
         'dpserve_requests_total{method="POST",route="/v1/images/generations",status="200"}' in text
     )
     assert "dpserve_replica_serving" in text and "dpserve_queue_depth" in text
+    assert "dpserve_replica_realtime_sessions" in text
     info = dp2.http.get("/server_info").json()
     assert info["replicas"] == 2 and info["serving"] == 2
     assert info["layout"] == "tp1-sp1(u1r1)-pp1-cfg1-dp2" and info["threads_per_rank"] == 1
     assert dp2.http.get("/model_info").json()["pipeline_class"] == "FluxPipeline"
+
+
+def test_readme_realtime_example_runs(dp2: ServeProcess) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, Any] = {}
+    exec(code.replace("127.0.0.1:8000", f"127.0.0.1:{dp2.port}"), scope)
+    assert scope["msg"] == {"type": "done", "session_id": scope["msg"]["session_id"], "frames": 10}
+    assert scope["png"].startswith(b"\x89PNG")
 
 
 def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora: Path) -> None:
