@@ -44,7 +44,7 @@ class Ingress:
         status: GangStatus,
         max_queue: int,
         stall_s: float,
-        max_sessions: int = 0,
+        max_sessions: int,
     ) -> None:
         self.endpoint = endpoint
         self.replica = replica

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 from PIL import Image, UnidentifiedImageError
 
@@ -37,7 +38,7 @@ from dpserve.protocol import (
     RequestError,
 )
 from dpserve.realtime import SessionParams
-from dpserve.worker.pipeline import Pipeline, pipeline_kwargs
+from dpserve.worker.pipeline import Pipeline, pipeline_kwargs, size_factor
 
 log = logging.getLogger(__name__)
 
@@ -168,13 +169,19 @@ class SessionHost:
                 f"this replica holds its maximum of {self.limits.max_sessions} sessions",
             )
         start = time.perf_counter()
+        image = _image(first_frame) if first_frame is not None else None
+        if image is not None and (params.width is None or params.height is None):
+            # The frames keep the starting image's size (the model's multiple below it).
+            factor = size_factor(self.pipe)
+            width, height = (max(factor, side // factor * factor) for side in image.size)
+            params = msgspec.structs.replace(params, width=width, height=height)
         request = _as_request(params, params.prompt, params.num_inference_steps)
         capture = _Capture()
         kwargs = self._kwargs(request, output_rank, capture)
         pipe = self.pipe
-        if first_frame is not None:
+        if image is not None:
             pipe = self._image_to_image()
-            kwargs.update(image=_image(first_frame), strength=params.strength)
+            kwargs.update(image=image, strength=params.strength)
         images = self.run(pipe, kwargs, request)
         assert capture.latents is not None, "the pipeline ran no denoising step"
         noise = torch.Generator("cpu").manual_seed((params.seed + 1) % 2**63)

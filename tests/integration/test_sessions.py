@@ -161,6 +161,16 @@ def test_a_first_frame_starts_the_session(client: ReplicaClient) -> None:
     red = _pixels(blobs[0])[..., 0].mean()
     assert frame.index == 0 and blobs[0] != _open(client, "s1")
     assert red > 0  # rendered from the image: a real frame came back
+    # Without a size, frames take the image's (down to the model's multiple of 16).
+    buf = io.BytesIO()
+    Image.new("RGB", (100, 70), (20, 20, 250)).save(buf, format="PNG")
+    sized = rt.SessionRequest(
+        action="open", session_id="s3", params=_with(PARAMS, width=None, height=None), first_frame=0
+    )
+    frame, _ = client.session(sized, [buf.getvalue()])
+    assert (frame.width, frame.height) == (96, 64)
+    assert _pixels(_step(client, "s3")).shape == (64, 96, 3)
+    client.session(rt.SessionRequest(action="close", session_id="s3"))
     bad = rt.SessionRequest(action="open", session_id="s2", params=PARAMS, first_frame=0)
     with pytest.raises(p.RequestError, match="not a readable image"):
         client.session(bad, [b"not an image"])
