@@ -149,6 +149,10 @@ class Ingress:
                 p.UNSUPPORTED, f"unknown message kind {message.kind!r}; known: {kinds}"
             )
         if self.draining.is_set():
+            if message.kind == p.SESSION:
+                # Not "try again": the sessions' state ends with this process.
+                ending = f"replica {self.replica} is shutting down; its sessions end with it"
+                raise p.RequestError(p.NOT_FOUND, ending)
             raise p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
         try:
             self.work.put_nowait(Work(identity, command, time.monotonic()))
