@@ -26,7 +26,7 @@ from dpserve.protocol import (
 )
 from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.pipeline import Pipeline
-from dpserve.worker.weights import WeightOffload, checksum, modules_of
+from dpserve.worker.weights import WeightOffload, checksum, modules_of, own_storage
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class ControlOps:
             cls: Any = type(current[name])
             dtype = next(current[name].parameters()).dtype
             module = cls.from_pretrained(path, subfolder=name, dtype=dtype, local_files_only=True)
-            loaded[name] = module.to(self.device).eval()
+            loaded[name] = own_storage(module.to(self.device)).eval()
         return loaded
 
     # ------------------------------------------------------------ LoRA

@@ -16,6 +16,7 @@ from PIL import Image
 from transformers.utils import logging as transformers_logging
 
 from dpserve.protocol import INVALID_REQUEST, UNSUPPORTED, FieldError, GenerateParams, RequestError
+from dpserve.worker.weights import modules_of, own_storage
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ def load_pipeline(path: Path, device: torch.device, dtype: torch.dtype) -> Pipel
     transformers_logging.disable_progress_bar()
     pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    pipe = pipe.to(device)
+    for module in modules_of(pipe.components).values():
+        own_storage(module)
+    return pipe
 
 
 def size_factor(pipe: Pipeline) -> int:

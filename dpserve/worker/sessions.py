@@ -201,21 +201,26 @@ class SessionHost:
     ) -> Rendered:
         session = self.get(session_id, epoch)
         start = time.perf_counter()
-        if prompt is not None:
-            session.prompt = prompt
         params = session.params
         k, s = params.frame_steps, params.strength
+        # A frame that fails (weights released, say) leaves the session as it was, so
+        # the frames after it are the ones an uninterrupted session renders.
+        noise_state = session.noise.get_state()
         # Flow matching: x_s = (1 - s) x_0 + s noise, then denoise from s down to 0.
         noise = torch.randn(session.latents.shape, generator=session.noise)
         noised = (1 - s) * session.latents + s * noise.to(session.latents)
-        request = _as_request(params, session.prompt, k)
+        request = _as_request(params, prompt if prompt is not None else session.prompt, k)
         capture = _Capture()
         kwargs = self._kwargs(request, output_rank, capture)
         kwargs.update(latents=noised, sigmas=[s * (k - i) / k for i in range(k)])
-        with self._flat_schedule():
-            images = self.run(self.pipe, kwargs, request)
+        try:
+            with self._flat_schedule():
+                images = self.run(self.pipe, kwargs, request)
+        except BaseException:
+            session.noise.set_state(noise_state)
+            raise
         assert capture.latents is not None, "the pipeline ran no denoising step"
-        session.latents = capture.latents
+        session.latents, session.prompt = capture.latents, request.prompt
         session.frames += 1
         session.last_used = time.monotonic()
         return Rendered(session, images[0] if output_rank else None, time.perf_counter() - start)

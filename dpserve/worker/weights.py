@@ -34,6 +34,23 @@ def checksum(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def own_storage(module: torch.nn.Module) -> torch.nn.Module:
+    """Give every tensor of ``module`` its own storage from torch's allocator.
+
+    Tensors mapped from a safetensors file sit at arbitrary offsets, and CPU
+    kernels take bitwise-different paths for unaligned data: without this, a
+    replica's images would change after its weights were released and resumed,
+    or reloaded. (CUDA allocations are always aligned; there it is a no-op.)
+    """
+    for _, param in module.named_parameters():
+        if param.device.type == "cpu":
+            param.data = param.data.clone()
+    for name, buf in list(module.named_buffers()):
+        if buf.device.type == "cpu":
+            _set_buffer(module, name, buf.clone())
+    return module
+
+
 def _set_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
@@ -90,10 +107,11 @@ class WeightOffload:
                 if not key.startswith(prefix):
                     continue
                 name = key[len(prefix) :]
+                # A copy, never a view of the loaded file (see own_storage).
                 if name in params:
-                    params[name].data = value.to(self.device)
+                    params[name].data = value.to(self.device, copy=True)
                 elif name in buffers:
-                    _set_buffer(module, name, value.to(self.device))
+                    _set_buffer(module, name, value.to(self.device, copy=True))
         self._host = {}
         if self._spill is not None:
             shutil.rmtree(self._spill, ignore_errors=True)

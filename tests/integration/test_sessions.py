@@ -144,6 +144,27 @@ def test_resume_takes_over_and_the_old_epoch_is_refused(client: ReplicaClient) -
     assert not info.released and client.ping().sessions == 1
 
 
+def test_released_weights_pause_frames_without_changing_them(client: ReplicaClient) -> None:
+    _open(client, "s0")
+    _open(client, "s1")
+    expected = _step(client, "s0", prompt="a lantern")
+    cfg = msgspec.structs.asdict(CFG_PARAMS)
+    for key in ("frame_steps", "strength"):
+        cfg.pop(key)
+    before = client.generate(**cfg)[1]
+    client.control("release_memory_occupation")
+    try:
+        with pytest.raises(p.RequestError) as exc:
+            _step(client, "s1", prompt="a lantern")
+        assert exc.value.code == p.UNAVAILABLE
+    finally:
+        client.control("resume_memory_occupation")
+    assert client.ping().sessions == 2  # the state outlived the release
+    assert _step(client, "s1", prompt="a lantern") == expected
+    # Resumed weights compute bit for bit as before (true CFG amplifies any difference).
+    assert client.generate(**cfg)[1] == before
+
+
 def test_idle_sessions_are_released(client: ReplicaClient) -> None:
     _open(client, "s0")
     _open(client, "s1")
