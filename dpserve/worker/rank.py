@@ -56,7 +56,15 @@ def rank_main(args: RankArgs) -> None:
         signal.signal(signal.SIGTERM, lambda *_: draining.update(asked=True))
     else:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(_serve(args, draining))
+    code = _serve(args, draining)
+    # A clean stop leaves nothing to finalize, and the interpreter's finalization
+    # once met a collective library's thread still joinable and aborted (SIGABRT,
+    # "terminate called without an active exception", seen in CI on a CFG rank),
+    # turning a clean drain into a failed gang: flush and leave at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
