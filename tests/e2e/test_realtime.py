@@ -6,11 +6,14 @@ so the tests check placement by what comes back, not by what the router says.
 
 from __future__ import annotations
 
+import io
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from dpserve.router.policies import hrw_order
 from dpserve.router.sessions import session_owner
@@ -181,6 +184,23 @@ def test_adding_a_replica_does_not_move_live_sessions(
         third.kill()
 
 
+def test_stream_pacing_frame_limit_and_a_starting_image(router: RouterProcess) -> None:
+    start = io.BytesIO()
+    Image.new("RGB", (64, 64), (240, 200, 40)).save(start, format="PNG")
+    with RealtimeSocket(router.url) as sock:
+        ack, first = sock.init(
+            **{**INIT, "mode": "stream", "fps": 5, "max_frames": 6, "first_frame": start.getvalue()}
+        )
+        began = time.monotonic()
+        frames = sock.frames(5)
+        took = time.monotonic() - began
+        done = sock.expect("done")
+        assert sock.closed_code() == 1000
+    assert [f["index"] for f in (first, *frames)] == list(range(6))
+    assert done["frames"] == 6 and done["session_id"] == ack["session_id"]
+    assert took > 0.7, took  # 5 frames at 5 fps: about a second, not as fast as possible
+
+
 def test_malformed_messages_get_an_error_and_the_socket_stays_usable(
     router: RouterProcess,
 ) -> None:
@@ -286,6 +306,12 @@ def test_killing_the_owner_ends_its_sessions_while_others_continue(
         assert sockets[0].closed_code() == 1011
         survivors = sockets[1].frames(5)
         assert {f["replica"] for f in survivors} == {1}
+        # Its id still names the dead owner: a resume is refused clearly, not rerouted.
+        assert sockets[0].session_id is not None
+        with RealtimeSocket(router.url) as again:
+            again.send(type="resume", session_id=sockets[0].session_id)
+            error = again.expect("error")
+            assert error["code"] == "session_lost" and "open a new session" in error["content"]
     finally:
         for sock in sockets.values():
             sock.close()
