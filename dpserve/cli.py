@@ -60,6 +60,9 @@ def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     w.add_argument("--port", type=_port, required=True, help="ZMQ port the driver binds")
     w.add_argument("--bind", default="127.0.0.1", help="address the driver binds (0.0.0.0: all)")
     w.add_argument("--replica", type=int, default=0, help="replica index reported in replies")
+    w.add_argument(
+        "--first-gpu", type=int, default=0, help="GPU of rank 0; rank k takes first-gpu + k"
+    )
     _add_gang_args(w)
 
 
@@ -188,9 +191,11 @@ def _serve(args: argparse.Namespace) -> int:
     from dpserve.layout import ParallelConfig
     from dpserve.local import ReplicaSetConfig, default_model, serve
 
-    ParallelConfig(tp=args.tp, sp=args.sp, cfg=args.cfg, dp=args.dp_size)  # fail fast
+    layout = ParallelConfig(tp=args.tp, sp=args.sp, cfg=args.cfg, dp=args.dp_size)  # fail fast
     model = args.model or default_model()
-    replicas = ReplicaSetConfig(model, args.dp_size, args.scheduler_port, tuple(_gang_flags(args)))
+    replicas = ReplicaSetConfig(
+        model, args.dp_size, args.scheduler_port, tuple(_gang_flags(args)), layout.gang_size
+    )
     settings = _router_settings(args, [])
     return serve(replicas, args.host, args.port, settings)
 
@@ -246,6 +251,7 @@ def _worker(args: argparse.Namespace) -> int:
         ring=args.ring,
         cfg=args.cfg,
         replica=args.replica,
+        first_gpu=args.first_gpu,
         threads_per_rank=args.threads_per_rank,
         device=args.device,
         dtype=args.dtype,

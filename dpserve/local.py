@@ -120,6 +120,13 @@ class ReplicaSetConfig:
     dp_size: int
     scheduler_port: int = 5575
     worker_args: tuple[str, ...] = ()
+    gang_size: int = 1
+
+    def replica_args(self, replica: int) -> tuple[str, ...]:
+        """Replica r's worker flags: its index, and its own block of GPUs (as the
+        rank layout's blocks), so replicas never share a GPU."""
+        first_gpu = replica * self.gang_size
+        return (*self.worker_args, "--replica", str(replica), "--first-gpu", str(first_gpu))
 
 
 class LocalReplicas:
@@ -138,7 +145,7 @@ class LocalReplicas:
     def start(self, ready_timeout_s: float = 300.0) -> None:
         for r in range(self.config.dp_size):
             port = self.config.scheduler_port + r
-            args = (*self.config.worker_args, "--replica", str(r))
+            args = self.config.replica_args(r)
             self.workers.append(WorkerProcess(self.config.model, *args, port=port, wait=False))
         try:
             for worker in self.workers:  # they start in parallel; wait for each in turn

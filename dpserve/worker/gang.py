@@ -7,6 +7,8 @@ requests, finishes the queued ones and relays STOP, and every rank exits 0.
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import logging
 import multiprocessing as mp
 import os
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from dpserve.worker.config import WorkerConfig
+from dpserve.worker.config import WorkerConfig, gang_first_gpu, gpu_problem
 from dpserve.worker.rank import RankArgs, rank_main
 
 log = logging.getLogger("dpserve.worker")
@@ -47,9 +49,33 @@ def _kill(procs: Sequence[BaseProcess]) -> None:
         proc.join(timeout=5)
 
 
+def _gpus_visible(device: str) -> int:
+    if device == "cpu" or (device == "auto" and not glob.glob("/dev/nvidia[0-9]*")):
+        return 0
+    import torch  # only where GPUs may be: a CPU machine's supervisor stays light
+
+    return torch.cuda.device_count()  # through NVML: no CUDA context in this process
+
+
 def run_gang(cfg: WorkerConfig) -> int:
     """Run the replica until it is stopped; the return value is the process's exit code."""
     cfg.parallel.validate()
+    visible = _gpus_visible(cfg.device)
+    problem = gpu_problem(cfg.device, cfg.gang_size, visible)
+    if problem is not None:
+        log.error("replica %d: %s", cfg.replica, problem)
+        return 2
+    if visible and cfg.device != "cpu":
+        first = gang_first_gpu(cfg.first_gpu, cfg.gang_size, visible)
+        if first != cfg.first_gpu:
+            log.warning(
+                "replica %d: GPUs %d.. are not visible; sharing GPUs %d..%d with another replica",
+                cfg.replica,
+                cfg.first_gpu,
+                first,
+                first + cfg.gang_size - 1,
+            )
+        cfg = dataclasses.replace(cfg, first_gpu=first)
     _rank_env(cfg.threads_per_rank)
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="dpserve-gang-")

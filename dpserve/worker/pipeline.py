@@ -41,11 +41,11 @@ _FIELD_ARGS: Mapping[str, str] = {
 }
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
+def resolve_device(name: str, rank: int, first_gpu: int = 0) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        return torch.device("cuda", first_gpu + rank)
     return torch.device(name)
 
 

@@ -75,7 +75,7 @@ def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
     from dpserve.worker.comm import init_gang
     from dpserve.worker.pipeline import resolve_device, resolve_dtype
 
-    device = resolve_device(cfg.device, args.rank)
+    device = resolve_device(cfg.device, args.rank, cfg.first_gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm = init_gang(cfg.parallel, args.rank, args.store_path, device, cfg.collective_timeout_s)

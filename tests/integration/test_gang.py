@@ -133,3 +133,15 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_model: Path) ->
         assert all(isinstance(r, tuple) for r in results), results
     finally:
         worker.kill()
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_rank_starts(tiny_model: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "dpserve", "worker", "--model", str(tiny_model)]
+    cmd += ["--port", "1", "--device", "cuda", "--cfg", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no CUDA device is visible" in done.stderr
+    assert "started" not in done.stderr  # no rank was spawned
