@@ -99,7 +99,6 @@ class SessionHost:
 
     def __post_init__(self) -> None:
         self._flat: Any = None  # a scheduler that takes the frame sigmas as given
-        self._img2img: Pipeline | None = None
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -237,17 +236,21 @@ class SessionHost:
         }
 
     def _image_to_image(self) -> Pipeline:
-        if self._img2img is None:
-            from diffusers import AutoPipelineForImage2Image
+        """The image-to-image sibling over the pipeline's current modules.
 
-            try:
-                self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipe)
-            except ValueError as exc:
-                raise RequestError(
-                    UNSUPPORTED, f"first_frame needs an image-to-image pipeline: {exc}"
-                ) from None
-            self._img2img.set_progress_bar_config(disable=True)
-        return self._img2img
+        Made per use, not kept: a weight update replaces modules, and a kept
+        sibling would go on rendering with (and holding) the old ones.
+        """
+        from diffusers import AutoPipelineForImage2Image
+
+        try:
+            pipe = AutoPipelineForImage2Image.from_pipe(self.pipe)
+        except ValueError as exc:
+            raise RequestError(
+                UNSUPPORTED, f"first_frame needs an image-to-image pipeline: {exc}"
+            ) from None
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     @contextlib.contextmanager
     def _flat_schedule(self) -> Iterator[None]:

@@ -204,6 +204,27 @@ def test_a_first_frame_starts_the_session(client: ReplicaClient) -> None:
     assert client.ping().sessions == 2
 
 
+def test_a_weight_update_reaches_sessions_started_from_an_image(
+    client: ReplicaClient, tiny_model: Path, tiny_model_b: Path
+) -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (30, 160, 90)).save(buf, format="PNG")
+
+    def open_from_image(sid: str) -> bytes:
+        request = rt.SessionRequest(action="open", session_id=sid, params=PARAMS, first_frame=0)
+        frame_bytes = client.session(request, [buf.getvalue()])[1][0]
+        client.session(rt.SessionRequest(action="close", session_id=sid))
+        return frame_bytes
+
+    before = open_from_image("s0")
+    client.control("update_weights_from_disk", model_path=str(tiny_model_b))
+    try:
+        assert open_from_image("s1") != before  # rendered by the new transformer
+    finally:
+        client.control("update_weights_from_disk", model_path=str(tiny_model))
+    assert open_from_image("s2") == before
+
+
 def test_malformed_session_messages_leave_the_replica_serving(client: ReplicaClient) -> None:
     for body, needle in (
         ({"action": "jump", "session_id": "s0"}, "unknown session action"),
