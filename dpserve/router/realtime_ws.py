@@ -107,8 +107,6 @@ class RealtimeConnection:
         """Until a valid init or resume: bad ones get an error and another chance."""
         while True:
             message = await self._receive()
-            if message is None:
-                continue
             kind = message["type"]
             try:
                 if kind == "init":
@@ -165,8 +163,6 @@ class RealtimeConnection:
     async def _read(self, drive: _Drive) -> bool:
         while True:
             message = await self._receive()
-            if message is None:
-                continue
             kind = message["type"]
             try:
                 if kind == "prompt":
@@ -231,19 +227,17 @@ class RealtimeConnection:
 
     # ------------------------------------------------------------ socket
 
-    async def _receive(self) -> dict[str, Any] | None:
-        """The next message, or None after answering a malformed one with an error."""
-        event = await self.ws.receive()
-        if event["type"] == "websocket.disconnect":
-            raise WebSocketDisconnect(event.get("code", 1000), event.get("reason"))
-        raw = event.get("bytes")
-        if raw is None:
-            raw = event.get("text", "")
-        try:
-            return rt.decode_client(raw)
-        except p.RequestError as exc:
-            await self._error(str(exc), exc.code)
-            return None
+    async def _receive(self) -> dict[str, Any]:
+        """The next well-formed message; a malformed one is answered with an error."""
+        while True:
+            event = await self.ws.receive()
+            if event["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(event.get("code", 1000), event.get("reason"))
+            raw = event.get("bytes")
+            try:
+                return rt.decode_client(raw if raw is not None else event.get("text", ""))
+            except p.RequestError as exc:
+                await self._error(str(exc), exc.code)
 
     async def _send(self, data: bytes) -> None:
         try:

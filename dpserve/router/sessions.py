@@ -1,7 +1,7 @@
 """Realtime sessions through the router: placement, and every message to the owner.
 
 A new session gets a random key; rendezvous hashing of the key over the serving
-replicas orders where it may live (a replica at its session limit is skipped).
+replicas orders where it may live (replicas that report being full go last).
 The owner's endpoint is written into the session id the client receives, so any
 router (this one after a restart, or another replica of the router) sends the
 session's messages to the same replica without shared state, and replicas that
@@ -57,7 +57,7 @@ def session_owner(session_id: str) -> str:
     return owner
 
 
-@dataclass
+@dataclass(frozen=True)
 class Attached:
     """This connection's hold on a session: the owner and the epoch it drives."""
 
@@ -83,11 +83,12 @@ class SessionRouter:
         if not serving:
             raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet; retry shortly")
         order = [serving[e] for e in hrw_order(key, serving)]
+        blobs = [init.first_frame] if init.first_frame is not None else []
+        lost: list[str] = []
         # Replicas whose last ping said "full" go last, not away: the ping may be stale,
         # and the replica's own answer is the one that counts.
         for replica in sorted(order, key=lambda r: r.full):
             session_id = make_session_id(key, replica.endpoint)
-            blobs = [init.first_frame] if init.first_frame is not None else []
             request = rt.SessionRequest(
                 action=rt.OPEN,
                 session_id=session_id,
@@ -104,9 +105,16 @@ class SessionRouter:
                 continue
             except (ReplicaLost, TimeoutError) as exc:
                 self.pool.mark_failed(replica, f"session open failed: {exc}")
+                lost.append(replica.name)
                 continue
             replica.sessions += 1
             return Attached(session_id, replica.endpoint, 0), _frame(reply, replica)
+        if lost:
+            raise p.RequestError(
+                p.UNAVAILABLE,
+                f"no replica could take the session ({', '.join(lost)} failed, any others "
+                "are full); retry shortly",
+            )
         limit = max(r.max_sessions for r in order)
         raise p.RequestError(
             p.OVERLOADED,
