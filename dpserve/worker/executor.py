@@ -29,7 +29,7 @@ from dpserve.worker.commands import GangStatus
 from dpserve.worker.control import ControlOps
 from dpserve.worker.denoiser import DenoiserPatch
 from dpserve.worker.pipeline import Pipeline, cfg_requested, encode_image, pipeline_kwargs
-from dpserve.worker.sessions import Rendered, SessionHost, SessionLimits
+from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class Executor:
         )
         return encode(RESULT, request_id, body, [encode_image(rendered.image, fmt)])
 
-    def _info(self, sid: str, session: Any, released: bool) -> rt.SessionInfo:
+    def _info(self, sid: str, session: Session | None, released: bool) -> rt.SessionInfo:
         return rt.SessionInfo(
             session_id=sid,
             replica=self.comm.info.replica,
