@@ -11,67 +11,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dpserve.layout import LayoutError
+from dpserve.worker.config import add_gang_args, add_worker_args, port_number, positive
 
 if TYPE_CHECKING:
+    from dpserve.local import ReplicaSetConfig
     from dpserve.router.app import RouterSettings
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
-    return value
-
-
-def _add_gang_args(w: argparse.ArgumentParser) -> None:
-    """Flags of one replica's gang, shared by ``worker`` and ``serve``."""
-    w.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
-    w.add_argument("--sp", type=_positive, default=1, help="sequence-parallel degree")
-    w.add_argument("--ulysses", type=_positive, default=None, help="Ulysses part of --sp")
-    w.add_argument("--ring", type=_positive, default=None, help="ring part of --sp")
-    w.add_argument("--cfg", type=_positive, default=1, help="CFG-parallel degree (1 or 2)")
-    w.add_argument("--threads-per-rank", type=_positive, default=1, help="torch threads per rank")
-    w.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    w.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    w.add_argument("--max-queue", type=_positive, default=64, help="queued requests per replica")
-    w.add_argument("--max-side", type=_positive, default=2048, help="largest width/height")
-    w.add_argument("--max-steps", type=_positive, default=100, help="most inference steps")
-    w.add_argument(
-        "--max-sequence-length", type=_positive, default=None, help="text tokens per prompt"
-    )
-    w.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to finish work")
-    w.add_argument("--max-sessions", type=_positive, default=8, help="realtime sessions held")
-    w.add_argument("--max-session-mb", type=float, default=256.0, help="state per session")
-    w.add_argument(
-        "--session-idle-timeout", type=float, default=60.0, help="seconds before an idle release"
-    )
 
 
 def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w = sub.add_parser("worker", help="run one replica: a gang of ranks behind a ZMQ endpoint")
-    w.add_argument("--model", type=Path, required=True, help="diffusers pipeline folder")
-    w.add_argument("--port", type=_port, required=True, help="ZMQ port the driver binds")
-    w.add_argument("--bind", default="127.0.0.1", help="address the driver binds (0.0.0.0: all)")
-    w.add_argument("--replica", type=int, default=0, help="replica index reported in replies")
-    w.add_argument(
-        "--first-gpu", type=int, default=0, help="GPU of rank 0; rank k takes first-gpu + k"
-    )
-    _add_gang_args(w)
+    add_worker_args(w)
 
 
 def _add_router_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: all)")
-    r.add_argument("--port", type=_port, default=8000, help="HTTP port")
+    r.add_argument("--port", type=port_number, default=8000, help="HTTP port")
     r.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    r.add_argument("--max-inflight-per-replica", type=_positive, default=2)
-    r.add_argument("--max-waiting", type=_positive, default=256, help="queued requests, then 429")
+    r.add_argument("--max-inflight-per-replica", type=positive, default=2)
+    r.add_argument("--max-waiting", type=positive, default=256, help="queued requests, then 429")
     r.add_argument("--output-dir", type=Path, default=None, help="enables response_format=url")
     r.add_argument("--public-url", default=None, help="base of image URLs (default: own address)")
     r.add_argument("--served-model-name", default=None, help="model id in /v1/models")
@@ -90,9 +47,11 @@ def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("serve", help="embedded default: N local replicas and a router")
     s.add_argument("--model", type=Path, default=None, help="default: the tiny model (cached)")
-    s.add_argument("--dp-size", type=_positive, default=1, help="number of replicas")
-    s.add_argument("--scheduler-port", type=_port, default=5575, help="replica r binds this + r")
-    _add_gang_args(s)
+    s.add_argument("--dp-size", type=positive, default=1, help="number of replicas")
+    s.add_argument(
+        "--scheduler-port", type=port_number, default=5575, help="replica r binds this + r"
+    )
+    add_gang_args(s)
     _add_router_args(s)
 
 
@@ -101,10 +60,10 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     scope = o.add_mutually_exclusive_group()
     scope.add_argument("--namespace", action="append", help="watch only these namespaces")
     scope.add_argument("--all-namespaces", action="store_true", help="watch the whole cluster")
-    o.add_argument("--liveness-port", type=_port, default=8080, help="serves /healthz")
+    o.add_argument("--liveness-port", type=port_number, default=8080, help="serves /healthz")
     sub.add_parser("crd", help="print the DiffusionService CRD (generated from the code)")
     probe = sub.add_parser("probe", help="ping a local replica's driver (pod probes)")
-    probe.add_argument("--port", type=_port, required=True)
+    probe.add_argument("--port", type=port_number, required=True)
     probe.add_argument("--host", default="127.0.0.1")
     probe.add_argument("--timeout", type=float, default=3.0)
     probe.add_argument(
@@ -121,7 +80,7 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lora.add_argument("dir", type=Path)
     lora.add_argument("--model", type=Path, required=True)
     lora.add_argument("--seed", type=int, default=0)
-    lora.add_argument("--rank", type=_positive, default=4)
+    lora.add_argument("--rank", type=positive, default=4)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,20 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_k8s(sub)
     _add_tiny(sub)
     return parser
-
-
-def _gang_flags(args: argparse.Namespace) -> list[str]:
-    """The gang flags of ``serve`` as ``worker`` command-line arguments."""
-    flags = ["--tp", args.tp, "--sp", args.sp, "--cfg", args.cfg]
-    flags += ["--threads-per-rank", args.threads_per_rank, "--device", args.device]
-    flags += ["--dtype", args.dtype, "--max-queue", args.max_queue, "--max-side", args.max_side]
-    flags += ["--max-steps", args.max_steps, "--drain-timeout", args.drain_timeout]
-    flags += ["--max-sessions", args.max_sessions, "--max-session-mb", args.max_session_mb]
-    flags += ["--session-idle-timeout", args.session_idle_timeout]
-    for name in ("ulysses", "ring", "max_sequence_length"):
-        if getattr(args, name) is not None:
-            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
-    return [str(f) for f in flags]
 
 
 def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> RouterSettings:
@@ -187,15 +132,29 @@ def _router(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConfig:
+    """``serve``'s replicas, each given its gang options; None: the tiny model."""
     from dpserve.layout import ParallelConfig
-    from dpserve.local import ReplicaSetConfig, default_model, serve
+    from dpserve.local import ReplicaSetConfig, default_model
+    from dpserve.worker.config import gang_options, worker_flags
 
-    layout = ParallelConfig(tp=args.tp, sp=args.sp, cfg=args.cfg, dp=args.dp_size)  # fail fast
-    model = args.model or default_model()
-    replicas = ReplicaSetConfig(
-        model, args.dp_size, args.scheduler_port, tuple(_gang_flags(args)), layout.gang_size
+    layout = ParallelConfig(  # fail fast, before a model is built or a replica starts
+        tp=args.tp,
+        sp=args.sp,
+        ulysses=args.ulysses or 1,
+        ring=args.ring or 1,
+        cfg=args.cfg,
+        dp=args.dp_size,
     )
+    flags = tuple(worker_flags(gang_options(args)))
+    model = model or default_model()
+    return ReplicaSetConfig(model, args.dp_size, args.scheduler_port, flags, layout.gang_size)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dpserve.local import serve
+
+    replicas = _replica_set(args, args.model)
     settings = _router_settings(args, [])
     return serve(replicas, args.host, args.port, settings)
 
@@ -241,29 +200,7 @@ def _worker(args: argparse.Namespace) -> int:
     from dpserve.worker.config import WorkerConfig
     from dpserve.worker.gang import run_gang
 
-    config = WorkerConfig(
-        model=args.model,
-        port=args.port,
-        bind=args.bind,
-        tp=args.tp,
-        sp=args.sp,
-        ulysses=args.ulysses,
-        ring=args.ring,
-        cfg=args.cfg,
-        replica=args.replica,
-        first_gpu=args.first_gpu,
-        threads_per_rank=args.threads_per_rank,
-        device=args.device,
-        dtype=args.dtype,
-        max_queue=args.max_queue,
-        max_side=args.max_side,
-        max_steps=args.max_steps,
-        drain_timeout_s=args.drain_timeout,
-        max_sequence_length=args.max_sequence_length,
-        max_sessions=args.max_sessions,
-        max_session_mb=args.max_session_mb,
-        session_idle_timeout_s=args.session_idle_timeout,
-    )
+    config = WorkerConfig.from_args(args)
     if not (config.model / "model_index.json").is_file():
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)
         return 2

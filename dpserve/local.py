@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.layout import replica_endpoint
 from dpserve.proc import die_with_parent
+from dpserve.worker.config import worker_flags
 
 if TYPE_CHECKING:
     from dpserve.router.app import RouterSettings
@@ -63,8 +64,8 @@ class WorkerProcess:
             self.wait_ready(ready_timeout_s)
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "dpserve", "worker", "--model", str(self.model)]
-        cmd += ["--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", "dpserve", "worker"]
+        cmd += [*worker_flags({"model": self.model, "port": self.port}), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(cmd, env=env, preexec_fn=_worker_preexec)
 
@@ -119,14 +120,14 @@ class ReplicaSetConfig:
     model: Path
     dp_size: int
     scheduler_port: int = 5575
-    worker_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()  # the gang options every replica shares, as flags
     gang_size: int = 1
 
     def replica_args(self, replica: int) -> tuple[str, ...]:
         """Replica r's worker flags: its index, and its own block of GPUs (as the
         rank layout's blocks), so replicas never share a GPU."""
-        first_gpu = replica * self.gang_size
-        return (*self.worker_args, "--replica", str(replica), "--first-gpu", str(first_gpu))
+        own = {"replica": replica, "first_gpu": replica * self.gang_size}
+        return (*self.worker_args, *worker_flags(own))
 
 
 class LocalReplicas:

@@ -173,6 +173,9 @@ class Limits:
     size_factor: int = 16
     max_steps: int = 100
     max_scale: float = 100.0
+    # Sequence-parallel ranks: the image tokens, one per size_factor x size_factor
+    # patch, must split evenly over them.
+    sequence_split: int = 1
 
 
 def invalid_fields(errors: Sequence[FieldError]) -> RequestError:
@@ -245,6 +248,7 @@ def parse_size(check: FieldChecker, limits: Limits) -> tuple[int | None, int | N
     height = check.side("height", limits)
     size = check.body.get("size")
     if size is None or size == "auto":
+        _check_tokens(check, width, height, limits, "width")
         return width, height
     match = _SIZE_RE.match(size) if isinstance(size, str) else None
     if match is None:
@@ -256,7 +260,39 @@ def parse_size(check: FieldChecker, limits: Limits) -> tuple[int | None, int | N
     sized = FieldChecker({"width": int(match[1]), "height": int(match[2])})
     width, height = sized.side("width", limits), sized.side("height", limits)
     check.errors += [FieldError("size", f"{e.field} {e.message}") for e in sized.errors]
+    _check_tokens(check, width, height, limits, "size")
     return width, height
+
+
+def _check_tokens(
+    check: FieldChecker, width: int | None, height: int | None, limits: Limits, field: str
+) -> None:
+    """Under sequence parallel, a size whose token count the ranks cannot split is refused,
+    naming sizes near it that work."""
+    split, factor = limits.sequence_split, limits.size_factor
+    if split == 1 or width is None or height is None:
+        return
+    tokens = (width // factor) * (height // factor)
+    if tokens % split == 0:
+        return
+    near = sorted(
+        {
+            (w, h)
+            for w in (width - factor, width, width + factor)
+            for h in (height - 2 * factor, height - factor, height, height + factor)
+            if limits.min_side <= min(w, h)
+            and max(w, h) <= limits.max_side
+            and ((w // factor) * (h // factor)) % split == 0
+        },
+        key=lambda wh: (abs(wh[0] - width) + abs(wh[1] - height), wh),
+    )
+    hint = ", ".join(f"{w}x{h}" for w, h in near[:3]) or f"{factor * split}x{factor * split}"
+    check.bad(
+        field,
+        f"{width}x{height} has {tokens} image tokens ({factor}x{factor} patches), which the "
+        f"{split} sequence-parallel ranks cannot split evenly: use a size whose "
+        f"(width/{factor})*(height/{factor}) is a multiple of {split}, e.g. {hint}",
+    )
 
 
 def _parse_seeds(check: FieldChecker, n: int) -> list[int] | None:

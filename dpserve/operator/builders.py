@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from dpserve.operator import spec as s
+from dpserve.worker.config import worker_flags
 
 ROUTER_PORT: Final = 8000
 SPEC_HASH: Final = "dpserve.dev/spec-hash"
@@ -133,23 +134,32 @@ def spec_hash(spec: s.DiffusionServiceSpec) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def worker_options(svc: Svc, index: int) -> dict[str, Any]:
+    """What a DiffusionService sets of replica ``index``'s ``WorkerConfig``, by field
+    name; the options it leaves out keep the worker's defaults."""
+    spec, par, rt = svc.spec, svc.spec.parallelism, svc.spec.realtime
+    return {
+        "model": spec.model.path,
+        "port": spec.schedulerPort,
+        "bind": "0.0.0.0",
+        "replica": index,
+        "tp": par.tp,
+        "sp": par.sp,
+        "ulysses": par.ulysses,  # None: derived from sp
+        "ring": par.ring,
+        "cfg": par.cfg,
+        "threads_per_rank": spec.threadsPerRank,
+        "device": spec.device,
+        "max_sequence_length": spec.maxSequenceLength,  # None: the pipeline's default
+        "drain_timeout_s": spec.router.requestTimeoutSeconds,  # finish what the router waits on
+        "max_sessions": rt.maxSessions,
+        "max_session_mb": rt.maxSessionMB,
+        "session_idle_timeout_s": rt.idleTimeoutSeconds,
+    }
+
+
 def worker_args(svc: Svc, index: int) -> list[str]:
-    spec, par = svc.spec, svc.spec.parallelism
-    args = ["worker", "--model", spec.model.path, "--port", str(spec.schedulerPort)]
-    args += ["--bind", "0.0.0.0", "--replica", str(index)]
-    args += ["--tp", str(par.tp), "--sp", str(par.sp), "--cfg", str(par.cfg)]
-    if par.ulysses is not None:
-        args += ["--ulysses", str(par.ulysses)]
-    if par.ring is not None:
-        args += ["--ring", str(par.ring)]
-    args += ["--threads-per-rank", str(spec.threadsPerRank), "--device", spec.device]
-    if spec.maxSequenceLength is not None:
-        args += ["--max-sequence-length", str(spec.maxSequenceLength)]
-    args += ["--drain-timeout", str(spec.router.requestTimeoutSeconds)]
-    rt = spec.realtime
-    args += ["--max-sessions", str(rt.maxSessions), "--max-session-mb", str(rt.maxSessionMB)]
-    args += ["--session-idle-timeout", str(rt.idleTimeoutSeconds)]
-    return args
+    return ["worker", *worker_flags(worker_options(svc, index))]
 
 
 def _resources(spec: s.DiffusionServiceSpec) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 The CRD's OpenAPI schema is generated from these models (``dpserve.operator.crd``),
 and the operator parses objects with them, so the two cannot drift. CEL rules
-sit beside the fields they guard; they run in the apiserver.
+sit beside the fields they guard; they run in the apiserver. Defaults that mirror
+a worker option (parallel degrees, threads, realtime limits) are the worker's own,
+read from ``WorkerConfig``; ``builders.worker_options`` maps the fields onto it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
+
+from dpserve.worker.config import default as worker_default
 
 GROUP = "dpserve.dev"
 VERSION = "v1alpha1"
@@ -30,6 +34,15 @@ def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     if field_path:
         out["fieldPath"] = field_path
     return out
+
+
+def _worker(name: str) -> int:
+    """The default of a field that mirrors a ``WorkerConfig`` option: the worker's own
+    (so the CRD and ``dpserve worker`` cannot disagree), a whole number here."""
+    value = worker_default(name)
+    if value != int(value):
+        raise ValueError(f"WorkerConfig.{name} defaults to {value!r}, not a whole number")
+    return int(value)
 
 
 def _validations(*rules: JsonDict) -> JsonDict:
@@ -91,11 +104,13 @@ class Parallelism(_Model):
         )
     )
 
-    tp: int = Field(1, ge=1, le=64, description="tensor-parallel degree")
-    sp: int = Field(1, ge=1, le=64, description="sequence-parallel degree (ulysses * ring)")
+    tp: int = Field(_worker("tp"), ge=1, le=64, description="tensor-parallel degree")
+    sp: int = Field(
+        _worker("sp"), ge=1, le=64, description="sequence-parallel degree (ulysses * ring)"
+    )
     ulysses: int | None = Field(None, ge=1, le=64, description="Ulysses part of sp")
     ring: int | None = Field(None, ge=1, le=64, description="ring-attention part of sp")
-    cfg: int = Field(1, ge=1, le=2, description="CFG-parallel degree: 1 or 2")
+    cfg: int = Field(_worker("cfg"), ge=1, le=2, description="CFG-parallel degree: 1 or 2")
 
     @property
     def gang_size(self) -> int:
@@ -134,10 +149,17 @@ class UpdateStrategy(_Model):
 class RealtimeSpec(_Model):
     """Realtime sessions each replica holds (docs/realtime.md)."""
 
-    maxSessions: int = Field(8, ge=1, le=1024, description="sessions a replica holds at once")
-    maxSessionMB: int = Field(256, ge=1, le=1048576, description="state one session may take")
+    maxSessions: int = Field(
+        _worker("max_sessions"), ge=1, le=1024, description="sessions a replica holds at once"
+    )
+    maxSessionMB: int = Field(
+        _worker("max_session_mb"), ge=1, le=1048576, description="state one session may take"
+    )
     idleTimeoutSeconds: int = Field(
-        60, ge=1, le=86400, description="a session nobody stepped for this long is released"
+        _worker("session_idle_timeout_s"),
+        ge=1,
+        le=86400,
+        description="a session nobody stepped for this long is released",
     )
 
 
@@ -159,7 +181,8 @@ class DiffusionServiceSpec(_Model):
     # Object defaults are spelled out: the apiserver checks them against the
     # object's CEL rules without applying the nested defaults first.
     parallelism: Parallelism = Field(
-        default_factory=Parallelism, json_schema_extra={"default": {"tp": 1, "sp": 1, "cfg": 1}}
+        default_factory=Parallelism,
+        json_schema_extra={"default": {k: _worker(k) for k in ("tp", "sp", "cfg")}},
     )
     role: Literal["monolithic", "encoder", "denoiser", "decoder"] = "monolithic"
     image: str | None = Field(None, description="worker image; the chart's default if omitted")
@@ -173,7 +196,7 @@ class DiffusionServiceSpec(_Model):
     affinity: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
     env: list[EnvVar] | None = None
     schedulerPort: int = Field(5575, ge=1024, le=65535)
-    threadsPerRank: int = Field(1, ge=1, le=256)
+    threadsPerRank: int = Field(_worker("threads_per_rank"), ge=1, le=256)
     maxSequenceLength: int | None = Field(None, ge=1, le=4096, description="text tokens")
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
     realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, json_schema_extra={"default": {}})

@@ -7,13 +7,14 @@ pickle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from dpserve.layout import ParallelConfig, RankInfo, all_groups, rank_info
+from dpserve.layout import Axis, ParallelConfig, RankInfo, all_groups, rank_info
+from dpserve.worker.parallel import ParallelGroups
 
 
 @dataclass
@@ -21,6 +22,7 @@ class GangComm:
     info: RankInfo
     cpu_group: dist.ProcessGroup
     cfg_group: dist.ProcessGroup | None
+    model_groups: ParallelGroups = field(default_factory=ParallelGroups)
 
     @property
     def size(self) -> int:
@@ -72,10 +74,32 @@ def init_gang(
     info = rank_info(layout, rank)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     assert isinstance(cpu_group, dist.ProcessGroup)
-    cfg_group: dist.ProcessGroup | None = None
-    # Every rank creates every group, in the same order, members or not.
-    for ranks in all_groups(layout, "cfg") if layout.cfg > 1 else []:
+    mine: dict[Axis, dist.ProcessGroup | None] = {}
+    for axis in _SPLIT_AXES:
+        mine[axis] = _own_group(layout, axis, rank, backend)
+    groups = ParallelGroups(
+        tp=mine["tp"], sp=mine["sp"], ulysses=mine["ulysses"], ring=mine["ring"]
+    )
+    return GangComm(info=info, cpu_group=cpu_group, cfg_group=mine["cfg"], model_groups=groups)
+
+
+# The order in which every rank creates the groups of each axis.
+_SPLIT_AXES: tuple[Axis, ...] = ("tp", "sp", "ulysses", "ring", "cfg")
+
+
+def _own_group(
+    layout: ParallelConfig, axis: Axis, rank: int, backend: str
+) -> dist.ProcessGroup | None:
+    """This rank's group along ``axis`` (None for degree 1).
+
+    Every rank creates every group, in the same order, members or not.
+    """
+    degree = {"tp": layout.tp, "sp": layout.sp, "ulysses": layout.ulysses, "ring": layout.ring}
+    if degree.get(axis, layout.cfg) < 2:
+        return None
+    own: dist.ProcessGroup | None = None
+    for ranks in all_groups(layout, axis):
         group = dist.new_group(list(ranks), backend=backend)
         if rank in ranks and isinstance(group, dist.ProcessGroup):
-            cfg_group = group
-    return GangComm(info=info, cpu_group=cpu_group, cfg_group=cfg_group)
+            own = group
+    return own

@@ -1,40 +1,120 @@
-"""What one replica's gang is asked to run, shared by the supervisor and every rank."""
+"""What one replica's gang is asked to run, shared by the supervisor and every rank.
+
+``WorkerConfig`` is the one place a worker option is spelled. A field that is a
+command-line flag carries its flag, help and parser (``Flag``), and the rest is
+derived from it: the argparse of ``dpserve worker`` and ``dpserve serve``
+(``add_worker_args``, ``add_gang_args``), the config a parsed command line makes
+(``WorkerConfig.from_args``), the ``dpserve worker`` flags that ``serve`` and the
+operator pass on (``worker_flags``), and the CRD's defaults that mirror the
+worker's (``default``). A gang option is shared by every replica of a set (``serve``
+takes it too); the others say where one replica runs (model, port, bind, replica,
+first GPU). Stdlib only: the operator and the CLI import it, never torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal, get_args
 
 from dpserve.layout import ParallelConfig
+
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a ``WorkerConfig`` field is spelled on the ``dpserve worker`` command line."""
+
+    help: str
+    parse: Callable[[str], Any] = str
+    name: str | None = None  # default: --field-name
+    choices: tuple[str, ...] | None = None
+    gang: bool = True  # shared by every replica of a set; False: where one replica runs
+
+
+def _flag(help: str, parse: Callable[[str], Any] = str, **kw: Any) -> dict[str, Flag]:
+    return {"flag": Flag(help, parse, **kw)}
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: Path
-    port: int
-    bind: str = "127.0.0.1"
-    tp: int = 1
-    sp: int = 1
-    ulysses: int | None = None
-    ring: int | None = None
-    cfg: int = 1
-    replica: int = 0
-    threads_per_rank: int = 1
-    device: str = "auto"  # auto, cpu or cuda
-    first_gpu: int = 0  # the gang's ranks take GPUs first_gpu, first_gpu + 1, ...
-    dtype: str = "auto"  # auto, float32, bfloat16 or float16
-    max_queue: int = 64
-    max_side: int = 2048
-    max_steps: int = 100
+    # Where one replica runs (``serve`` and the operator pick these per replica).
+    model: Path = field(metadata=_flag("diffusers pipeline folder", Path, gang=False))
+    port: int = field(metadata=_flag("ZMQ port the driver binds", port_number, gang=False))
+    bind: str = field(
+        default="127.0.0.1", metadata=_flag("address the driver binds (0.0.0.0: all)", gang=False)
+    )
+    replica: int = field(
+        default=0, metadata=_flag("replica index reported in replies", int, gang=False)
+    )
+    first_gpu: int = field(  # the gang's ranks take GPUs first_gpu, first_gpu + 1, ...
+        default=0, metadata=_flag("GPU of rank 0; rank k takes first-gpu + k", int, gang=False)
+    )
+    # The gang options, shared by every replica of a set.
+    tp: int = field(default=1, metadata=_flag("tensor-parallel degree", positive))
+    sp: int = field(default=1, metadata=_flag("sequence-parallel degree", positive))
+    # None: derived from --sp (pure Ulysses), as ParallelConfig does.
+    ulysses: int | None = field(default=None, metadata=_flag("Ulysses part of --sp", positive))
+    ring: int | None = field(default=None, metadata=_flag("ring part of --sp", positive))
+    cfg: int = field(default=1, metadata=_flag("CFG-parallel degree (1 or 2)", positive))
+    threads_per_rank: int = field(default=1, metadata=_flag("torch threads per rank", positive))
+    device: Device = field(
+        default="auto",
+        metadata=_flag("auto: cuda when a GPU is visible, else cpu", choices=get_args(Device)),
+    )
+    dtype: Dtype = field(
+        default="auto",
+        metadata=_flag("auto: bfloat16 on cuda, float32 on cpu", choices=get_args(Dtype)),
+    )
+    max_queue: int = field(default=64, metadata=_flag("queued requests per replica", positive))
+    max_side: int = field(default=2048, metadata=_flag("largest width/height", positive))
+    max_steps: int = field(default=100, metadata=_flag("most inference steps", positive))
+    max_sequence_length: int | None = field(  # None: the pipeline's default
+        default=None, metadata=_flag("text tokens per prompt (default: the pipeline's)", positive)
+    )
+    drain_timeout_s: float = field(
+        default=300.0, metadata=_flag("seconds to finish work", float, name="--drain-timeout")
+    )
+    max_sessions: int = field(default=8, metadata=_flag("realtime sessions held", positive))
+    max_session_mb: float = field(default=256.0, metadata=_flag("state per session", float))
+    session_idle_timeout_s: float = field(  # a session nobody stepped for this long is released
+        default=60.0,
+        metadata=_flag("seconds before an idle release", float, name="--session-idle-timeout"),
+    )
+    # Tuning that is no flag.
     warmup_steps: int = 2
-    max_sequence_length: int | None = None  # text tokens; None: the pipeline's default
     tick_s: float = 2.0  # idle heartbeat through the gang, also keeps collectives from timing out
     stall_s: float = 120.0  # no progress for this long while busy: pings report "stalled"
     collective_timeout_s: float = 600.0
-    drain_timeout_s: float = 300.0
-    max_sessions: int = 8  # realtime sessions held at once
-    max_session_mb: float = 256.0  # state one session may take
-    session_idle_timeout_s: float = 60.0  # a session nobody stepped for this long is released
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+        """The config a ``dpserve worker`` command line (``add_worker_args``) gives."""
+        return cls(**{f.name: getattr(args, f.name) for f, _ in _flags()})
+
+    def to_args(self) -> list[str]:
+        """Every flag of this config, so ``from_args`` of them parses it back (the
+        fields that are no flag keep their defaults there)."""
+        return worker_flags({f.name: getattr(self, f.name) for f, _ in _flags()})
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -50,6 +130,74 @@ class WorkerConfig:
     @property
     def endpoint(self) -> str:
         return f"tcp://{self.bind}:{self.port}"
+
+
+def _flags(gang_only: bool = False) -> Iterator[tuple[dataclasses.Field[Any], Flag]]:
+    """The fields that are flags, in declaration order (the order of --help and of flags)."""
+    for f in dataclasses.fields(WorkerConfig):
+        flag = f.metadata.get("flag")
+        if flag is not None and (flag.gang or not gang_only):
+            yield f, flag
+
+
+def _name(f: dataclasses.Field[Any], flag: Flag) -> str:
+    return flag.name or "--" + f.name.replace("_", "-")
+
+
+def _add(parser: argparse.ArgumentParser, gang_only: bool) -> None:
+    for f, flag in _flags(gang_only):
+        name = _name(f, flag)
+        kw: dict[str, Any] = {"dest": f.name, "type": flag.parse, "help": flag.help}
+        if flag.choices is not None:
+            kw["choices"] = flag.choices
+        else:
+            kw["metavar"] = name.removeprefix("--").replace("-", "_").upper()
+        if f.default is dataclasses.MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = f.default
+        parser.add_argument(name, **kw)
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``dpserve worker``: where the replica runs, then the gang options."""
+    _add(parser, gang_only=False)
+
+
+def add_gang_args(parser: argparse.ArgumentParser) -> None:
+    """The gang options, which ``serve`` takes and passes on to each of its replicas."""
+    _add(parser, gang_only=True)
+
+
+def gang_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The gang options of a parsed command line (``add_gang_args``), by field name."""
+    return {f.name: getattr(args, f.name) for f, _ in _flags(gang_only=True)}
+
+
+def worker_flags(options: Mapping[str, object]) -> list[str]:
+    """``dpserve worker`` flags for some options, keyed by ``WorkerConfig`` field name.
+
+    Flags come in field order; an option that is None is left out (the worker's
+    default applies: for ``ulysses``/``ring`` derived from ``sp``, for
+    ``max_sequence_length`` the pipeline's). A name that is no flag is an error.
+    """
+    unknown = set(options) - {f.name for f, _ in _flags()}
+    if unknown:
+        raise ValueError(f"not dpserve worker flags: {sorted(unknown)}")
+    out: list[str] = []
+    for f, flag in _flags():
+        value = options.get(f.name)
+        if value is not None:
+            out += [_name(f, flag), str(value)]
+    return out
+
+
+def default(name: str) -> Any:
+    """A ``WorkerConfig`` field's default, for settings elsewhere that mirror it."""
+    f = WorkerConfig.__dataclass_fields__[name]
+    if f.default is dataclasses.MISSING:
+        raise ValueError(f"WorkerConfig.{name} has no default")
+    return f.default
 
 
 def gpu_problem(device: str, gang_size: int, visible: int) -> str | None:

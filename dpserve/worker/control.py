@@ -25,6 +25,7 @@ from dpserve.protocol import (
     RequestError,
 )
 from dpserve.worker.lora import LoraAdapters
+from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.pipeline import Pipeline
 from dpserve.worker.weights import WeightOffload, checksum, modules_of, own_storage
 
@@ -66,10 +67,12 @@ class ControlOps:
         model_path: Path,
         device: torch.device,
         info: dict[str, Any],
+        parallel: ModelParallel,
     ) -> None:
         self.pipe = pipe
         self.model_path = model_path
-        self.loras = LoraAdapters(pipe)
+        self.parallel = parallel
+        self.loras = LoraAdapters(pipe, parallel)
         self.device = device
         self.offload = WeightOffload(device)
         self.info = info  # static facts for model_info (layout, threads, ...)
@@ -108,6 +111,7 @@ class ControlOps:
     # ------------------------------------------------------------ introspection
 
     def op_model_info(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
+        info = self.parallel.info
         return {
             **self.info,
             "model_path": str(self.model_path),
@@ -115,6 +119,22 @@ class ControlOps:
             "components": sorted(modules_of(self.pipe.components)),
             "released": self.released,
             "loras": sorted(self.loras.loaded),
+            # Merged over the gang into one entry per rank (executor).
+            "rank_weights": {
+                "rank": info.local_rank,
+                "tp_rank": info.tp_rank,
+                "sp_rank": info.sp_rank,
+                "cfg_rank": info.cfg_rank,
+                "bytes": self._weight_bytes(),
+            },
+        }
+
+    def _weight_bytes(self) -> dict[str, int]:
+        """Bytes of each module's tensors on this rank (0 while released)."""
+        return {
+            name: sum(t.numel() * t.element_size() for t in module.parameters())
+            + sum(t.numel() * t.element_size() for t in module.buffers())
+            for name, module in modules_of(self.pipe.components).items()
         }
 
     def op_get_weights_checksum(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
@@ -124,7 +144,11 @@ class ControlOps:
         missing = [m for m in wanted if m not in modules]
         if missing:
             raise _bad("modules", f"names unknown modules: {', '.join(missing)}")
-        return {"checksums": {name: checksum(modules[name]) for name in wanted}}
+        return {
+            "checksums": {name: checksum(modules[name]) for name in wanted},
+            "tp_rank": self.parallel.info.tp_rank,
+            "sharded": ["transformer"] if self.parallel.sharded else [],
+        }
 
     def op_list_loras(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
         return {
@@ -180,6 +204,8 @@ class ControlOps:
             cls: Any = type(current[name])
             dtype = next(current[name].parameters()).dtype
             module = cls.from_pretrained(path, subfolder=name, dtype=dtype, local_files_only=True)
+            if name == "transformer":
+                self.parallel.prepare(module)  # this rank's piece, before it moves to the device
             loaded[name] = own_storage(module.to(self.device)).eval()
         return loaded
 

@@ -1,4 +1,5 @@
-"""Per-request instrumentation of the pipeline's denoiser: progress ticks and CFG-parallel.
+"""Per-request instrumentation of the pipeline's denoiser: progress ticks, CFG-parallel,
+and the model-parallel wrapper (``ModelParallel.wrap``: the sequence split under sp).
 
 CFG-parallel relies on one convention of diffusers pipelines with true CFG (Flux,
 Qwen-Image, ...): each step calls the denoiser twice in a row, the first call
@@ -86,18 +87,23 @@ class DenoiserPatch:
     """Patches ``pipe.transformer`` for one request, then restores it."""
 
     def __init__(
-        self, cfg_rank: int, cfg_group: dist.ProcessGroup | None, on_step: Callable[[], None]
+        self,
+        cfg_rank: int,
+        cfg_group: dist.ProcessGroup | None,
+        on_step: Callable[[], None],
+        wrap: Callable[[Forward], Forward] = lambda forward: forward,
     ) -> None:
         self.cfg_rank = cfg_rank
         self.cfg_group = cfg_group
         self.on_step = on_step
+        self.wrap = wrap
 
     def can_split(self, denoiser: torch.nn.Module) -> bool:
         return self.cfg_group is not None and hasattr(denoiser, "cache_context")
 
     @contextlib.contextmanager
     def applied(self, denoiser: torch.nn.Module, split: bool) -> Iterator[None]:
-        original_forward: Forward = denoiser.forward
+        original_forward: Forward = self.wrap(denoiser.forward)
         original_context = getattr(denoiser, "cache_context", None)
         state = (
             _BranchSplit(self.cfg_rank, self.cfg_group)

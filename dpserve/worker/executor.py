@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,7 @@ from dpserve.worker.comm import GangComm
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.control import ControlOps
 from dpserve.worker.denoiser import DenoiserPatch
+from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.pipeline import Pipeline, cfg_requested, encode_image, pipeline_kwargs
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
@@ -61,9 +64,13 @@ class Executor:
     call_defaults: dict[str, Any]
     fixed_kwargs: dict[str, Any]  # pipeline arguments set at start-up, for every request
     session_limits: SessionLimits = field(default_factory=SessionLimits)
+    parallel: ModelParallel | None = None
 
     def __post_init__(self) -> None:
-        self.patch = DenoiserPatch(self.comm.info.cfg_rank, self.comm.cfg_group, self._progress)
+        wrap = self.parallel.wrap if self.parallel is not None else (lambda forward: forward)
+        self.patch = DenoiserPatch(
+            self.comm.info.cfg_rank, self.comm.cfg_group, self._progress, wrap
+        )
         self.split_ok = self.patch.can_split(denoiser_of(self.pipe))
         self.sessions = SessionHost(
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
@@ -99,6 +106,7 @@ class Executor:
         except Exception as exc:
             log.exception("generation %s failed", request_id)
             return encode_error(request_id, RequestError(INTERNAL, f"generation failed: {exc}"))
+        peak_mb = self._gang_peak_mb()
         if not output_rank:
             return []
         assert params.seed is not None
@@ -119,9 +127,14 @@ class Executor:
             replica=self.comm.info.replica,
             inference_time_s=time.perf_counter() - start,
             queue_time_s=queue_s,
-            peak_memory_mb=peak_memory_mb(self.device),
+            peak_memory_mb=peak_mb,
         )
         return encode(RESULT, request_id, result, blobs)
+
+    def _gang_peak_mb(self) -> float:
+        """The largest peak memory of any rank of the gang during the last call."""
+        mine = struct.pack("<d", peak_memory_mb(self.device))
+        return max(struct.unpack("<d", b)[0] for b in self.comm.gather_bytes(mine))
 
     # ------------------------------------------------------------ realtime sessions
 
@@ -228,9 +241,40 @@ def _merge_ranks(op: str, outcomes: list[_RankOutcome]) -> dict[str, Any]:
             prefix = f"rank {rank}: " if rank else ""
             raise RequestError(error.code, prefix + error.message, error.fields)
     if op == "get_weights_checksum":
-        differing = [r for r, o in enumerate(outcomes) if o.result != outcomes[0].result]
-        if differing:
-            raise RequestError(
-                INTERNAL, f"weights differ between ranks of this replica: ranks {differing} vs 0"
-            )
+        return {**_merge_checksums([o.result for o in outcomes]), "ranks": len(outcomes)}
+    if op == "model_info":
+        weights = [o.result["rank_weights"] for o in outcomes]
+        return {**outcomes[0].result, "rank_weights": weights, "ranks": len(outcomes)}
     return {**outcomes[0].result, "ranks": len(outcomes)}
+
+
+def _merge_checksums(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One checksum per module for the replica, from every rank's.
+
+    Ranks holding the same tensors must agree. A module split by tensor parallel
+    is held in pieces: ranks with the same tp rank must agree on their piece, and
+    the replica's checksum is a digest of the pieces' checksums in tp order (so two
+    replicas with the same layout and weights compare equal), listed in ``shards``.
+    """
+    first = results[0]
+    sharded = set(first.get("sharded", ()))
+    merged: dict[str, str] = {}
+    shards: dict[str, list[str]] = {}
+    for module, digest in first["checksums"].items():
+        pieces: dict[int, tuple[int, str]] = {}  # piece -> (first rank holding it, digest)
+        for rank, result in enumerate(results):
+            mine = result["checksums"].get(module)
+            piece = int(result["tp_rank"]) if module in sharded else 0
+            holder, held = pieces.setdefault(piece, (rank, mine))
+            if mine != held:
+                raise RequestError(
+                    INTERNAL,
+                    f"{module} weights differ between ranks {holder} and {rank} of this "
+                    "replica, which should hold the same tensors",
+                )
+        if module in sharded:
+            shards[module] = [pieces[t][1] for t in sorted(pieces)]
+            merged[module] = hashlib.sha256("|".join(shards[module]).encode()).hexdigest()
+        else:
+            merged[module] = digest
+    return {"checksums": merged, "shards": shards}

@@ -22,6 +22,7 @@ from types import FrameType
 
 from dpserve.worker.config import WorkerConfig, gang_first_gpu, gpu_problem
 from dpserve.worker.rank import RankArgs, rank_main
+from dpserve.worker.splittable import layout_problem
 
 log = logging.getLogger("dpserve.worker")
 _POLL_S = 0.2
@@ -60,6 +61,10 @@ def _gpus_visible(device: str) -> int:
 def run_gang(cfg: WorkerConfig) -> int:
     """Run the replica until it is stopped; the return value is the process's exit code."""
     cfg.parallel.validate()
+    problem = layout_problem(cfg.model, cfg.parallel)
+    if problem is not None:
+        log.error("replica %d: %s", cfg.replica, problem)
+        return 2
     visible = _gpus_visible(cfg.device)
     problem = gpu_problem(cfg.device, cfg.gang_size, visible)
     if problem is not None:

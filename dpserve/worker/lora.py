@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from peft.tuners.lora import LoraLayer
 
+from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.pipeline import Pipeline
 from dpserve.worker.weights import modules_of
 
@@ -21,6 +22,7 @@ from dpserve.worker.weights import modules_of
 @dataclass
 class LoraAdapters:
     pipe: Pipeline
+    parallel: ModelParallel
     loaded: dict[str, str] = field(default_factory=dict)  # nickname -> path
     active: dict[str, float] = field(default_factory=dict)  # nickname -> strength
     _base: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> copy
@@ -34,8 +36,41 @@ class LoraAdapters:
             self.pipe.delete_adapters(nickname)
             del self.loaded[nickname]
             self.active.pop(nickname, None)
-        self.pipe.load_lora_weights(path, adapter_name=nickname)
+            self.parallel.adapters_changed(self.pipe.transformer)
+        if self.parallel.sharded:
+            self._load_sharded(nickname, path)
+        else:
+            self.pipe.load_lora_weights(path, adapter_name=nickname)
+        self.parallel.adapters_changed(self.pipe.transformer)
         self.loaded[nickname] = path
+
+    def _load_sharded(self, nickname: str, path: str) -> None:
+        """diffusers' two loading steps, with the transformer's adapters cut to this
+        rank's piece in between (peft sizes them from the already split layers)."""
+        pipe = self.pipe
+        state, alphas, metadata = pipe.lora_state_dict(
+            path, return_alphas=True, return_lora_metadata=True
+        )
+        prefix = f"{pipe.transformer_name}."
+        pipe.load_lora_into_transformer(
+            self.parallel.shard_lora(pipe.transformer, state, prefix),
+            network_alphas=alphas,
+            transformer=pipe.transformer,
+            adapter_name=nickname,
+            metadata=metadata,
+            _pipeline=pipe,
+        )
+        if any(k.startswith(f"{pipe.text_encoder_name}.") for k in state):
+            pipe.load_lora_into_text_encoder(
+                state,
+                network_alphas=alphas,
+                text_encoder=pipe.text_encoder,
+                prefix=pipe.text_encoder_name,
+                lora_scale=pipe.lora_scale,
+                adapter_name=nickname,
+                metadata=metadata,
+                _pipeline=pipe,
+            )
 
     def activate(self, strengths: dict[str, float]) -> None:
         self.pipe.set_adapters(list(strengths), adapter_weights=list(strengths.values()))
@@ -59,6 +94,7 @@ class LoraAdapters:
             self.unmerge()
         if dropped:
             self.pipe.unload_lora_weights()
+            self.parallel.adapters_changed(self.pipe.transformer)
         self.loaded.clear()
         self.active.clear()
         return dropped

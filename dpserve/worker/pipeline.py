@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import io
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -55,14 +55,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_pipeline(path: Path, device: torch.device, dtype: torch.dtype) -> Pipeline:
-    """Any diffusers pipeline folder, offline; nothing here knows which model it is."""
+def load_pipeline(
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    prepare: Callable[[torch.nn.Module], object] = lambda module: module,
+) -> Pipeline:
+    """Any diffusers pipeline folder, offline; nothing here knows which model it is.
+
+    ``prepare`` gets the transformer before it moves to the device (so a rank that
+    keeps a shard of it never holds the whole on the device).
+    """
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
     pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    if isinstance(getattr(pipe, "transformer", None), torch.nn.Module):
+        prepare(pipe.transformer)
     pipe = pipe.to(device)
     for module in modules_of(pipe.components).values():
         own_storage(module)

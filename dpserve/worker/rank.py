@@ -102,11 +102,14 @@ def _with_replica(info: Any, replica: int) -> Any:
 def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Executor:
     from dpserve.worker.control import ControlOps
     from dpserve.worker.executor import Executor
+    from dpserve.worker.parallel import ModelParallel
     from dpserve.worker.pipeline import call_defaults, load_pipeline, size_factor
     from dpserve.worker.sessions import SessionLimits
 
+    layout = cfg.parallel
+    parallel = ModelParallel(comm.info, comm.model_groups, layout.tp, layout.sp, layout.ulysses)
     started = time.perf_counter()
-    pipe = load_pipeline(cfg.model, device, dtype)
+    pipe = load_pipeline(cfg.model, device, dtype, parallel.prepare)
     log.info("loaded %s in %.2fs", type(pipe).__name__, time.perf_counter() - started)
     info = {
         "replica": cfg.replica,
@@ -133,11 +136,13 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     )
     info["max_sessions"] = cfg.max_sessions
     info["session_idle_timeout_s"] = cfg.session_idle_timeout_s
-    ops = ControlOps(pipe, cfg.model, device, info)
+    text_tokens = info["max_sequence_length"]
+    parallel.check_loaded(pipe, text_tokens)
+    ops = ControlOps(pipe, cfg.model, device, info, parallel)
     limits = SessionLimits(
         cfg.max_sessions, int(cfg.max_session_mb * (1 << 20)), cfg.session_idle_timeout_s
     )
-    executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed, limits)
+    executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed, limits, parallel)
     info["realtime"] = executor.sessions.unsupported() or "supported"
     info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")
     return executor
@@ -147,7 +152,11 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
     """One small generation through the real path (CFG split included) before serving."""
     from dpserve.worker.pipeline import size_factor
 
-    side = max(size_factor(executor.pipe), 64)
+    # The smallest square from 64 px whose image tokens the sp ranks can split evenly.
+    factor = size_factor(executor.pipe)
+    side = max(factor, 64)
+    while ((side // factor) ** 2) % cfg.sp:
+        side += factor
     params = p.GenerateParams(
         prompt="warmup",
         negative_prompt="blurry" if cfg.cfg > 1 else None,
@@ -172,6 +181,7 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         min_side=int(executor.ops.info["size_factor"]),
         max_side=cfg.max_side,
         max_steps=cfg.max_steps,
+        sequence_split=cfg.sp,
     )
     ingress = Ingress(
         cfg.endpoint,

@@ -91,6 +91,16 @@ VARIANTS: Mapping[str, TinyVariant] = MappingProxyType(
             num_attention_heads=8,
             axes_dims_rope=(16, 24, 24),
         ),
+        # FLUX.1's width (24 heads x 128, its rope split) with 6 of its 57 blocks: the
+        # per-layer shapes of the real model (what tp/sp kernels and bf16 on a GPU see)
+        # at ~1.25e9 parameters, ~5 GB in float32. For GPU benchmarks; slow on a CPU.
+        "large": TinyVariant(
+            num_layers=2,
+            num_single_layers=4,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            axes_dims_rope=(16, 56, 56),
+        ),
     }
 )
 

@@ -15,21 +15,45 @@ def _modules_after_import(module: str) -> set[str]:
     return set(json.loads(out.stdout))
 
 
+# The one piece of the worker others may import: WorkerConfig, the source of the
+# worker's flags and defaults (stdlib only).
+WORKER_CONFIG = {"dpserve.worker", "dpserve.worker.config"}
+
+
+def _worker_modules(loaded: set[str]) -> set[str]:
+    return {m for m in loaded if m == "dpserve.worker" or m.startswith("dpserve.worker.")}
+
+
 @pytest.mark.parametrize(
-    "module", ["dpserve.protocol", "dpserve.layout", "dpserve.client", "dpserve.cli"]
+    "module",
+    ["dpserve.protocol", "dpserve.layout", "dpserve.client", "dpserve.cli", "dpserve.local"],
 )
 def test_light_modules_do_not_import_torch(module: str) -> None:
     loaded = _modules_after_import(module)
     assert "torch" not in loaded and "diffusers" not in loaded
+    assert _worker_modules(loaded) <= WORKER_CONFIG
+
+
+def test_worker_config_is_stdlib_only() -> None:
+    loaded = _modules_after_import("dpserve.worker.config")
+    assert _worker_modules(loaded) == WORKER_CONFIG
+    assert {m.split(".")[0] for m in loaded} & {"torch", "diffusers", "pydantic", "zmq"} == set()
 
 
 @pytest.mark.parametrize(
-    "module", ["dpserve.operator.handlers", "dpserve.router.app", "dpserve.router.kubernetes"]
+    "module",
+    [
+        "dpserve.operator.handlers",
+        "dpserve.operator.builders",
+        "dpserve.router.app",
+        "dpserve.router.kubernetes",
+    ],
 )
 def test_operator_and_router_never_import_the_worker_or_torch(module: str) -> None:
     loaded = _modules_after_import(module)
     assert "torch" not in loaded and "diffusers" not in loaded
-    assert not any(m.startswith("dpserve.worker") for m in loaded)
+    allowed = WORKER_CONFIG if module.startswith("dpserve.operator") else set()
+    assert _worker_modules(loaded) <= allowed
     if module.startswith("dpserve.operator"):
         assert not any(m.startswith("dpserve.router") for m in loaded)
 

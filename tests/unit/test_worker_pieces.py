@@ -47,6 +47,7 @@ def test_merge_first_error_wins_and_checksums_must_agree() -> None:
     bad = _RankOutcome(ok=False, error=ErrorBody(code="invalid_request", message="nope"))
     assert _merge_ranks("get_weights_checksum", [ok, ok]) == {
         "checksums": {"vae": "aa"},
+        "shards": {},
         "ranks": 2,
     }
     with pytest.raises(RequestError, match="rank 1: nope"):
@@ -54,3 +55,39 @@ def test_merge_first_error_wins_and_checksums_must_agree() -> None:
     other = _RankOutcome(ok=True, result={"checksums": {"vae": "bb"}})
     with pytest.raises(RequestError, match="differ between ranks"):
         _merge_ranks("get_weights_checksum", [ok, other])
+
+
+def _piece(tp_rank: int, transformer: str, vae: str = "vv") -> _RankOutcome:
+    return _RankOutcome(
+        ok=True,
+        result={
+            "checksums": {"transformer": transformer, "vae": vae},
+            "tp_rank": tp_rank,
+            "sharded": ["transformer"],
+        },
+    )
+
+
+def test_sharded_checksums_agree_per_piece_and_digest_the_pieces_in_tp_order() -> None:
+    import hashlib
+
+    # cfg2 x tp2: ranks 0, 1 are tp pieces 0, 1 of the cond branch; 2, 3 the same pieces.
+    gang = [_piece(0, "t0"), _piece(1, "t1"), _piece(0, "t0"), _piece(1, "t1")]
+    merged = _merge_ranks("get_weights_checksum", gang)
+    assert merged["shards"] == {"transformer": ["t0", "t1"]}
+    assert merged["checksums"]["transformer"] == hashlib.sha256(b"t0|t1").hexdigest()
+    assert merged["checksums"]["vae"] == "vv"  # replicated: one checksum
+    with pytest.raises(RequestError, match="ranks 1 and 3"):
+        _merge_ranks("get_weights_checksum", [*gang[:3], _piece(1, "t9")])
+    with pytest.raises(RequestError, match="vae weights differ between ranks 0 and 2"):
+        _merge_ranks("get_weights_checksum", [*gang[:2], _piece(0, "t0", vae="x"), gang[3]])
+
+
+def test_model_info_lists_every_ranks_weights() -> None:
+    def info(rank: int, size: int) -> _RankOutcome:
+        weights = {"rank": rank, "tp_rank": rank, "bytes": {"transformer": size}}
+        return _RankOutcome(ok=True, result={"layout": "tp2", "rank_weights": weights})
+
+    merged = _merge_ranks("model_info", [info(0, 10), info(1, 10)])
+    assert merged["layout"] == "tp2" and merged["ranks"] == 2
+    assert [w["rank"] for w in merged["rank_weights"]] == [0, 1]

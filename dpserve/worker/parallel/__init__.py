@@ -1,0 +1,142 @@
+"""Sequence and tensor parallel for one gang: which model parts are split, and how.
+
+``ModelParallel`` is the one owner of a rank's split: it checks that the model
+can be split as the layout asks, shards the transformer when it is loaded (at
+start-up and after a weight update), re-attaches the tensor-parallel exchanges
+after an adapter change, and wraps the transformer's forward for each request.
+With ``tp = sp = 1`` it does nothing at all, so CFG-only gangs run diffusers'
+own code paths untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dpserve.layout import RankInfo
+from dpserve.worker.parallel.attention import SequenceGroups
+from dpserve.worker.parallel.flux import SequenceParallelFluxProcessor, SequenceSplit, flux_plan
+from dpserve.worker.parallel.tensor import TensorParallel
+from dpserve.worker.splittable import splittable_problem
+
+log = logging.getLogger(__name__)
+Forward = Callable[..., Any]
+
+
+class ParallelUnsupported(ValueError):
+    """The model cannot be split the way the layout asks (a start-up refusal)."""
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's process groups along each model-splitting axis (None: degree 1)."""
+
+    tp: dist.ProcessGroup | None = None
+    sp: dist.ProcessGroup | None = None
+    ulysses: dist.ProcessGroup | None = None
+    ring: dist.ProcessGroup | None = None
+
+
+class ModelParallel:
+    def __init__(self, info: RankInfo, groups: ParallelGroups, tp: int, sp: int, ulysses: int):
+        self.info = info
+        self.tp_degree, self.sp_degree, self.ulysses_degree = tp, sp, ulysses
+        self.groups = groups
+        self.sequence = SequenceGroups(
+            ulysses=groups.ulysses,
+            ring=groups.ring,
+            ring_ranks=info.ring_group,
+            ring_index=info.ring_rank,
+        )
+        # Each prepared transformer's exchanges (a weight update brings a new one,
+        # and the old one serves on until the swap).
+        self._tensor: weakref.WeakKeyDictionary[torch.nn.Module, TensorParallel] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.split = (
+            SequenceSplit(groups.sp, info.sp_rank, sp) if groups.sp is not None and sp > 1 else None
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.tp_degree > 1 or self.sp_degree > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ranks hold different pieces of the transformer."""
+        return self.tp_degree > 1
+
+    # ------------------------------------------------------------ loading
+
+    def check(self, transformer: Any) -> None:
+        """Refuse, naming the constraint, a transformer this layout cannot split."""
+        if not self.active:
+            return
+        problem = splittable_problem(type(transformer).__name__)
+        if transformer is None or problem is not None:
+            raise ParallelUnsupported(problem or "this pipeline has no transformer")
+        heads = int(transformer.config.num_attention_heads)
+        split = self.ulysses_degree * self.tp_degree
+        if heads % split:
+            raise ParallelUnsupported(
+                f"attention heads ({heads}) must be divisible by ulysses * tp ({split})"
+            )
+        if self.tp_degree > 1:
+            self._tensor_plan(transformer).check(transformer)
+
+    def check_loaded(self, pipe: Any, text_tokens: int | None) -> None:
+        """What is known once the pipeline is loaded: it has a transformer (prepared by
+        ``prepare``), and its text tokens split evenly over the sp ranks."""
+        if not self.active:
+            return
+        if getattr(pipe, "transformer", None) is None:
+            raise ParallelUnsupported(splittable_problem(type(pipe).__name__ + " without one"))
+        if text_tokens is not None and text_tokens % self.sp_degree:
+            raise ParallelUnsupported(
+                f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by "
+                f"sp ({self.sp_degree})"
+            )
+
+    def _tensor_plan(self, transformer: torch.nn.Module) -> TensorParallel:
+        assert self.groups.tp is not None
+        plan = flux_plan(transformer)
+        return TensorParallel(plan, self.groups.tp, self.info.tp_rank, self.tp_degree)
+
+    def prepare(self, transformer: Any) -> Any:
+        """Shard a freshly loaded transformer and attach the exchanges; returns it."""
+        if not self.active:
+            return transformer
+        self.check(transformer)
+        if self.tp_degree > 1:
+            tensor = self._tensor_plan(transformer)
+            tensor.shard(transformer)
+            tensor.install(transformer)
+            self._tensor[transformer] = tensor
+        if self.sp_degree > 1:
+            transformer.set_attn_processor(SequenceParallelFluxProcessor(self.sequence))
+        return transformer
+
+    def adapters_changed(self, transformer: torch.nn.Module) -> None:
+        """A LoRA load or unload put new modules at the planned paths."""
+        tensor = self._tensor.get(transformer)
+        if tensor is not None:
+            tensor.install(transformer)
+
+    def shard_lora(
+        self, transformer: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], prefix: str
+    ) -> dict[str, Any]:
+        """``state_dict`` with the adapters of ``transformer``'s split layers cut to fit."""
+        tensor = self._tensor.get(transformer)
+        return dict(state_dict) if tensor is None else tensor.shard_lora(state_dict, prefix)
+
+    # ------------------------------------------------------------ requests
+
+    def wrap(self, forward: Forward) -> Forward:
+        """The transformer's forward for one request (sequence-split under sp)."""
+        return forward if self.split is None else self.split.wrap(forward)

@@ -1,0 +1,42 @@
+"""Which denoisers tp and sp can split, and the layout's static constraints on a model.
+
+Torch-free: the supervisor checks a model folder's configs before it starts any
+rank, so an impossible layout is refused with the constraint named instead of
+failing inside a rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dpserve.layout import LayoutError, ParallelConfig
+
+SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel",)
+
+
+def splittable_problem(kind: str) -> str | None:
+    if kind in SPLITTABLE:
+        return None
+    return (
+        f"tp/sp need a transformer that can be split ({', '.join(SPLITTABLE)}); this "
+        f"model's denoiser is {kind}: use --cfg and more replicas instead"
+    )
+
+
+def layout_problem(model: Path, layout: ParallelConfig) -> str | None:
+    """Why ``layout`` cannot split the model in folder ``model``, or None."""
+    if layout.tp == 1 and layout.sp == 1:
+        return None
+    config_file = model / "transformer" / "config.json"
+    if not config_file.is_file():
+        return splittable_problem("not a transformer (no transformer/config.json)")
+    config = json.loads(config_file.read_text())
+    problem = splittable_problem(str(config.get("_class_name")))
+    if problem is not None:
+        return problem
+    try:
+        layout.validate(num_heads=int(config["num_attention_heads"]))
+    except LayoutError as exc:
+        return str(exc)
+    return None
