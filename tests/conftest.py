@@ -20,6 +20,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 4 attention heads (tp x ulysses layouts split them 4 ways)."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny4", "tiny4", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same architecture with other weights: what a weight update loads."""
     from dpserve.worker.tiny_model import build_tiny_pipeline

@@ -61,7 +61,7 @@ def _gpus_visible(device: str) -> int:
 def run_gang(cfg: WorkerConfig) -> int:
     """Run the replica until it is stopped; the return value is the process's exit code."""
     cfg.parallel.validate()
-    problem = layout_problem(cfg.model, cfg.parallel)
+    problem = layout_problem(cfg.model, cfg.parallel, cfg.max_sequence_length)
     if problem is not None:
         log.error("replica %d: %s", cfg.replica, problem)
         return 2

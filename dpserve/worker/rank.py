@@ -73,6 +73,7 @@ def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
     cfg = args.config
     torch.set_num_threads(cfg.threads_per_rank)
     from dpserve.worker.comm import init_gang
+    from dpserve.worker.parallel import ParallelUnsupported
     from dpserve.worker.pipeline import resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device, args.rank, cfg.first_gpu)
@@ -80,7 +81,11 @@ def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
         torch.cuda.set_device(device)
     comm = init_gang(cfg.parallel, args.rank, args.store_path, device, cfg.collective_timeout_s)
     comm.info = _with_replica(comm.info, cfg.replica)
-    executor = _build_executor(cfg, comm, device, resolve_dtype(cfg.dtype, device))
+    try:
+        executor = _build_executor(cfg, comm, device, resolve_dtype(cfg.dtype, device))
+    except ParallelUnsupported as exc:  # every rank finds the same: refuse, no traceback
+        log.error("replica %d cannot start: %s", cfg.replica, exc)
+        return 2
     _warmup(executor, cfg)
     ingress = _open_ingress(cfg, executor) if comm.info.is_driver else None
     try:

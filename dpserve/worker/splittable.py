@@ -24,10 +24,19 @@ def splittable_problem(kind: str) -> str | None:
     )
 
 
-def layout_problem(model: Path, layout: ParallelConfig) -> str | None:
-    """Why ``layout`` cannot split the model in folder ``model``, or None."""
+def layout_problem(model: Path, layout: ParallelConfig, text_tokens: int | None) -> str | None:
+    """Why ``layout`` cannot split the model in folder ``model``, or None.
+
+    ``text_tokens`` is ``--max-sequence-length`` when given (Flux pads every prompt
+    to it); the pipeline's own default is checked by the ranks once it is loaded.
+    """
     if layout.tp == 1 and layout.sp == 1:
         return None
+    if text_tokens is not None and text_tokens % layout.sp:
+        return (
+            f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by sp "
+            f"({layout.sp}), which splits them: use a multiple of {layout.sp}"
+        )
     config_file = model / "transformer" / "config.json"
     if not config_file.is_file():
         return splittable_problem("not a transformer (no transformer/config.json)")

@@ -84,6 +84,14 @@ VARIANTS: Mapping[str, TinyVariant] = MappingProxyType(
             num_attention_heads=2,
             axes_dims_rope=(4, 6, 6),
         ),
+        # The tiny model with 4 heads, so tp x ulysses layouts of 4 ranks can split them.
+        "tiny4": TinyVariant(
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            axes_dims_rope=(4, 6, 6),
+        ),
         "small": TinyVariant(
             num_layers=4,
             num_single_layers=8,

@@ -1,4 +1,6 @@
-"""Every control op against a real CFG-parallel gang, failure paths included."""
+"""Every control op against real gangs (CFG, tensor and sequence parallel), failure paths
+included: each layout keeps its ranks' state in step, whether they hold the same
+tensors (CFG, sp) or pieces of them (tp)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,12 @@ REQUEST = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def worker(tiny_model: Path) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_model, "--cfg", "2") as w:
+LAYOUTS = {"cfg2": ("--cfg", "2"), "tp2": ("--tp", "2"), "ring2": ("--sp", "2", "--ring", "2")}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def worker(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[WorkerProcess]:
+    with WorkerProcess(tiny_model, *LAYOUTS[request.param], "--max-sequence-length", "64") as w:
         yield w
 
 
@@ -52,9 +57,11 @@ def test_model_info_and_checksum_agree_across_ranks(
     info = client.control("model_info")
     assert info["pipeline_class"] == "FluxPipeline"
     assert info["model_path"] == str(tiny_model)
-    assert info["ranks"] == 2 and info["layout"].endswith("cfg2-dp1")
+    assert info["ranks"] == 2 and info["gang_size"] == 2
     sums = client.control("get_weights_checksum")
     assert sums["ranks"] == 2
+    sharded = info["parallel"]["tp"] > 1
+    assert list(sums["shards"]) == (["transformer"] if sharded else [])
     assert set(sums["checksums"]) == {"transformer", "vae", "text_encoder", "text_encoder_2"}
     only = client.control("get_weights_checksum", modules=["vae"])
     assert only["checksums"] == {"vae": sums["checksums"]["vae"]}

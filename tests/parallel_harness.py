@@ -1,0 +1,65 @@
+"""Runs one denoising request on a real gang of processes and keeps the final latents.
+
+The ranks use the worker's own pieces (process groups, ``ModelParallel``, the
+denoiser patch) without the ingress, so the latents themselves can be compared
+across layouts: images would hide differences below one grey level.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from dpserve.layout import ParallelConfig
+from dpserve.protocol import GenerateParams
+
+TEXT_TOKENS = 32
+
+
+def _rank(
+    rank: int, model: str, layout: dict[str, int], request: dict[str, Any], store: str, out: str
+) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from dpserve.worker.comm import init_gang
+    from dpserve.worker.denoiser import DenoiserPatch
+    from dpserve.worker.parallel import ModelParallel
+    from dpserve.worker.pipeline import call_defaults, cfg_requested, load_pipeline, pipeline_kwargs
+
+    config = ParallelConfig(**layout)
+    device = torch.device(os.environ.get("DPSERVE_TEST_DEVICE", "cpu"))
+    comm = init_gang(config, rank, store, device, 120.0)
+    parallel = ModelParallel(comm.info, comm.model_groups, config.tp, config.sp, config.ulysses)
+    pipe = load_pipeline(Path(model), device, torch.float32, parallel.prepare)
+    parallel.check_loaded(pipe, TEXT_TOKENS)
+    params = GenerateParams(**request)
+    defaults = call_defaults(pipe)
+    kwargs = {**pipeline_kwargs(params, defaults, "latent"), "max_sequence_length": TEXT_TOKENS}
+    patch = DenoiserPatch(comm.info.cfg_rank, comm.cfg_group, lambda: None, parallel.wrap)
+    split = patch.can_split(pipe.transformer) and cfg_requested(params, defaults)
+    with torch.inference_mode(), patch.applied(pipe.transformer, split):
+        latents = pipe(**kwargs).images
+    if rank == 0:
+        torch.save(latents.cpu(), out)
+    dist.destroy_process_group()
+
+
+def final_latents(model: Path, layout: dict[str, int], request: dict[str, Any]) -> torch.Tensor:
+    """The final latents of ``request`` on a gang with ``layout`` (one process per rank)."""
+    size = ParallelConfig(**layout).gang_size
+    with tempfile.TemporaryDirectory(prefix="dpserve-math-") as tmp:
+        out = os.path.join(tmp, "latents.pt")
+        args = (str(model), layout, request, os.path.join(tmp, "store"), out)
+        mp.start_processes(_rank, args=args, nprocs=size, start_method="spawn")
+        return torch.load(out)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
