@@ -1,0 +1,114 @@
+"""Pure pieces of sequence and tensor parallel: shard indices, LoRA cuts, LSE merging,
+the Flux plan, size and layout refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dpserve.layout import ParallelConfig
+from dpserve.protocol import Limits, RequestError, parse_generate
+from dpserve.worker.splittable import layout_problem
+
+torch = pytest.importorskip("torch")
+
+from dpserve.worker.parallel.attention import _merge, attention_with_lse  # noqa: E402
+from dpserve.worker.parallel.flux import flux_plan  # noqa: E402
+from dpserve.worker.parallel.tensor import Shard, TensorParallel, shard_indices  # noqa: E402
+
+
+def test_shard_indices_cut_each_packed_block() -> None:
+    assert shard_indices(8, None, 1, 2) == slice(4, 8)
+    # cat([attention (4), mlp (8)]): rank 1 takes the second half of each block.
+    assert shard_indices(12, (4, 8), 1, 2) == [2, 3, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="cannot be split 4 ways"):
+        shard_indices(12, (6, 6), 0, 4)
+
+
+def test_lora_matrices_are_cut_like_the_weights_they_adapt() -> None:
+    plan = {"a.q": Shard("column"), "a.out": Shard("row"), "p": Shard("row", (2, 4))}
+    tp = TensorParallel(plan, group=None, rank=1, degree=2)  # type: ignore[arg-type]
+    a, b = torch.arange(24.0).reshape(4, 6), torch.arange(24.0).reshape(6, 4)
+    state = {
+        "transformer.a.q.lora_A.weight": a,
+        "transformer.a.q.lora_B.weight": b,
+        "transformer.a.out.lora_A.weight": a,
+        "transformer.a.out.lora_B.weight": b,
+        "transformer.p.lora_A.weight": a,
+        "transformer.other.lora_A.weight": a,
+        "text_encoder.a.q.lora_A.weight": a,
+    }
+    cut = tp.shard_lora(state, "transformer.")
+    assert torch.equal(cut["transformer.a.q.lora_A.weight"], a)  # column: A whole
+    assert torch.equal(cut["transformer.a.q.lora_B.weight"], b[3:])  # ... B's rows split
+    assert torch.equal(cut["transformer.a.out.lora_A.weight"], a[:, 3:])  # row: A's columns
+    assert torch.equal(cut["transformer.a.out.lora_B.weight"], b)
+    assert torch.equal(cut["transformer.p.lora_A.weight"], a[:, [1, 4, 5]])  # packed blocks
+    assert cut["transformer.other.lora_A.weight"] is a
+    assert cut["text_encoder.a.q.lora_A.weight"] is a
+
+
+def test_partial_attentions_merge_exactly_by_log_sum_exp() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen) for _ in range(3))
+    scale = 8**-0.5
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    first = attention_with_lse(q, k[:, :, :2], v[:, :, :2], scale)
+    second = attention_with_lse(q, k[:, :, 2:], v[:, :, 2:], scale)
+    merged, lse = _merge(first[0].float(), first[1], *second)
+    assert torch.allclose(merged, whole, atol=1e-6)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-6)
+
+
+def test_the_flux_plan_splits_about_all_block_weights(tiny4_model: Path) -> None:
+    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel.from_pretrained(tiny4_model, subfolder="transformer")
+    plan = flux_plan(transformer)
+    planned = sum(transformer.get_submodule(p).weight.numel() for p in plan)
+    blocks = sum(
+        p.numel()
+        for name, p in transformer.named_parameters()
+        if "transformer_blocks" in name and name.endswith("weight") and p.ndim == 2
+    )
+    assert planned == blocks  # every matrix of every block is split
+    TensorParallel(plan, group=None, rank=0, degree=4).check(transformer)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot split"):
+        TensorParallel(plan, group=None, rank=0, degree=3).check(transformer)  # type: ignore[arg-type]
+
+
+def test_sizes_whose_tokens_sp_cannot_split_are_refused_naming_sizes_that_work() -> None:
+    limits = Limits(size_factor=16, sequence_split=4)
+    with pytest.raises(RequestError) as err:
+        parse_generate({"prompt": "a", "size": "80x80"}, limits)  # 25 tokens
+    assert err.value.fields[0].field == "size"
+    message = err.value.fields[0].message
+    assert "25 image tokens" in message and "multiple of 4" in message
+    assert "e.g. 64x80, 80x64" in message
+    assert parse_generate({"prompt": "a", "width": 64, "height": 80}, limits).width == 64
+    assert parse_generate({"prompt": "a", "width": 80}, limits).width == 80  # height: default
+
+
+def _model(tmp_path: Path, kind: str, heads: int) -> Path:
+    (tmp_path / "transformer").mkdir(parents=True)
+    config = {"_class_name": kind, "num_attention_heads": heads}
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_layouts_a_model_cannot_split_are_named_before_start(tmp_path: Path) -> None:
+    flux = _model(tmp_path, "FluxTransformer2DModel", 24)
+    assert layout_problem(flux, ParallelConfig(tp=2, sp=4, ulysses=2, ring=2), None) is None
+    assert "divisible by ulysses * tp (16)" in str(
+        layout_problem(flux, ParallelConfig(tp=4, sp=4), None)
+    )
+    assert "text tokens (77" in str(layout_problem(flux, ParallelConfig(sp=2), 77))
+    assert layout_problem(flux, ParallelConfig(cfg=2), 77) is None  # CFG splits nothing
+    other = _model(tmp_path / "q", "QwenImageTransformer2DModel", 24)
+    assert "transformer that can be split" in str(layout_problem(other, ParallelConfig(tp=2), None))
+    unet = tmp_path / "unet"
+    unet.mkdir()
+    assert "no transformer/config.json" in str(layout_problem(unet, ParallelConfig(sp=2), None))
