@@ -26,6 +26,7 @@ from dpserve.protocol import (
 )
 from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.parallel import ModelParallel
+from dpserve.worker.parallel.encoders import EncoderRelay, relayed
 from dpserve.worker.pipeline import Pipeline
 from dpserve.worker.weights import WeightOffload, checksum, modules_of, own_storage
 
@@ -68,10 +69,12 @@ class ControlOps:
         device: torch.device,
         info: dict[str, Any],
         parallel: ModelParallel,
+        relay: EncoderRelay | None = None,
     ) -> None:
         self.pipe = pipe
         self.model_path = model_path
         self.parallel = parallel
+        self.relay = relay
         self.loras = LoraAdapters(pipe, parallel)
         self.device = device
         self.offload = WeightOffload(device)
@@ -144,8 +147,9 @@ class ControlOps:
         missing = [m for m in wanted if m not in modules]
         if missing:
             raise _bad("modules", f"names unknown modules: {', '.join(missing)}")
+        held = [name for name in wanted if not relayed(modules[name])]
         return {
-            "checksums": {name: checksum(modules[name]) for name in wanted},
+            "checksums": {name: checksum(modules[name]) for name in held},
             "tp_rank": self.parallel.info.tp_rank,
             "sharded": ["transformer"] if self.parallel.sharded else [],
         }
@@ -187,6 +191,8 @@ class ControlOps:
         for name, module in loaded.items():
             setattr(self.pipe, name, module)
             self.pipe.register_modules(**{name: module})
+            if self.relay is not None and name in self.relay.names:
+                self.relay.attach(module)
         self.model_path = Path(path_arg)
         return {"model_path": path_arg, "modules": names, "loras_cleared": cleared}
 
@@ -201,6 +207,8 @@ class ControlOps:
         for name in names:
             if not (path / name).is_dir():
                 raise _bad("model_path", f"has no {name!r} subfolder")
+            if relayed(current[name]):
+                continue  # the output rank holds (and reloads) this encoder
             cls: Any = type(current[name])
             dtype = next(current[name].parameters()).dtype
             module = cls.from_pretrained(path, subfolder=name, dtype=dtype, local_files_only=True)

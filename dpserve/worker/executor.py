@@ -264,6 +264,8 @@ def _merge_checksums(results: list[dict[str, Any]]) -> dict[str, Any]:
         pieces: dict[int, tuple[int, str]] = {}  # piece -> (first rank holding it, digest)
         for rank, result in enumerate(results):
             mine = result["checksums"].get(module)
+            if mine is None:
+                continue  # not held by this rank (a text encoder of the output rank's)
             piece = int(result["tp_rank"]) if module in sharded else 0
             holder, held = pieces.setdefault(piece, (rank, mine))
             if mine != held:

@@ -15,6 +15,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from dpserve.worker.parallel import ModelParallel
+from dpserve.worker.parallel.encoders import relayed
 from dpserve.worker.pipeline import Pipeline
 from dpserve.worker.weights import modules_of
 
@@ -37,16 +38,17 @@ class LoraAdapters:
             del self.loaded[nickname]
             self.active.pop(nickname, None)
             self.parallel.adapters_changed(self.pipe.transformer)
-        if self.parallel.sharded:
-            self._load_sharded(nickname, path)
+        if self.parallel.sharded or relayed(getattr(self.pipe, "text_encoder", None)):
+            self._load_split(nickname, path)
         else:
             self.pipe.load_lora_weights(path, adapter_name=nickname)
         self.parallel.adapters_changed(self.pipe.transformer)
         self.loaded[nickname] = path
 
-    def _load_sharded(self, nickname: str, path: str) -> None:
-        """diffusers' two loading steps, with the transformer's adapters cut to this
-        rank's piece in between (peft sizes them from the already split layers)."""
+    def _load_split(self, nickname: str, path: str) -> None:
+        """diffusers' two loading steps: the transformer's adapters cut to this rank's
+        piece (peft sizes them from the already split layers), and the text encoder's
+        only where the encoder is held (not a stand-in for the output rank's)."""
         pipe = self.pipe
         state, alphas, metadata = pipe.lora_state_dict(
             path, return_alphas=True, return_lora_metadata=True
@@ -60,7 +62,8 @@ class LoraAdapters:
             metadata=metadata,
             _pipeline=pipe,
         )
-        if any(k.startswith(f"{pipe.text_encoder_name}.") for k in state):
+        text_keys = any(k.startswith(f"{pipe.text_encoder_name}.") for k in state)
+        if text_keys and not relayed(pipe.text_encoder):
             pipe.load_lora_into_text_encoder(
                 state,
                 network_alphas=alphas,

@@ -60,17 +60,21 @@ def load_pipeline(
     device: torch.device,
     dtype: torch.dtype,
     prepare: Callable[[torch.nn.Module], object] = lambda module: module,
+    skip: Mapping[str, None] | None = None,
 ) -> Pipeline:
     """Any diffusers pipeline folder, offline; nothing here knows which model it is.
 
     ``prepare`` gets the transformer before it moves to the device (so a rank that
-    keeps a shard of it never holds the whole on the device).
+    keeps a shard of it never holds the whole on the device); the components named
+    in ``skip`` are not loaded at all.
     """
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True)
+    pipe = DiffusionPipeline.from_pretrained(
+        path, dtype=dtype, local_files_only=True, **(skip or {})
+    )
     pipe.set_progress_bar_config(disable=True)
     if isinstance(getattr(pipe, "transformer", None), torch.nn.Module):
         prepare(pipe.transformer)

@@ -27,6 +27,7 @@ from dpserve.worker.config import WorkerConfig
 if TYPE_CHECKING:
     from dpserve.worker.executor import Executor
     from dpserve.worker.ingress import Ingress
+    from dpserve.worker.parallel.encoders import EncoderRelay
 
 log = logging.getLogger("dpserve.worker")
 
@@ -113,8 +114,12 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
 
     layout = cfg.parallel
     parallel = ModelParallel(comm.info, comm.model_groups, layout.tp, layout.sp, layout.ulysses)
+    relay = _encoder_relay(cfg, comm)
     started = time.perf_counter()
-    pipe = load_pipeline(cfg.model, device, dtype, parallel.prepare)
+    skip = relay.skipped() if relay is not None else None
+    pipe = load_pipeline(cfg.model, device, dtype, parallel.prepare, skip)
+    if relay is not None:
+        relay.install(pipe, dtype, device)
     log.info("loaded %s in %.2fs", type(pipe).__name__, time.perf_counter() - started)
     info = {
         "replica": cfg.replica,
@@ -143,7 +148,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     info["session_idle_timeout_s"] = cfg.session_idle_timeout_s
     text_tokens = info["max_sequence_length"]
     parallel.check_loaded(pipe, text_tokens)
-    ops = ControlOps(pipe, cfg.model, device, info, parallel)
+    ops = ControlOps(pipe, cfg.model, device, info, parallel, relay)
     limits = SessionLimits(
         cfg.max_sessions, int(cfg.max_session_mb * (1 << 20)), cfg.session_idle_timeout_s
     )
@@ -151,6 +156,18 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     info["realtime"] = executor.sessions.unsupported() or "supported"
     info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")
     return executor
+
+
+def _encoder_relay(cfg: WorkerConfig, comm: Any) -> EncoderRelay | None:
+    """Gangs of more than one rank keep the text encoders on the output rank only."""
+    import json
+
+    from dpserve.worker.parallel.encoders import EncoderRelay, encoder_names
+
+    if cfg.gang_size == 1:
+        return None
+    index = json.loads((cfg.model / "model_index.json").read_text())
+    return EncoderRelay(encoder_names(index), comm.info.is_output_rank, comm.broadcast_bytes)
 
 
 def _warmup(executor: Executor, cfg: WorkerConfig) -> None:

@@ -77,6 +77,12 @@ def test_each_rank_holds_its_share_of_the_transformer(
         result, _ = c.generate(**REQUEST)
     pieces = [w["bytes"]["transformer"] for w in info["rank_weights"]]
     assert len(pieces) == 2 and result.peak_memory_mb > 0
+    # The text encoders live on the output rank only; the VAE on every rank.
+    encoders = [
+        (w["bytes"]["text_encoder"], w["bytes"]["text_encoder_2"]) for w in info["rank_weights"]
+    ]
+    assert min(encoders[0]) > 0 and encoders[1] == (0, 0)
+    assert info["rank_weights"][0]["bytes"]["vae"] == info["rank_weights"][1]["bytes"]["vae"]
     if info["parallel"]["tp"] == 2:
         assert all(0.45 * whole < p < 0.6 * whole for p in pieces), (pieces, whole)
         assert [w["tp_rank"] for w in info["rank_weights"]] == [0, 1]
