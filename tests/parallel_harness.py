@@ -3,6 +3,7 @@
 The ranks use the worker's own pieces (process groups, ``ModelParallel``, the
 denoiser patch) without the ingress, so the latents themselves can be compared
 across layouts: images would hide differences below one grey level.
+``DPSERVE_TEST_DEVICE=cuda`` runs the ranks on CUDA tensors (bench/gpu.sh).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def _rank(
 
     config = ParallelConfig(**layout)
     device = torch.device(os.environ.get("DPSERVE_TEST_DEVICE", "cpu"))
-    comm = init_gang(config, rank, store, device, 120.0)
+    # On one GPU the ranks share it, which NCCL refuses: gloo moves their CUDA tensors.
+    shared = device.type == "cuda" and torch.cuda.device_count() < config.gang_size
+    comm = init_gang(config, rank, store, device, 120.0, "gloo" if shared else None)
     parallel = ModelParallel(comm.info, comm.model_groups, config.tp, config.sp, config.ulysses)
     pipe = load_pipeline(Path(model), device, torch.float32, parallel.prepare)
     parallel.check_loaded(pipe, TEXT_TOKENS)

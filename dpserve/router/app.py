@@ -255,6 +255,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
             "model": _model_name(pool(), settings),
             "layout": _layout(info, len(replicas)),
             "threads_per_rank": info.get("threads_per_rank"),
+            # Each rank's weight bytes per module (a serving replica's; the same layout
+            # everywhere): tensor parallel's split and the encoders' placement show here.
+            "rank_weights": info.get("rank_weights"),
             "router": {k: v for k, v in asdict(settings).items() if k != "output_dir"},
             "control_log_length": len(pool().log),
             "replica_states": [r.snapshot() for r in replicas],

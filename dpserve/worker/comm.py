@@ -60,10 +60,19 @@ class GangComm:
 
 
 def init_gang(
-    layout: ParallelConfig, rank: int, store_path: str, device: torch.device, timeout_s: float
+    layout: ParallelConfig,
+    rank: int,
+    store_path: str,
+    device: torch.device,
+    timeout_s: float,
+    backend: str | None = None,
 ) -> GangComm:
-    """Join the gang's process group and create every subgroup in the layout's order."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the gang's process group and create every subgroup in the layout's order.
+
+    The backend is NCCL on CUDA and gloo on CPU; ``backend`` overrides it (gloo for
+    ranks that share one GPU, which NCCL refuses: a correctness check, not a mode).
+    """
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(
         backend=backend,
         init_method=f"file://{store_path}",

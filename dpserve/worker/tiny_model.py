@@ -101,7 +101,7 @@ VARIANTS: Mapping[str, TinyVariant] = MappingProxyType(
         ),
         # FLUX.1's width (24 heads x 128, its rope split) with 6 of its 57 blocks: the
         # per-layer shapes of the real model (what tp/sp kernels and bf16 on a GPU see)
-        # at ~1.25e9 parameters, ~5 GB in float32. For GPU benchmarks; slow on a CPU.
+        # at ~1.3e9 parameters, ~5 GB in float32. For GPU benchmarks; slow on a CPU.
         "large": TinyVariant(
             num_layers=2,
             num_single_layers=4,

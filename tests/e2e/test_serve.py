@@ -197,3 +197,22 @@ def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora:
         for r in (dp2.http.post("/v1/images/generations", json=REQUEST) for _ in range(2))
     }
     assert set(pngs) == {"0", "1"} and pngs["0"] == pngs["1"]
+
+
+def test_serve_with_sequence_and_tensor_parallel_replicas(tiny4_model: Path) -> None:
+    """serve --tp 2 --sp 2: the HTTP journey on a gang that splits weights and tokens."""
+    args = ("--tp", "2", "--sp", "2", "--max-sequence-length", "64")
+    with ServeProcess(tiny4_model, 1, *args) as serve:
+        done = serve.http.post("/v1/images/generations", json={**REQUEST, "size": "64x64"})
+        assert done.status_code == 200, done.text
+        assert done.json()["data"][0]["b64_json"]
+        info = serve.http.get("/server_info").json()
+        assert info["layout"] == "tp2-sp2(u2r1)-pp1-cfg1-dp1"
+        weights = info["rank_weights"]
+        assert [(w["tp_rank"], w["sp_rank"]) for w in weights] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+        pieces = {w["bytes"]["transformer"] for w in weights}
+        assert len(pieces) == 1  # the same share of the transformer on every rank
+        bad = serve.http.post("/v1/images/generations", json={**REQUEST, "size": "80x48"})
+        assert bad.status_code == 400
+        error = bad.json()["error"]
+        assert error["param"] == "size" and "multiple of 2" in error["message"]

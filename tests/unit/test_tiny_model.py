@@ -150,7 +150,19 @@ def test_small_variant_config_is_valid() -> None:
     assert model.inner_dim == 8 * 64
     n_params = sum(p.numel() for p in model.parameters())
     assert 60e6 < n_params < 80e6  # ~275-290 MB in float32
-    assert set(VARIANTS) == {"tiny", "small"}
+    assert set(VARIANTS) == {"tiny", "tiny4", "small", "large"}
+
+
+def test_large_variant_has_flux_width() -> None:
+    # Building "large" writes ~5 GB (a GPU benchmark's model), so only check it shape-wise.
+    large = VARIANTS["large"]
+    assert (large.num_attention_heads, large.attention_head_dim) == (24, 128)  # FLUX.1's
+    assert large.axes_dims_rope == (16, 56, 56)
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**transformer_config("large"))
+    assert model.inner_dim == 3072
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 1.2e9 < n_params < 1.4e9  # 2 double + 4 single blocks: ~5 GB in float32
 
 
 # --------------------------------------------------------------------------- inference
