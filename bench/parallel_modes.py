@@ -169,7 +169,8 @@ def main() -> None:
         print(f"layout {name} did not start ({why}); its figures print as nan")
     print("median s: " + " ".join(f"{n}={m:.3f} (n={len(times[n])})" for n, m in medians.items()))
     print(f"rounds: {args.rounds}; measurements dropped for a noisy neighbour: {dropped}")
-    print("peak_memory_mb (largest over the gang): " + " ".join(f"{n}={peak_mb[n]:.0f}" for n in ran))
+    peaks = " ".join(f"{n}={peak_mb[n]:.0f}" for n in ran)
+    print(f"peak_memory_mb (largest over the gang): {peaks}")
     if any(transformer_bytes(infos[n]) is None for n in ran):
         print(
             "per-rank weights: model_info has no rank_weights on every layout "
