@@ -351,6 +351,7 @@ def _limits(pool: ReplicaPool) -> p.Limits:
         min_side=factor,
         max_side=int(info.get("max_side", 2048)),
         max_steps=int(info.get("max_steps", 100)),
+        sequence_split=int(info.get("parallel", {}).get("sp", 1)),
     )
 
 
