@@ -218,6 +218,9 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
         "ports": [{"name": "zmq", "containerPort": spec.schedulerPort, "protocol": "TCP"}],
         "resources": _resources(spec),
         "volumeMounts": mounts,
+        # A worker that refuses to start (a layout the model cannot split, say) says why
+        # in its last log lines; the kubelet puts them in the status the operator reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # Start-up loads the model and warms up; the driver binds only after that.
         "startupProbe": {**_probe(spec.schedulerPort), "periodSeconds": 5, "failureThreshold": 360},
         "readinessProbe": {**_probe(spec.schedulerPort), "periodSeconds": 5},

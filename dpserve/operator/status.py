@@ -39,6 +39,10 @@ def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return None
 
 
+def _exit(terminated: dict[str, Any]) -> str:
+    return f"exit code {terminated.get('exitCode')}: {terminated.get('message') or ''}"
+
+
 def pod_facts(pod: dict[str, Any]) -> PodFacts:
     meta, status = pod["metadata"], pod.get("status") or {}
     ready = (_condition(pod, "Ready") or {}).get("status") == "True"
@@ -56,11 +60,14 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
     for cs in status.get("containerStatuses") or []:
         state = cs.get("state") or {}
         waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+        last = (cs.get("lastState") or {}).get("terminated") or {}
         if waiting.get("reason") in _BAD_WAITING:
-            reason, message = waiting["reason"], waiting.get("message")
+            # Backing off after a crash: the crash says why, the back-off only when.
+            reason = waiting["reason"]
+            message = _exit(last) if last.get("exitCode") else waiting.get("message")
         elif terminated and terminated.get("exitCode", 0) != 0:
             reason = terminated.get("reason") or "Error"
-            message = f"exit code {terminated.get('exitCode')}: {terminated.get('message') or ''}"
+            message = _exit(terminated)
     return PodFacts(
         view=view,
         phase=status.get("phase") or "Pending",

@@ -114,6 +114,7 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         {"name": "dshm", "mountPath": "/dev/shm"},
                         {"name": "model", "mountPath": "/models", "readOnly": True},
                     ],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
                     "startupProbe": {**probe(), "periodSeconds": 5, "failureThreshold": 360},
                     "readinessProbe": {**probe(), "periodSeconds": 5},
                     "livenessProbe": {

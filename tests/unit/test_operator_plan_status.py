@@ -132,3 +132,21 @@ def test_crash_looping_replica_and_transition_times_are_kept() -> None:
     again = compute_status(svc, [crashing], old)
     kept = next(c for c in again["conditions"] if c["type"] == "Degraded")
     assert kept["lastTransitionTime"] == "2020-01-01T00:00:00Z"
+
+
+def test_a_crash_loop_reports_why_the_worker_exited() -> None:
+    svc = _svc(1)
+    crashing = _pod(0, svc, False)
+    refusal = "replica 0: attention heads (24) must be divisible by ulysses * tp (16)\n"
+    crashing["status"]["containerStatuses"] = [
+        {
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+            "lastState": {"terminated": {"exitCode": 2, "message": refusal}},
+        }
+    ]
+    status = compute_status(svc, [crashing], {})
+    replica = status["replicaStatuses"][0]
+    assert replica["reason"] == "CrashLoopBackOff"
+    assert replica["message"] == refusal.strip().replace("replica 0", "exit code 2: replica 0")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert "divisible by ulysses * tp (16)" in degraded["message"]

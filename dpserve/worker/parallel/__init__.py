@@ -44,7 +44,9 @@ class ParallelGroups:
 
 
 class ModelParallel:
-    def __init__(self, info: RankInfo, groups: ParallelGroups, tp: int, sp: int, ulysses: int):
+    def __init__(
+        self, info: RankInfo, groups: ParallelGroups, tp: int, sp: int, ulysses: int
+    ) -> None:
         self.info = info
         self.tp_degree, self.sp_degree, self.ulysses_degree = tp, sp, ulysses
         self.groups = groups
