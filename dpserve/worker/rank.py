@@ -108,7 +108,7 @@ def _with_replica(info: Any, replica: int) -> Any:
 def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Executor:
     from dpserve.worker.control import ControlOps
     from dpserve.worker.executor import Executor
-    from dpserve.worker.parallel import ModelParallel
+    from dpserve.worker.parallel import ModelParallel, ParallelUnsupported
     from dpserve.worker.pipeline import call_defaults, load_pipeline, size_factor
     from dpserve.worker.sessions import SessionLimits
 
@@ -154,7 +154,14 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     )
     executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed, limits, parallel)
     info["realtime"] = executor.sessions.unsupported() or "supported"
-    info["cfg_parallel"] = "split" if executor.split_ok else ("redundant" if cfg.cfg > 1 else "off")
+    if cfg.cfg > 1 and not executor.split_ok:
+        # Its second rank would only redo the first one's work.
+        raise ParallelUnsupported(
+            f"--cfg {cfg.cfg} needs a denoiser that marks its two guidance branches "
+            f"(cache_context, as diffusers' true-CFG pipelines do); "
+            f"{type(pipe).__name__}'s does not: use --cfg 1 and more replicas"
+        )
+    info["cfg_parallel"] = "split" if cfg.cfg > 1 else "off"
     return executor
 
 
