@@ -124,16 +124,25 @@ def test_realtime_frames_match_one_rank(single: WorkerProcess, split: WorkerProc
     params = rt.SessionParams(
         prompt="a red fox", width=64, height=64, num_inference_steps=3, frame_steps=2, seed=4
     )
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (230, 40, 30)).save(buf, format="PNG")
     frames: dict[str, list[bytes]] = {}
     for name, worker in (("single", single), ("split", split)):
+        got = []
         with worker.client() as c:
-            _, first = c.session(rt.SessionRequest(action="open", session_id="p", params=params))
-            got = [first[0]]
-            for prompt in (None, "a red fox at night"):
-                request = rt.SessionRequest(action="step", session_id="p", prompt=prompt)
-                got.append(c.session(request)[1][0])
-            c.session(rt.SessionRequest(action="close", session_id="p"))
+            # From the seed, and image-to-image from a starting image (the VAE encodes
+            # it on every rank; the text encoders' outputs come from the output rank).
+            for sid, image in (("p", None), ("q", buf.getvalue())):
+                opened = rt.SessionRequest(
+                    action="open", session_id=sid, params=params, first_frame=0 if image else None
+                )
+                got.append(c.session(opened, [image] if image else [])[1][0])
+                for prompt in (None, "a red fox at night"):
+                    request = rt.SessionRequest(action="step", session_id=sid, prompt=prompt)
+                    got.append(c.session(request)[1][0])
+                c.session(rt.SessionRequest(action="close", session_id=sid))
         frames[name] = got
+    assert len(frames["split"]) == 6
     assert all(_close(a, b) for a, b in zip(frames["split"], frames["single"], strict=True))
 
 
