@@ -53,7 +53,7 @@ class LoraAdapters:
         state, alphas, metadata = pipe.lora_state_dict(
             path, return_alphas=True, return_lora_metadata=True
         )
-        prefix = f"{pipe.transformer_name}."
+        prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
         pipe.load_lora_into_transformer(
             self.parallel.shard_lora(pipe.transformer, state, prefix),
             network_alphas=alphas,
@@ -62,13 +62,14 @@ class LoraAdapters:
             metadata=metadata,
             _pipeline=pipe,
         )
-        text_keys = any(k.startswith(f"{pipe.text_encoder_name}.") for k in state)
-        if text_keys and not relayed(pipe.text_encoder):
+        text = getattr(pipe, "text_encoder_name", "text_encoder")
+        text_keys = any(k.startswith(f"{text}.") for k in state)
+        if text_keys and not relayed(getattr(pipe, text, None)):
             pipe.load_lora_into_text_encoder(
                 state,
                 network_alphas=alphas,
-                text_encoder=pipe.text_encoder,
-                prefix=pipe.text_encoder_name,
+                text_encoder=getattr(pipe, text),
+                prefix=text,
                 lora_scale=pipe.lora_scale,
                 adapter_name=nickname,
                 metadata=metadata,

@@ -112,3 +112,28 @@ def test_layouts_a_model_cannot_split_are_named_before_start(tmp_path: Path) -> 
     unet = tmp_path / "unet"
     unet.mkdir()
     assert "no transformer/config.json" in str(layout_problem(unet, ParallelConfig(sp=2), None))
+
+
+def test_encoder_outputs_cross_the_gang_exactly() -> None:
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from dpserve.worker.parallel.encoders import _TENSORS, _pack, _unpack
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 5, 4, generator=gen, dtype=torch.bfloat16)
+    layers = (torch.randn(1, 5, 4, generator=gen), torch.randn(1, 5, 4, generator=gen))
+    output = BaseModelOutputWithPooling(
+        last_hidden_state=hidden, pooler_output=hidden[:, 0], hidden_states=layers
+    )
+    back = _unpack(_TENSORS + _pack(output), torch.device("cpu"))
+    assert type(back) is BaseModelOutputWithPooling
+    assert (
+        torch.equal(back.last_hidden_state, hidden) and back.last_hidden_state.dtype == hidden.dtype
+    )
+    assert torch.equal(back.pooler_output, hidden[:, 0])
+    assert all(torch.equal(a, b) for a, b in zip(back.hidden_states, layers, strict=True))
+    assert torch.equal(back[0], hidden)  # T5's way of reading it
+    pair = _unpack(_TENSORS + _pack((hidden, layers[0])), torch.device("cpu"))
+    assert isinstance(pair, tuple) and torch.equal(pair[1], layers[0])
+    with pytest.raises(RuntimeError, match="output rank's text encoder failed: boom"):
+        _unpack(b"Eboom", torch.device("cpu"))

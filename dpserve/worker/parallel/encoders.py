@@ -37,6 +37,17 @@ def encoder_names(model_index: dict[str, Any]) -> list[str]:
     ]
 
 
+# A decoder-style text encoder's KV cache: no pipeline reads it after encoding.
+_NOT_RELAYED = frozenset({"past_key_values"})
+_TENSORS, _FAILED = b"T", b"E"  # the first byte of every relayed message
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    # Outputs may be views of one another (a pooled token of the hidden states),
+    # which safetensors refuses to write: each gets its own copy on the host.
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
 def _pack(output: Any) -> bytes:
     """An encoder's output (a ``ModelOutput``, a tuple or a tensor) as bytes."""
     if isinstance(output, torch.Tensor):
@@ -49,19 +60,24 @@ def _pack(output: Any) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     layout: list[list[Any]] = []  # [field, number of tensors or -1 for one tensor]
     for name, value in fields.items():
+        if name in _NOT_RELAYED:
+            continue
         if isinstance(value, torch.Tensor):
-            tensors[name] = value.detach().contiguous().cpu()
+            tensors[name] = _own(value)
             layout.append([name, -1])
         elif isinstance(value, tuple | list) and all(isinstance(v, torch.Tensor) for v in value):
             for i, v in enumerate(value):
-                tensors[f"{name}.{i}"] = v.detach().contiguous().cpu()
+                tensors[f"{name}.{i}"] = _own(v)
             layout.append([name, len(value)])
         else:
             raise TypeError(f"cannot relay an encoder output field {name!r} of {type(value)}")
     return save_tensors(tensors, metadata={"kind": kind, "layout": json.dumps(layout)})
 
 
-def _unpack(data: bytes, device: torch.device) -> Any:
+def _unpack(message: bytes, device: torch.device) -> Any:
+    tag, data = message[:1], message[1:]
+    if tag == _FAILED:
+        raise RuntimeError(f"the output rank's text encoder failed: {data.decode()}")
     tensors = {k: v.to(device) for k, v in load_tensors(data).items()}
     header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
     fields: dict[str, Any] = {}
@@ -135,7 +151,14 @@ class EncoderRelay:
         """Send every output of ``encoder`` (a newly loaded one too) to the other ranks."""
 
         def send(module: Any, args: Any, output: Any) -> Any:
-            self.broadcast(_pack(output))
+            # The other ranks wait for this message: they get one even if packing
+            # fails, so every rank fails the request together instead of hanging.
+            try:
+                message = _TENSORS + _pack(output)
+            except Exception as exc:
+                self.broadcast(_FAILED + str(exc).encode())
+                raise
+            self.broadcast(message)
             return output
 
         encoder.register_forward_hook(send)
