@@ -91,7 +91,7 @@ class DenoiserPatch:
         cfg_rank: int,
         cfg_group: dist.ProcessGroup | None,
         on_step: Callable[[], None],
-        wrap: Callable[[Forward], Forward] = lambda forward: forward,
+        wrap: Callable[[Forward, bool], Forward] = lambda forward, lend: forward,
     ) -> None:
         self.cfg_rank = cfg_rank
         self.cfg_group = cfg_group
@@ -103,7 +103,9 @@ class DenoiserPatch:
 
     @contextlib.contextmanager
     def applied(self, denoiser: torch.nn.Module, split: bool) -> Iterator[None]:
-        original_forward: Forward = self.wrap(denoiser.forward)
+        # A CFG gang's request without true CFG lends the CFG ranks to the split.
+        lend = self.cfg_group is not None and not split
+        original_forward: Forward = self.wrap(denoiser.forward, lend)
         original_context = getattr(denoiser, "cache_context", None)
         state = (
             _BranchSplit(self.cfg_rank, self.cfg_group)

@@ -67,7 +67,7 @@ class Executor:
     parallel: ModelParallel | None = None
 
     def __post_init__(self) -> None:
-        wrap = self.parallel.wrap if self.parallel is not None else (lambda forward: forward)
+        wrap = self.parallel.wrap if self.parallel is not None else (lambda forward, lend: forward)
         self.patch = DenoiserPatch(
             self.comm.info.cfg_rank, self.comm.cfg_group, self._progress, wrap
         )

@@ -113,7 +113,9 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     from dpserve.worker.sessions import SessionLimits
 
     layout = cfg.parallel
-    parallel = ModelParallel(comm.info, comm.model_groups, layout.tp, layout.sp, layout.ulysses)
+    parallel = ModelParallel(
+        comm.info, comm.model_groups, layout.tp, layout.sp, layout.ulysses, layout.cfg
+    )
     relay = _encoder_relay(cfg, comm)
     started = time.perf_counter()
     skip = relay.skipped() if relay is not None else None
@@ -161,7 +163,9 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
             f"(cache_context, as diffusers' true-CFG pipelines do); "
             f"{type(pipe).__name__}'s does not: use --cfg 1 and more replicas"
         )
-    info["cfg_parallel"] = "split" if cfg.cfg > 1 else "off"
+    info["cfg_parallel"] = "off" if cfg.cfg == 1 else "split"
+    # Requests without true CFG: split over the CFG ranks' sequence too, or run twice.
+    info["without_true_cfg"] = "lent to sequence parallel" if parallel.lending else "whole"
     return executor
 
 

@@ -50,3 +50,30 @@ def test_layout_matches_one_rank(name: str, tiny4_model: Path, reference: torch.
         assert torch.equal(latents, reference)  # each rank runs one branch's exact forward
     else:
         assert error <= 1e-5, f"{name}: relative error {error:.2e}"
+
+
+PLAIN = {k: v for k, v in REQUEST.items() if k not in ("negative_prompt", "true_cfg_scale")}
+LENDING = {k: LAYOUTS[k] for k in ("cfg2", "cfg2xulysses2", "cfg2xtp2")}
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny4_model: Path) -> torch.Tensor:
+    return final_latents(tiny4_model, {}, PLAIN)
+
+
+@pytest.mark.parametrize("name", list(LENDING))
+def test_without_true_cfg_the_cfg_ranks_split_the_sequence(
+    name: str, tiny4_model: Path, plain_reference: torch.Tensor
+) -> None:
+    """A CFG gang's request without true CFG splits its tokens over both branches' ranks
+    (a ring over the CFG pair) instead of running twice: no longer bitwise one rank's."""
+    latents = final_latents(tiny4_model, LENDING[name], PLAIN)
+    error = relative_error(latents, plain_reference)
+    assert 0 < error <= 1e-5, f"{name}: relative error {error:.2e}"
+
+
+def test_tokens_that_do_not_split_over_the_cfg_ranks_run_whole(tiny4_model: Path) -> None:
+    odd = {**PLAIN, "width": 80, "height": 48}  # 15 image tokens
+    assert torch.equal(
+        final_latents(tiny4_model, dict(cfg=2), odd), final_latents(tiny4_model, {}, odd)
+    )

@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 from dpserve.layout import RankInfo
 from dpserve.worker.parallel.attention import SequenceGroups
-from dpserve.worker.parallel.flux import SequenceParallelFluxProcessor, SequenceSplit, flux_plan
+from dpserve.worker.parallel.flux import (
+    AttentionScope,
+    SequenceParallelFluxProcessor,
+    SequenceSplit,
+    flux_plan,
+)
 from dpserve.worker.parallel.tensor import TensorParallel
 from dpserve.worker.splittable import splittable_problem
 
@@ -35,38 +40,56 @@ class ParallelUnsupported(ValueError):
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's process groups along each model-splitting axis (None: degree 1)."""
+    """This rank's process groups along each model-splitting axis (None: degree 1).
+
+    ``lent_sp`` and ``lent_ring`` exist in CFG gangs: the sp (and ring) ranks of
+    both CFG branches together, which a request without true CFG splits its
+    sequence over instead of running twice (``lent_ring_ranks``: that ring's ranks).
+    """
 
     tp: dist.ProcessGroup | None = None
     sp: dist.ProcessGroup | None = None
     ulysses: dist.ProcessGroup | None = None
     ring: dist.ProcessGroup | None = None
+    lent_sp: dist.ProcessGroup | None = None
+    lent_ring: dist.ProcessGroup | None = None
+    lent_ring_ranks: tuple[int, ...] = ()
 
 
 class ModelParallel:
     def __init__(
-        self, info: RankInfo, groups: ParallelGroups, tp: int, sp: int, ulysses: int
+        self, info: RankInfo, groups: ParallelGroups, tp: int, sp: int, ulysses: int, cfg: int = 1
     ) -> None:
         self.info = info
         self.tp_degree, self.sp_degree, self.ulysses_degree = tp, sp, ulysses
+        self.cfg_degree = cfg
         self.groups = groups
-        self.sequence = SequenceGroups(
-            ulysses=groups.ulysses,
-            ring=groups.ring,
-            ring_ranks=info.ring_group,
-            ring_index=info.ring_rank,
-        )
+        self.scope = AttentionScope()
         # Each prepared transformer's exchanges (a weight update brings a new one,
         # and the old one serves on until the swap).
         self._tensor: weakref.WeakKeyDictionary[torch.nn.Module, TensorParallel] = (
             weakref.WeakKeyDictionary()
         )
-        self.split = (
-            SequenceSplit(groups.sp, info.sp_rank, sp) if groups.sp is not None and sp > 1 else None
-        )
+        self.split: SequenceSplit | None = None
+        if groups.sp is not None and sp > 1:
+            sequence = SequenceGroups(groups.ulysses, groups.ring, info.ring_group, info.ring_rank)
+            self.split = SequenceSplit(groups.sp, info.sp_rank, sp, sequence, self.scope)
+        # Without true CFG, the CFG ranks join the ring: the sequence splits sp * cfg ways.
+        self.lent: SequenceSplit | None = None
+        if groups.lent_sp is not None and groups.lent_ring is not None:
+            ring = len(info.ring_group)
+            lent = SequenceGroups(
+                groups.ulysses,
+                groups.lent_ring,
+                groups.lent_ring_ranks,
+                info.ring_rank + ring * info.cfg_rank,
+            )
+            lent_rank = info.sp_rank + sp * info.cfg_rank
+            self.lent = SequenceSplit(groups.lent_sp, lent_rank, sp * cfg, lent, self.scope)
 
     @property
     def active(self) -> bool:
+        """Whether the layout asks to split the transformer (tp or sp)."""
         return self.tp_degree > 1 or self.sp_degree > 1
 
     @property
@@ -105,6 +128,20 @@ class ModelParallel:
                 f"sp ({self.sp_degree})"
             )
 
+    def _can_lend(self, transformer: Any) -> bool:
+        """Whether requests without true CFG can split their sequence over the CFG ranks."""
+        if self.lent is None:
+            return False
+        if splittable_problem(type(transformer).__name__) is not None:
+            log.info("CFG ranks run requests without true CFG whole: the transformer can't split")
+            return False
+        return True
+
+    @property
+    def lending(self) -> bool:
+        """Whether requests without true CFG split over the CFG ranks (else run twice)."""
+        return self.lent is not None
+
     def _tensor_plan(self, transformer: torch.nn.Module) -> TensorParallel:
         assert self.groups.tp is not None
         plan = flux_plan(transformer)
@@ -112,16 +149,19 @@ class ModelParallel:
 
     def prepare(self, transformer: Any) -> Any:
         """Shard a freshly loaded transformer and attach the exchanges; returns it."""
-        if not self.active:
+        if not self._can_lend(transformer):
+            self.lent = None
+        if not self.active and self.lent is None:
             return transformer
-        self.check(transformer)
+        if self.active:
+            self.check(transformer)
         if self.tp_degree > 1:
             tensor = self._tensor_plan(transformer)
             tensor.shard(transformer)
             tensor.install(transformer)
             self._tensor[transformer] = tensor
-        if self.sp_degree > 1:
-            transformer.set_attn_processor(SequenceParallelFluxProcessor(self.sequence))
+        # Outside a split call the processor runs diffusers' own attention.
+        transformer.set_attn_processor(SequenceParallelFluxProcessor(self.scope))
         return transformer
 
     def adapters_changed(self, transformer: torch.nn.Module) -> None:
@@ -139,6 +179,11 @@ class ModelParallel:
 
     # ------------------------------------------------------------ requests
 
-    def wrap(self, forward: Forward) -> Forward:
-        """The transformer's forward for one request (sequence-split under sp)."""
-        return forward if self.split is None else self.split.wrap(forward)
+    def wrap(self, forward: Forward, lend: bool) -> Forward:
+        """The transformer's forward for one request: sequence-split under sp, and over
+        the CFG ranks too when ``lend`` (a CFG gang's request without true CFG) and its
+        tokens divide evenly (otherwise both branches' ranks run it, as before)."""
+        plain = forward if self.split is None else self.split.wrap(forward)
+        if lend and self.lent is not None:
+            return self.lent.wrap(forward, fallback=plain)
+        return plain

@@ -14,14 +14,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from dpserve.protocol import INVALID_REQUEST, RequestError
 from dpserve.worker.parallel.attention import SequenceGroups, parallel_attention
@@ -56,14 +58,35 @@ def flux_plan(transformer: Any) -> dict[str, Shard]:
     return plan
 
 
+class AttentionScope:
+    """The sequence groups the attention of the running call exchanges with.
+
+    Set by ``SequenceSplit`` around a split call; None otherwise, and then the
+    processor runs diffusers' own attention unchanged (CFG-split calls stay
+    bitwise equal to one rank).
+    """
+
+    def __init__(self) -> None:
+        self.groups: SequenceGroups | None = None
+
+    @contextlib.contextmanager
+    def using(self, groups: SequenceGroups) -> Iterator[None]:
+        previous, self.groups = self.groups, groups
+        try:
+            yield
+        finally:
+            self.groups = previous
+
+
 class SequenceParallelFluxProcessor:
     """Flux's joint attention with the attention itself spread over the sp ranks.
 
     Heads are counted from ``head_dim``, so the projections may be tp-split.
     """
 
-    def __init__(self, groups: SequenceGroups) -> None:
-        self.groups = groups
+    def __init__(self, scope: AttentionScope) -> None:
+        self.scope = scope
+        self.whole = FluxAttnProcessor()
 
     def __call__(
         self,
@@ -73,6 +96,12 @@ class SequenceParallelFluxProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
+        groups = self.scope.groups
+        if groups is None:
+            whole: Any = self.whole  # diffusers' hints are narrower than its calls
+            return whole(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
         if attention_mask is not None:
             raise RequestError(INVALID_REQUEST, "sequence parallel does not take attention masks")
 
@@ -95,7 +124,7 @@ class SequenceParallelFluxProcessor:
             rope: Any = image_rotary_emb  # (cos, sin); diffusers' hint says a 1-tuple
             query = apply_rotary_emb(query, rope, sequence_dim=1)
             key = apply_rotary_emb(key, rope, sequence_dim=1)
-        out = parallel_attention(query, key, value, self.groups).flatten(2, 3).to(query.dtype)
+        out = parallel_attention(query, key, value, groups).flatten(2, 3).to(query.dtype)
         if not joint:
             return out
         assert encoder_hidden_states is not None
@@ -106,46 +135,65 @@ class SequenceParallelFluxProcessor:
 
 
 class SequenceSplit:
-    """Per-call wrapper of the transformer's forward: slice the inputs, gather the output."""
+    """Per-call wrapper of the transformer's forward: slice the inputs over ``group``
+    (this rank takes slice ``rank`` of ``degree``), attend through ``groups``, gather
+    the output."""
 
     # (argument, sequence dimension) of FluxTransformer2DModel.forward
     INPUTS = (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0))
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, degree: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        degree: int,
+        groups: SequenceGroups,
+        scope: AttentionScope,
+    ) -> None:
         self.group = group
         self.rank = rank
         self.degree = degree
+        self.groups = groups
+        self.scope = scope
 
-    def wrap(self, forward: Forward) -> Forward:
+    def wrap(self, forward: Forward, fallback: Forward | None = None) -> Forward:
+        """``forward`` split; a call whose tokens do not divide evenly goes to
+        ``fallback`` when there is one, and is refused otherwise."""
         signature = inspect.signature(forward)
 
         def split_forward(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
+            inputs = {}
             for name, dim in self.INPUTS:
                 value = bound.arguments.get(name)
                 if isinstance(value, torch.Tensor):
                     if value.ndim == 3 and name.endswith("_ids"):
                         value = value[0]  # diffusers' deprecated batched ids
-                    bound.arguments[name] = self._slice(name, value, dim)
-            output = forward(*bound.args, **bound.kwargs)
+                    inputs[name] = (value, dim)
+            uneven = [(n, v.shape[d]) for n, (v, d) in inputs.items() if v.shape[d] % self.degree]
+            if uneven and fallback is not None:
+                return fallback(*args, **kwargs)
+            if uneven:
+                raise self._refusal(*uneven[0])
+            for name, (value, dim) in inputs.items():
+                piece = value.shape[dim] // self.degree
+                bound.arguments[name] = value.narrow(dim, self.rank * piece, piece)
+            with self.scope.using(self.groups):
+                output = forward(*bound.args, **bound.kwargs)
             sample = output[0] if isinstance(output, tuple) else output.sample
             gathered = self._gather(sample)
             return (gathered,) if isinstance(output, tuple) else Transformer2DModelOutput(gathered)
 
         return split_forward
 
-    def _slice(self, name: str, value: torch.Tensor, dim: int) -> torch.Tensor:
-        length = value.shape[dim]
-        if length % self.degree:
-            what = "image" if name in ("hidden_states", "img_ids") else "text"
-            raise RequestError(
-                INVALID_REQUEST,
-                f"{length} {what} tokens cannot be split over sp={self.degree} ranks: "
-                f"choose a size (or --max-sequence-length) whose token count is a multiple "
-                f"of {self.degree}",
-            )
-        piece = length // self.degree
-        return value.narrow(dim, self.rank * piece, piece)
+    def _refusal(self, name: str, length: int) -> RequestError:
+        what = "image" if name in ("hidden_states", "img_ids") else "text"
+        return RequestError(
+            INVALID_REQUEST,
+            f"{length} {what} tokens cannot be split over sp={self.degree} ranks: "
+            f"choose a size (or --max-sequence-length) whose token count is a multiple "
+            f"of {self.degree}",
+        )
 
     def _gather(self, sample: torch.Tensor) -> torch.Tensor:
         sample = sample.contiguous()
