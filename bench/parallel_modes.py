@@ -15,7 +15,8 @@ than ``--max-foreign`` cores (a noisy neighbour) is dropped, as in
 one rank). ``tp2_weights`` is the largest per-rank transformer weight bytes of the
 tp2 gang over one rank's, from the ``rank_weights`` field of ``model_info``
 (``nan`` when the worker does not report it). Also printed, before the last line:
-each layout's peak memory (``peak_memory_mb`` of the reply: the largest over the gang's ranks)
+each layout's peak memory (``peak_memory_mb`` of the reply: the largest over the gang's ranks),
+cfg2's speed-up on a request without true CFG (its CFG ranks then split the tokens)
 and how far its image is from the single rank's.
 
 Last line: ``cfg2=<x> ulysses2=<y> ring2=<z> tp2=<w> tp2_weights=<r>``.
@@ -45,6 +46,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "tp2": ("--tp", "2"),
 }
 PARALLEL = tuple(name for name in LAYOUTS if name != "single")
+PLAIN_LAYOUTS = ("single", "cfg2")  # also timed on a request without true CFG
 
 
 def transformer_bytes(info: dict[str, Any]) -> list[int] | None:
@@ -127,6 +129,9 @@ def main() -> None:
         "num_inference_steps": args.steps,
         "seed": 1234,
     }
+    # Without true CFG a cfg2 gang has no second branch: its CFG ranks split the tokens.
+    plain = {k: v for k, v in request.items() if k not in ("negative_prompt", "true_cfg_scale")}
+    plain_times: dict[str, list[float]] = {name: [] for name in PLAIN_LAYOUTS}
     times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     peak_mb: dict[str, float] = {}
     pngs: dict[str, bytes] = {}
@@ -140,6 +145,8 @@ def main() -> None:
         for name, client in clients.items():
             infos[name] = client.control("model_info")
             client.generate(**request)  # first-request effects out of the timed rounds
+            if name in PLAIN_LAYOUTS:
+                client.generate(**plain)
         for round_no in range(args.rounds):
             for name, client in clients.items():
                 wall, foreign, (result, blobs) = timed_round(
@@ -155,6 +162,14 @@ def main() -> None:
                     dropped += 1
                     continue
                 times[name].append(wall)
+            for name in (n for n in PLAIN_LAYOUTS if n in clients):
+                wall, foreign, _ = timed_round(
+                    rank_processes(workers[name]), partial(clients[name].generate, **plain)
+                )
+                if foreign > args.max_foreign:
+                    dropped += 1
+                    continue
+                plain_times[name].append(wall)
     # The workers have stopped (and flushed their logs) before the figures are printed.
     medians = {name: median(values) for name, values in times.items()}
     speedups = {name: medians["single"] / medians[name] for name in PARALLEL}
@@ -179,6 +194,11 @@ def main() -> None:
     print(
         "transformer bytes per rank vs one rank: "
         + " ".join(f"{n}={r:.2f}" for n, r in weights.items())
+    )
+    lent = median(plain_times["single"]) / median(plain_times["cfg2"])
+    print(
+        f"cfg2 without true CFG ({infos.get('cfg2', {}).get('without_true_cfg')}): "
+        f"{lent:.2f} x one rank"
     )
     others = [n for n in PARALLEL if n in pngs]
     diffs = {n: pixel_difference(pngs["single"], pngs[n]) for n in others}

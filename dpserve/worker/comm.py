@@ -86,46 +86,51 @@ def init_gang(
     mine: dict[Axis, dist.ProcessGroup | None] = {}
     for axis in _SPLIT_AXES:
         mine[axis] = _own_group(layout, axis, rank, backend)
-    lent_sp, lent_ring, lent_ring_ranks = _lent_groups(layout, rank, backend)
+    lent = _lent_groups(layout, rank, backend)
     groups = ParallelGroups(
         tp=mine["tp"],
         sp=mine["sp"],
         ulysses=mine["ulysses"],
         ring=mine["ring"],
-        lent_sp=lent_sp,
-        lent_ring=lent_ring,
-        lent_ring_ranks=lent_ring_ranks,
+        lent_sp=lent[0][0],
+        lent_ulysses=lent[1][0],
+        lent_ring=lent[2][0],
+        lent_ring_ranks=lent[2][1],
     )
     return GangComm(info=info, cpu_group=cpu_group, cfg_group=mine["cfg"], model_groups=groups)
 
 
-def _lent_groups(
-    layout: ParallelConfig, rank: int, backend: str
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, tuple[int, ...]]:
-    """A CFG gang's groups for requests without true CFG: the sp ranks of both CFG
-    branches (same tp rank), and the ring ranks of both (same tp and Ulysses rank).
+Owned = tuple[dist.ProcessGroup | None, tuple[int, ...]]
 
-    In ascending rank order, a rank's index is ``sp_rank + sp * cfg_rank`` in the
-    first and ``ring_rank + ring * cfg_rank`` in the second (the layout's order).
+
+def _lent_groups(layout: ParallelConfig, rank: int, backend: str) -> list[Owned]:
+    """A CFG gang's groups for requests without true CFG, with this rank's members: the
+    sp ranks of both CFG branches (same tp rank), their Ulysses ranks (same tp and ring
+    rank) and their ring ranks (same tp and Ulysses rank).
+
+    In ascending rank order a rank's index is ``sp_rank + sp * cfg_rank``,
+    ``ulysses_rank + ulysses * cfg_rank`` and ``ring_rank + ring * cfg_rank``.
     """
     if layout.cfg < 2:
-        return None, None, ()
+        return [(None, ())] * 3
     t, u, g = layout.tp, layout.ulysses, layout.gang_size
-    sp_sets = [tuple(r for r in range(g) if r % t == tp) for tp in range(t)]
-    ring_sets = [
-        tuple(r for r in range(g) if r % t == tp and (r // t) % u == ul)
-        for tp in range(t)
-        for ul in range(u)
-    ]
-    found: list[tuple[dist.ProcessGroup | None, tuple[int, ...]]] = []
-    for sets in (sp_sets, ring_sets):
-        own: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, ())
-        for ranks in sets:  # every rank creates every group, in the same order
-            group = dist.new_group(list(ranks), backend=backend)
-            if rank in ranks and isinstance(group, dist.ProcessGroup):
-                own = (group, ranks)
+    ranks = range(g)
+    tps, uls, rings = range(t), range(u), range(layout.ring)
+    sets = [
+        [tuple(r for r in ranks if r % t == a) for a in tps],
+        [tuple(r for r in ranks if r % t == a and r // (t * u) % layout.ring == b)
+         for a in tps for b in rings],
+        [tuple(r for r in ranks if r % t == a and r // t % u == b) for a in tps for b in uls],
+    ]  # fmt: skip
+    found: list[Owned] = []
+    for members in sets:
+        own: Owned = (None, ())
+        for group_ranks in members:  # every rank creates every group, in the same order
+            group = dist.new_group(list(group_ranks), backend=backend)
+            if rank in group_ranks and isinstance(group, dist.ProcessGroup):
+                own = (group, group_ranks)
         found.append(own)
-    return found[0][0], found[1][0], found[1][1]
+    return found
 
 
 # The order in which every rank creates the groups of each axis.

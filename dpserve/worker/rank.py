@@ -165,7 +165,8 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
         )
     info["cfg_parallel"] = "off" if cfg.cfg == 1 else "split"
     # Requests without true CFG: split over the CFG ranks' sequence too, or run twice.
-    info["without_true_cfg"] = "lent to sequence parallel" if parallel.lending else "whole"
+    lent = parallel.lending
+    info["without_true_cfg"] = f"lent to sequence parallel ({lent})" if lent else "whole"
     return executor
 
 

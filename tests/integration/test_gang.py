@@ -70,7 +70,7 @@ def test_cfg_parallel_png_equals_single_process(cfg1: WorkerProcess, cfg2: Worke
 def test_cfg_gang_without_true_cfg_splits_the_tokens_instead(
     cfg1: WorkerProcess, cfg2: WorkerProcess
 ) -> None:
-    """No second branch to run: the CFG ranks split the sequence (a ring of two), so the
+    """No second branch to run: the CFG ranks split the sequence (Ulysses over two), so the
     image matches one rank's within float rounding (the latents: test_parallel_math)."""
     _, (one_png,) = _generate(cfg1, PLAIN_REQUEST)
     result, (two_png,) = _generate(cfg2, PLAIN_REQUEST)
@@ -78,7 +78,8 @@ def test_cfg_gang_without_true_cfg_splits_the_tokens_instead(
     assert diff <= 1
     assert result.replica == 0 and result.peak_memory_mb > 0 and result.inference_time_s > 0
     with cfg2.client() as client:
-        assert client.control("model_info")["without_true_cfg"] == "lent to sequence parallel"
+        lent = client.control("model_info")["without_true_cfg"]
+        assert lent == "lent to sequence parallel (ulysses)"  # 2 heads: one per CFG rank
 
 
 def test_only_the_driver_binds_zmq(cfg2: WorkerProcess) -> None:

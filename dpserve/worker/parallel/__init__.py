@@ -42,9 +42,9 @@ class ParallelUnsupported(ValueError):
 class ParallelGroups:
     """This rank's process groups along each model-splitting axis (None: degree 1).
 
-    ``lent_sp`` and ``lent_ring`` exist in CFG gangs: the sp (and ring) ranks of
-    both CFG branches together, which a request without true CFG splits its
-    sequence over instead of running twice (``lent_ring_ranks``: that ring's ranks).
+    The ``lent_`` groups exist in CFG gangs: the sp (Ulysses, ring) ranks of both
+    CFG branches together, which a request without true CFG splits its sequence
+    over instead of running twice (``lent_ring_ranks``: that ring's ranks).
     """
 
     tp: dist.ProcessGroup | None = None
@@ -52,6 +52,7 @@ class ParallelGroups:
     ulysses: dist.ProcessGroup | None = None
     ring: dist.ProcessGroup | None = None
     lent_sp: dist.ProcessGroup | None = None
+    lent_ulysses: dist.ProcessGroup | None = None
     lent_ring: dist.ProcessGroup | None = None
     lent_ring_ranks: tuple[int, ...] = ()
 
@@ -74,18 +75,28 @@ class ModelParallel:
         if groups.sp is not None and sp > 1:
             sequence = SequenceGroups(groups.ulysses, groups.ring, info.ring_group, info.ring_rank)
             self.split = SequenceSplit(groups.sp, info.sp_rank, sp, sequence, self.scope)
-        # Without true CFG, the CFG ranks join the ring: the sequence splits sp * cfg ways.
+        # Without true CFG the CFG ranks join the split: sp * cfg ways, the CFG pair an
+        # extra Ulysses factor where the heads allow (chosen at load) or else a ring one.
         self.lent: SequenceSplit | None = None
+        self._lent_choices: dict[str, SequenceSplit] = {}
         if groups.lent_sp is not None and groups.lent_ring is not None:
+            lent_rank, degree = info.sp_rank + sp * info.cfg_rank, sp * cfg
             ring = len(info.ring_group)
-            lent = SequenceGroups(
-                groups.ulysses,
-                groups.lent_ring,
-                groups.lent_ring_ranks,
-                info.ring_rank + ring * info.cfg_rank,
-            )
-            lent_rank = info.sp_rank + sp * info.cfg_rank
-            self.lent = SequenceSplit(groups.lent_sp, lent_rank, sp * cfg, lent, self.scope)
+            choices = {
+                "ulysses": SequenceGroups(
+                    groups.lent_ulysses, groups.ring, info.ring_group, info.ring_rank
+                ),
+                "ring": SequenceGroups(
+                    groups.ulysses,
+                    groups.lent_ring,
+                    groups.lent_ring_ranks,
+                    info.ring_rank + ring * info.cfg_rank,
+                ),
+            }
+            self._lent_choices = {
+                name: SequenceSplit(groups.lent_sp, lent_rank, degree, seq, self.scope)
+                for name, seq in choices.items()
+            }
 
     @property
     def active(self) -> bool:
@@ -128,19 +139,20 @@ class ModelParallel:
                 f"sp ({self.sp_degree})"
             )
 
-    def _can_lend(self, transformer: Any) -> bool:
-        """Whether requests without true CFG can split their sequence over the CFG ranks."""
-        if self.lent is None:
-            return False
+    def _lend_as(self, transformer: Any) -> str | None:
+        """How requests without true CFG split over the CFG ranks, if they can."""
+        if not self._lent_choices:
+            return None
         if splittable_problem(type(transformer).__name__) is not None:
             log.info("CFG ranks run requests without true CFG whole: the transformer can't split")
-            return False
-        return True
+            return None
+        heads = int(transformer.config.num_attention_heads) // self.tp_degree
+        return "ulysses" if heads % (self.ulysses_degree * self.cfg_degree) == 0 else "ring"
 
     @property
-    def lending(self) -> bool:
-        """Whether requests without true CFG split over the CFG ranks (else run twice)."""
-        return self.lent is not None
+    def lending(self) -> str | None:
+        """How requests without true CFG split over the CFG ranks (None: run twice)."""
+        return next((n for n, s in self._lent_choices.items() if s is self.lent), None)
 
     def _tensor_plan(self, transformer: torch.nn.Module) -> TensorParallel:
         assert self.groups.tp is not None
@@ -149,8 +161,8 @@ class ModelParallel:
 
     def prepare(self, transformer: Any) -> Any:
         """Shard a freshly loaded transformer and attach the exchanges; returns it."""
-        if not self._can_lend(transformer):
-            self.lent = None
+        lend_as = self._lend_as(transformer)
+        self.lent = self._lent_choices[lend_as] if lend_as is not None else None
         if not self.active and self.lent is None:
             return transformer
         if self.active:
