@@ -219,7 +219,7 @@ print("diffusers", diffusers.__version__, "torch", torch.__version__)'; then
   local math=$ROOT/tests/integration/test_parallel_math.py
   if [[ -f $math ]]; then
     rc=0
-    (cd "$ROOT" && DPSERVE_TEST_DEVICE=$device step parallel_math 150 \
+    (cd "$ROOT" && DPSERVE_TEST_DEVICE=$device step parallel_math 240 \
       "$PY" -m pytest "$math" -q -x -p no:cacheprovider) || rc=$?
     cp "$OUT/logs/parallel_math.log" "$OUT/parallel_math.txt"
     log "parallel math on $device (co-located ranks): rc=$rc;" \
