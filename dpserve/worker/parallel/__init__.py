@@ -4,8 +4,10 @@
 can be split as the layout asks, shards the transformer when it is loaded (at
 start-up and after a weight update), re-attaches the tensor-parallel exchanges
 after an adapter change, and wraps the transformer's forward for each request.
-With ``tp = sp = 1`` it does nothing at all, so CFG-only gangs run diffusers'
-own code paths untouched.
+A CFG gang also lends its CFG ranks to the sequence split of a request without
+true CFG (there is no second branch to run). Outside a split call attention is
+diffusers' own, so CFG-split requests stay bitwise equal to one rank; a single
+rank is left untouched.
 """
 
 from __future__ import annotations
