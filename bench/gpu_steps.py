@@ -30,26 +30,31 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# What dpserve's worker, the benchmarks and the test runner import (pyproject's
-# dependencies, the worker extra less torch, and the dev tools a GPU check uses).
-# FastAPI, uvicorn and pydantic are brought too, so `dpserve serve` can run there.
-ROOTS: tuple[str, ...] = (
-    "msgspec>=0.18",
-    "pyzmq>=25",
-    "diffusers>=0.42",
-    "transformers>=5.0",
-    "safetensors>=0.4",
-    "accelerate>=0.30",
-    "peft>=0.13",
-    "pillow>=10",
-    "psutil>=5.9",
-    "httpx>=0.27",
-    "pytest>=8",
-    "pytest-timeout>=2.3",
-    "fastapi>=0.110",
-    "uvicorn>=0.29",
-    "pydantic>=2.6",
-)
+# What dpserve's worker, the benchmarks and the test runner import, with the bounds
+# pyproject.toml gives them: its dependencies, the worker extra (torch comes with the
+# machine), and from the other extras what a GPU check runs (the test runner, httpx;
+# FastAPI, uvicorn and pydantic so `dpserve serve` can run there too).
+_PICKED = {
+    "worker": None,  # all of it
+    "dev": ("pytest", "pytest-timeout", "httpx"),
+    "router": ("fastapi", "uvicorn"),
+    "operator": ("pydantic",),
+}
+
+
+def roots() -> list[str]:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    found = list(project["dependencies"])
+    for extra, names in _PICKED.items():
+        for spec in project["optional-dependencies"][extra]:
+            name = re.split(r"[\[<>=!~ ]", spec, maxsplit=1)[0]
+            if names is None or name in names:
+                found.append(re.sub(r"\[.*?\]", "", spec))  # no extras: no wheels for them
+    return [spec for spec in found if not _BROUGHT_BY_MACHINE.match(re.split(r"[<>=!~ ]", spec)[0])]
+
+
 # On the GPU machine already, never downloaded: torch and its CUDA packages (gigabytes),
 # and numpy (16 MB of the 64 the device tool carries), which its transformers needs.
 _BROUGHT_BY_MACHINE = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|numpy)$")
@@ -60,7 +65,7 @@ def _canonical(name: str) -> str:
 
 
 def pins(python_version: str) -> list[str]:
-    """``name==version`` for ROOTS and their dependencies as installed here, with
+    """``name==version`` for the roots and their dependencies as installed here, with
     environment markers evaluated for CPython ``python_version`` on Linux x86-64."""
     from packaging.requirements import Requirement
 
@@ -76,7 +81,7 @@ def pins(python_version: str) -> list[str]:
         "extra": "",
     }
     found: dict[str, str] = {}
-    todo = [Requirement(r).name for r in ROOTS]
+    todo = [Requirement(r).name for r in roots()]
     while todo:
         name = _canonical(todo.pop())
         if name in found or _BROUGHT_BY_MACHINE.match(name):
@@ -251,7 +256,7 @@ def main() -> None:
     s.add_argument("--ready-timeout", type=float, default=240.0)
     args = parser.parse_args()
     if args.command == "roots":
-        print("\n".join(ROOTS))
+        print("\n".join(roots()))
     elif args.command == "pins":
         print("\n".join(pins(args.python_version)))
     elif args.command == "missing":

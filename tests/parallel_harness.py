@@ -39,9 +39,7 @@ def _rank(
     # On one GPU the ranks share it, which NCCL refuses: gloo moves their CUDA tensors.
     shared = device.type == "cuda" and torch.cuda.device_count() < config.gang_size
     comm = init_gang(config, rank, store, device, 120.0, "gloo" if shared else None)
-    parallel = ModelParallel(
-        comm.info, comm.model_groups, config.tp, config.sp, config.ulysses, config.cfg
-    )
+    parallel = ModelParallel(comm.info, comm.model_groups, config)
     pipe = load_pipeline(Path(model), device, torch.float32, parallel.prepare)
     parallel.check_loaded(pipe, TEXT_TOKENS)
     params = GenerateParams(**request)

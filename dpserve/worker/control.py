@@ -28,7 +28,13 @@ from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.parallel.encoders import EncoderRelay, relayed
 from dpserve.worker.pipeline import Pipeline
-from dpserve.worker.weights import WeightOffload, checksum, modules_of, own_storage
+from dpserve.worker.weights import (
+    WeightOffload,
+    checksum,
+    modules_of,
+    own_storage,
+    tensor_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +134,8 @@ class ControlOps:
                 "tp_rank": info.tp_rank,
                 "sp_rank": info.sp_rank,
                 "cfg_rank": info.cfg_rank,
-                "bytes": self._weight_bytes(),
+                "bytes": {n: tensor_bytes(m) for n, m in modules_of(self.pipe.components).items()},
             },
-        }
-
-    def _weight_bytes(self) -> dict[str, int]:
-        """Bytes of each module's tensors on this rank (0 while released)."""
-        return {
-            name: sum(t.numel() * t.element_size() for t in module.parameters())
-            + sum(t.numel() * t.element_size() for t in module.buffers())
-            for name, module in modules_of(self.pipe.components).items()
         }
 
     def op_get_weights_checksum(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:

@@ -113,9 +113,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     from dpserve.worker.sessions import SessionLimits
 
     layout = cfg.parallel
-    parallel = ModelParallel(
-        comm.info, comm.model_groups, layout.tp, layout.sp, layout.ulysses, layout.cfg
-    )
+    parallel = ModelParallel(comm.info, comm.model_groups, layout)
     relay = _encoder_relay(cfg, comm)
     started = time.perf_counter()
     skip = relay.skipped() if relay is not None else None

@@ -24,6 +24,16 @@ def splittable_problem(kind: str) -> str | None:
     )
 
 
+def text_tokens_problem(text_tokens: int, sp: int) -> str | None:
+    """sp splits the text tokens too (Flux pads every prompt to --max-sequence-length)."""
+    if text_tokens % sp == 0:
+        return None
+    return (
+        f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by sp "
+        f"({sp}), which splits them: use a multiple of {sp}"
+    )
+
+
 def layout_problem(model: Path, layout: ParallelConfig, text_tokens: int | None) -> str | None:
     """Why ``layout`` cannot split the model in folder ``model``, or None.
 
@@ -32,11 +42,8 @@ def layout_problem(model: Path, layout: ParallelConfig, text_tokens: int | None)
     """
     if layout.tp == 1 and layout.sp == 1:
         return None
-    if text_tokens is not None and text_tokens % layout.sp:
-        return (
-            f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by sp "
-            f"({layout.sp}), which splits them: use a multiple of {layout.sp}"
-        )
+    if text_tokens is not None and (problem := text_tokens_problem(text_tokens, layout.sp)):
+        return problem
     config_file = model / "transformer" / "config.json"
     if not config_file.is_file():
         return splittable_problem("not a transformer (no transformer/config.json)")

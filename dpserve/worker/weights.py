@@ -24,6 +24,11 @@ def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_buffers()
 
 
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every tensor of ``module`` (tied parameters once; 0 while released)."""
+    return sum(t.numel() * t.element_size() for _, t in _tensors(module))
+
+
 def checksum(module: torch.nn.Module) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
     digest = hashlib.sha256()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dpserve.layout import RankInfo
+from dpserve.layout import ParallelConfig, RankInfo
 from dpserve.worker.parallel.attention import SequenceGroups
 from dpserve.worker.parallel.flux import (
     AttentionScope,
@@ -30,7 +30,7 @@ from dpserve.worker.parallel.flux import (
     flux_plan,
 )
 from dpserve.worker.parallel.tensor import TensorParallel
-from dpserve.worker.splittable import splittable_problem
+from dpserve.worker.splittable import splittable_problem, text_tokens_problem
 
 log = logging.getLogger(__name__)
 Forward = Callable[..., Any]
@@ -60,12 +60,10 @@ class ParallelGroups:
 
 
 class ModelParallel:
-    def __init__(
-        self, info: RankInfo, groups: ParallelGroups, tp: int, sp: int, ulysses: int, cfg: int = 1
-    ) -> None:
+    def __init__(self, info: RankInfo, groups: ParallelGroups, layout: ParallelConfig) -> None:
         self.info = info
-        self.tp_degree, self.sp_degree, self.ulysses_degree = tp, sp, ulysses
-        self.cfg_degree = cfg
+        self.layout = layout
+        sp, cfg = layout.sp, layout.cfg
         self.groups = groups
         self.scope = AttentionScope()
         # Each prepared transformer's exchanges (a weight update brings a new one,
@@ -79,11 +77,10 @@ class ModelParallel:
             self.split = SequenceSplit(groups.sp, info.sp_rank, sp, sequence, self.scope)
         # Without true CFG the CFG ranks join the split: sp * cfg ways, the CFG pair an
         # extra Ulysses factor where the heads allow (chosen at load) or else a ring one.
-        self.lent: SequenceSplit | None = None
+        self.lending: str | None = None  # "ulysses", "ring", or None: such requests run twice
         self._lent_choices: dict[str, SequenceSplit] = {}
         if groups.lent_sp is not None and groups.lent_ring is not None:
             lent_rank, degree = info.sp_rank + sp * info.cfg_rank, sp * cfg
-            ring = len(info.ring_group)
             choices = {
                 "ulysses": SequenceGroups(
                     groups.lent_ulysses, groups.ring, info.ring_group, info.ring_rank
@@ -92,7 +89,7 @@ class ModelParallel:
                     groups.ulysses,
                     groups.lent_ring,
                     groups.lent_ring_ranks,
-                    info.ring_rank + ring * info.cfg_rank,
+                    info.ring_rank + layout.ring * info.cfg_rank,
                 ),
             }
             self._lent_choices = {
@@ -103,12 +100,12 @@ class ModelParallel:
     @property
     def active(self) -> bool:
         """Whether the layout asks to split the transformer (tp or sp)."""
-        return self.tp_degree > 1 or self.sp_degree > 1
+        return self.layout.tp > 1 or self.layout.sp > 1
 
     @property
     def sharded(self) -> bool:
         """Whether ranks hold different pieces of the transformer."""
-        return self.tp_degree > 1
+        return self.layout.tp > 1
 
     # ------------------------------------------------------------ loading
 
@@ -119,14 +116,12 @@ class ModelParallel:
         problem = splittable_problem(type(transformer).__name__)
         if transformer is None or problem is not None:
             raise ParallelUnsupported(problem or "this pipeline has no transformer")
-        heads = int(transformer.config.num_attention_heads)
-        split = self.ulysses_degree * self.tp_degree
-        if heads % split:
-            raise ParallelUnsupported(
-                f"attention heads ({heads}) must be divisible by ulysses * tp ({split})"
-            )
-        if self.tp_degree > 1:
-            self._tensor_plan(transformer).check(transformer)
+        try:
+            self.layout.validate(num_heads=int(transformer.config.num_attention_heads))
+            if self.sharded:
+                self._tensor_plan(transformer).check(transformer)
+        except ValueError as exc:  # LayoutError, or a layer tp cannot cut
+            raise ParallelUnsupported(str(exc)) from None
 
     def check_loaded(self, pipe: Any, text_tokens: int | None) -> None:
         """What is known once the pipeline is loaded: it has a transformer (prepared by
@@ -135,11 +130,10 @@ class ModelParallel:
             return
         if getattr(pipe, "transformer", None) is None:
             raise ParallelUnsupported(splittable_problem(type(pipe).__name__ + " without one"))
-        if text_tokens is not None and text_tokens % self.sp_degree:
-            raise ParallelUnsupported(
-                f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by "
-                f"sp ({self.sp_degree})"
-            )
+        if text_tokens is not None and (
+            problem := text_tokens_problem(text_tokens, self.layout.sp)
+        ):
+            raise ParallelUnsupported(problem)
 
     def _lend_as(self, transformer: Any) -> str | None:
         """How requests without true CFG split over the CFG ranks, if they can."""
@@ -148,28 +142,22 @@ class ModelParallel:
         if splittable_problem(type(transformer).__name__) is not None:
             log.info("CFG ranks run requests without true CFG whole: the transformer can't split")
             return None
-        heads = int(transformer.config.num_attention_heads) // self.tp_degree
-        return "ulysses" if heads % (self.ulysses_degree * self.cfg_degree) == 0 else "ring"
-
-    @property
-    def lending(self) -> str | None:
-        """How requests without true CFG split over the CFG ranks (None: run twice)."""
-        return next((n for n, s in self._lent_choices.items() if s is self.lent), None)
+        heads = int(transformer.config.num_attention_heads) // self.layout.tp
+        return "ulysses" if heads % (self.layout.ulysses * self.layout.cfg) == 0 else "ring"
 
     def _tensor_plan(self, transformer: torch.nn.Module) -> TensorParallel:
         assert self.groups.tp is not None
         plan = flux_plan(transformer)
-        return TensorParallel(plan, self.groups.tp, self.info.tp_rank, self.tp_degree)
+        return TensorParallel(plan, self.groups.tp, self.info.tp_rank, self.layout.tp)
 
     def prepare(self, transformer: Any) -> Any:
         """Shard a freshly loaded transformer and attach the exchanges; returns it."""
-        lend_as = self._lend_as(transformer)
-        self.lent = self._lent_choices[lend_as] if lend_as is not None else None
-        if not self.active and self.lent is None:
+        self.lending = self._lend_as(transformer)
+        if not self.active and self.lending is None:
             return transformer
         if self.active:
             self.check(transformer)
-        if self.tp_degree > 1:
+        if self.sharded:
             tensor = self._tensor_plan(transformer)
             tensor.shard(transformer)
             tensor.install(transformer)
@@ -198,6 +186,6 @@ class ModelParallel:
         the CFG ranks too when ``lend`` (a CFG gang's request without true CFG) and its
         tokens divide evenly (otherwise both branches' ranks run it, as before)."""
         plain = forward if self.split is None else self.split.wrap(forward)
-        if lend and self.lent is not None:
-            return self.lent.wrap(forward, fallback=plain)
+        if lend and self.lending is not None:
+            return self._lent_choices[self.lending].wrap(forward, fallback=plain)
         return plain

@@ -39,10 +39,6 @@ class SequenceGroups:
     ring_ranks: tuple[int, ...] = ()
     ring_index: int = 0
 
-    @property
-    def active(self) -> bool:
-        return self.ulysses is not None or self.ring is not None
-
 
 def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from dpserve.protocol import INVALID_REQUEST, RequestError
 from dpserve.worker.parallel.attention import SequenceGroups, parallel_attention
-from dpserve.worker.parallel.tensor import Shard
+from dpserve.worker.parallel.tensor import Shard, gather_cat
 
 COLUMN, ROW, GATHERED = Shard("column"), Shard("row"), Shard("gathered")
 Forward = Callable[..., Any]
@@ -181,7 +181,7 @@ class SequenceSplit:
             with self.scope.using(self.groups):
                 output = forward(*bound.args, **bound.kwargs)
             sample = output[0] if isinstance(output, tuple) else output.sample
-            gathered = self._gather(sample)
+            gathered = gather_cat(sample, self.group, dim=1)
             return (gathered,) if isinstance(output, tuple) else Transformer2DModelOutput(gathered)
 
         return split_forward
@@ -194,9 +194,3 @@ class SequenceSplit:
             f"choose a size (or --max-sequence-length) whose token count is a multiple "
             f"of {self.degree}",
         )
-
-    def _gather(self, sample: torch.Tensor) -> torch.Tensor:
-        sample = sample.contiguous()
-        parts = [torch.empty_like(sample) for _ in range(self.degree)]
-        dist.all_gather(parts, sample, group=self.group)
-        return torch.cat(parts, dim=1)

@@ -63,6 +63,14 @@ def shard_indices(
     return indices
 
 
+def gather_cat(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``group``, concatenated along ``dim`` in rank order."""
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts, dim=dim)
+
+
 def _take(tensor: torch.Tensor, dim: int, index: slice | list[int]) -> torch.Tensor:
     if isinstance(index, slice):
         picked = tensor.narrow(dim, index.start, index.stop - index.start)
@@ -160,7 +168,4 @@ class TensorParallel:
         return output
 
     def _all_gather(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        output = output.contiguous()
-        parts = [torch.empty_like(output) for _ in range(self.degree)]
-        dist.all_gather(parts, output, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return gather_cat(output, self.group, dim=-1)
