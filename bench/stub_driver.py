@@ -1,8 +1,9 @@
 """A driver that answers instantly: the router's own cost, without a model behind it.
 
-It speaks the real wire protocol on a real ROUTER socket (ping, model_info,
-generate with one fixed PNG), so every byte the router handles is real; only the
-diffusion is missing. Benchmark double: never used by the product or its tests.
+It speaks the real wire protocol on a real ROUTER socket (ping, model_info, control
+states it holds without loading anything, generate with one fixed PNG), so every
+byte the router handles is real; only the diffusion is missing. A double for
+benchmarks and router tests, never part of the product.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import zmq.asyncio
 from PIL import Image
 
 from dpserve import protocol as p
+from dpserve.control_state import StateDoc
 from dpserve.transport import bind_router
 
 
@@ -30,6 +32,7 @@ async def serve(port: int, replica: int) -> None:
     ctx = zmq.asyncio.Context()
     sock = bind_router(ctx, f"tcp://127.0.0.1:{port}")
     png, boot, served = _png(), uuid.uuid4().hex, 0
+    held: dict[str, object] = StateDoc().to_builtins()
     info = {"model_path": "/stub", "size_factor": 16, "max_side": 2048, "max_steps": 100}
     while True:
         identity, *frames = await sock.recv_multipart()
@@ -37,12 +40,17 @@ async def serve(port: int, replica: int) -> None:
         if message.kind == p.PING:
             body: object = p.PingResult(
                 replica=replica, boot_id=boot, status="ok", busy=False, queue_depth=0,
-                served=served, released=False, progress_age_s=0.0,
+                served=served, released=False, progress_age_s=0.0, control=held,
             )  # fmt: skip
             reply = p.encode(p.RESULT, message.id, body)
         elif message.kind == p.CONTROL:
+            # A control state sent by a router is simply held (there is nothing to load).
+            control = message.body_as(p.ControlRequest)
+            if control.state is not None:
+                held = control.state
+            result = {**info, "state": held}
             reply = p.encode(
-                p.RESULT, message.id, p.ControlResult(op="model_info", replica=replica, result=info)
+                p.RESULT, message.id, p.ControlResult(op=control.op, replica=replica, result=result)
             )
         else:
             served += 1

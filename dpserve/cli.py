@@ -40,7 +40,10 @@ def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     r.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
     r.add_argument("--namespace", help="kubernetes: namespace of the replicas' Service")
     r.add_argument("--service", help="kubernetes: the replicas' headless Service")
-    r.add_argument("--control-log-configmap", help="kubernetes: ConfigMap holding the log")
+    r.add_argument(
+        "--control-state-configmap",
+        help="kubernetes: ConfigMap holding the desired control state (the operator makes it)",
+    )
     _add_router_args(r)
 
 
@@ -123,7 +126,7 @@ def _router(args: argparse.Namespace) -> int:
         if not (args.namespace and args.service):
             print("dpserve router: kubernetes discovery needs --namespace and --service")
             return 2
-        k8s = KubernetesDiscovery(args.namespace, args.service, args.control_log_configmap)
+        k8s = KubernetesDiscovery(args.namespace, args.service, args.control_state_configmap)
         settings = dataclasses.replace(settings, kubernetes=k8s)
     elif not args.worker:
         print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")

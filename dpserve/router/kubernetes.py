@@ -1,4 +1,4 @@
-"""The router in Kubernetes: replicas from EndpointSlices, the control log in a ConfigMap.
+"""The router in Kubernetes: replicas from EndpointSlices, the control state in a ConfigMap.
 
 Discovery watches the EndpointSlices of the replicas' headless Service. Only
 endpoints that are ready and not terminating become replicas, so a replica
@@ -12,18 +12,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from dpserve.control_state import StateDoc, newest, parse_doc
 from dpserve.layout import replica_endpoint
-from dpserve.router.control_log import Entries
 
 log = logging.getLogger(__name__)
 SERVICE_LABEL = "kubernetes.io/service-name"
+T = TypeVar("T")
 
 
 def load_config() -> None:
@@ -135,39 +138,93 @@ class EndpointSliceDiscovery:
                 self._stop.wait(1.0)
 
 
-class ConfigMapLogStore:
-    """The control log as JSON in a ConfigMap, updated with compare-and-swap.
+class ConfigMapStateStore:
+    """The desired control state as JSON in a ConfigMap, moved forward with compare-and-swap.
 
-    Every router replica reads and appends through the same object; a conflict
-    (someone else wrote first) re-reads and re-applies the change.
+    Key ``state`` holds the document; key ``replicas`` the replicas the routers
+    find out of sync (endpoint -> reason, since, router), which the operator shows
+    in the DiffusionService's status. A ConfigMap that is missing (deleted; the
+    operator recreates it) or holds something unreadable is treated as empty: the
+    replicas' own reports and this router's memory carry the state meanwhile.
     """
 
-    KEY = "log"
+    STATE = "state"
+    REPLICAS = "replicas"
 
-    def __init__(self, namespace: str, name: str, attempts: int = 20) -> None:
+    def __init__(self, namespace: str, name: str, router: str = "", attempts: int = 20) -> None:
         self.namespace = namespace
         self.name = name
+        self.router = router or os.environ.get("HOSTNAME", "router")
         self.attempts = attempts
 
     def _api(self) -> client.CoreV1Api:
         return client.CoreV1Api()
 
-    def load(self) -> Entries:
-        cm = self._api().read_namespaced_config_map(self.name, self.namespace)
-        return list(json.loads((cm.data or {}).get(self.KEY) or "[]"))
+    def _read(self) -> Any | None:
+        try:
+            return self._api().read_namespaced_config_map(self.name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
-    def update(self, change: Callable[[Entries], Entries]) -> Entries:
+    def _doc(self, cm: Any) -> StateDoc | None:
+        raw = (cm.data or {}).get(self.STATE) if cm is not None else None
+        if not raw:
+            return None
+        try:
+            return parse_doc(json.loads(raw))
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            log.warning(
+                "%s/%s: unreadable control state, ignored: %s", self.namespace, self.name, exc
+            )
+            return None
+
+    def load(self) -> StateDoc | None:
+        return self._doc(self._read())
+
+    def advance(self, doc: StateDoc) -> StateDoc:
+        def change(cm: Any) -> StateDoc:
+            stored = newest(self._doc(cm), doc)
+            assert stored is not None
+            if stored is doc:
+                cm.data = {**(cm.data or {}), self.STATE: json.dumps(doc.to_builtins())}
+            return stored
+
+        return self._swap(change, doc)
+
+    def report(self, out_of_sync: dict[str, str], known: set[str]) -> None:
+        def change(cm: Any) -> None:
+            try:
+                entries = dict(json.loads((cm.data or {}).get(self.REPLICAS) or "{}"))
+            except (ValueError, TypeError):
+                entries = {}
+            # Ours to rewrite: the replicas this router knows; others' stay as they are.
+            for endpoint in known:
+                entries.pop(endpoint, None)
+            now = time.time()
+            for endpoint, reason in out_of_sync.items():
+                entries[endpoint] = {"reason": reason, "since": now, "router": self.router}
+            cm.data = {**(cm.data or {}), self.REPLICAS: json.dumps(entries, sort_keys=True)}
+
+        self._swap(change, None)
+
+    def _swap(self, change: Callable[[Any], T], missing: T) -> T:
+        """Read, change, replace with the read's resourceVersion; re-read on a conflict."""
         api = self._api()
         for _ in range(self.attempts):
-            cm = api.read_namespaced_config_map(self.name, self.namespace)
-            entries = change(list(json.loads((cm.data or {}).get(self.KEY) or "[]")))
-            cm.data = {**(cm.data or {}), self.KEY: json.dumps(entries)}
+            cm = self._read()
+            if cm is None:
+                log.warning(
+                    "%s/%s is missing: control state kept in memory", self.namespace, self.name
+                )
+                return missing
+            result = change(cm)
             try:
-                # metadata.resourceVersion makes this a compare-and-swap.
                 api.replace_namespaced_config_map(self.name, self.namespace, cm)
             except ApiException as exc:
-                if exc.status == 409:
+                if exc.status in (404, 409):
                     continue
                 raise
-            return entries
-        raise RuntimeError(f"control log {self.namespace}/{self.name}: too many write conflicts")
+            return result
+        raise RuntimeError(f"control state {self.namespace}/{self.name}: too many write conflicts")

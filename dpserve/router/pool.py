@@ -1,8 +1,13 @@
-"""The replicas behind a router: health, admission, and keeping them in sync.
+"""The replicas behind a router: health, admission, and bringing them to the desired state.
 
-A replica serves only when it answers pings, reports ``ok``, and has applied
-every entry of the control log. Generation requests take a slot on a serving
-replica (round-robin, at most ``max_inflight`` each) or wait in a bounded FIFO.
+:class:`ReplicaPool` is the one owner of every :class:`Replica`'s fields; the
+service, the session router and the HTTP routes read them and report events
+through the pool's methods. Each replica has its own health task (one slow or
+stopped replica never delays another's pings) and, while it does not hold the
+desired control state, its own sync task. A replica serves only when it answers
+pings, reports ``ok``, and holds the desired control state. Generation requests
+take a slot on a serving replica (round-robin, at most ``max_inflight`` each) or
+wait in a bounded FIFO.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from typing import Any
 import zmq.asyncio
 
 from dpserve import protocol as p
+from dpserve.control_state import StateDoc, parse_doc
 from dpserve.router.connection import ReplicaConnection, ReplicaLost
-from dpserve.router.control_log import ControlLog
-from dpserve.router.policies import RoundRobin
+from dpserve.router.desired import DesiredState, OutOfSync
+from dpserve.router.policies import ReplicaOutcome, RoundRobin
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +37,12 @@ class PoolSettings:
     request_timeout_s: float = 300.0
     ping_interval_s: float = 1.0
     ping_timeout_s: float = 2.0
+    # Pings are answered by the driver's ingress thread even mid-generation, so this
+    # many missed in a row means a stopped or hung process: its in-flight requests
+    # are failed then (and retried elsewhere), not at the request timeout.
+    abandon_after_missed_pings: int = 2
     control_timeout_s: float = 300.0
+    sync_backoff_max_s: float = 30.0
     max_inflight: int = 2  # per replica: one running, one queued keeps a gang busy
     max_queue: int = 256  # requests waiting for a slot, router-wide
 
@@ -43,9 +54,11 @@ class Replica:
     replica_id: str = ""  # the worker's replica index, as it reports it
     boot_id: str = ""
     answering: bool = False
-    serving: bool = False
+    serving: bool = False  # derived by the pool from the fields below
     status: str = "unknown"
-    applied: int = 0  # control-log positions the replica reports applied since it booted
+    held: StateDoc | None = None  # the control state it reports
+    sync_error: str | None = None  # why it could not reach the desired state
+    missed_pings: int = 0
     inflight: int = 0
     served: int = 0
     last_error: str | None = None
@@ -54,6 +67,8 @@ class Replica:
     sessions: int = 0  # realtime sessions it holds, as of its last ping
     max_sessions: int = 0
     session_bytes: int = 0
+    # One control conversation at a time, so a sync and a fan-out never interleave.
+    control: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def full(self) -> bool:
@@ -63,39 +78,22 @@ class Replica:
     def name(self) -> str:
         return self.replica_id or self.endpoint
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "replica": self.name,
-            "endpoint": self.endpoint,
-            "state": "serving" if self.serving else ("syncing" if self.answering else "down"),
-            "status": self.status,
-            "in_flight": self.inflight,
-            "served": self.served,
-            "applied_control_ops": self.applied,
-            "sessions": self.sessions,
-            "max_sessions": self.max_sessions,
-            "session_bytes": self.session_bytes,
-            "last_error": self.last_error,
-            "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3)
-            if self.last_seen
-            else None,
-        }
-
 
 @dataclass
 class ReplicaPool:
     settings: PoolSettings
     ctx: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
-    log: ControlLog = field(default_factory=ControlLog)
+    desired: DesiredState = field(default_factory=DesiredState)
     replicas: dict[str, Replica] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rr = RoundRobin()
         self._leaving: dict[str, tuple[Replica, asyncio.Task[None]]] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
-        # Serializes control fan-outs with catch-up replays, so log order is apply order.
-        self.control_lock = asyncio.Lock()
-        self._health: asyncio.Task[None] | None = None
+        self._health: dict[str, asyncio.Task[None]] = {}
+        self._syncs: dict[str, asyncio.Task[None]] = {}
+        self._state_task: asyncio.Task[None] | None = None
+        self._started = False
 
     # ------------------------------------------------------------ membership
 
@@ -106,11 +104,14 @@ class ReplicaPool:
             leaving = self._leaving.pop(endpoint, None)
             if leaving is not None:  # back before it finished draining: keep it
                 self.replicas[endpoint] = leaving[0]
-                continue
-            self.replicas[endpoint] = Replica(endpoint, ReplicaConnection(self.ctx, endpoint))
-            log.info("replica %s added", endpoint)
+            else:
+                self.replicas[endpoint] = Replica(endpoint, ReplicaConnection(self.ctx, endpoint))
+                log.info("replica %s added", endpoint)
+            if self._started:
+                self._watch(self.replicas[endpoint])
         for endpoint in set(self.replicas) - wanted:
             replica = self.replicas.pop(endpoint)
+            self._stop_tasks(endpoint)
             replica.serving = replica.answering = False
             # A removed replica is usually draining (scale-down, rollout): it gets no
             # new work, but what it is running still gets its answer.
@@ -134,17 +135,30 @@ class ReplicaPool:
                 self._leaving.pop(replica.endpoint, None)
                 await replica.conn.close()
 
+    def members(self) -> list[Replica]:
+        return list(self.replicas.values())
+
+    # ------------------------------------------------------------ lifecycle
+
     async def start(self) -> None:
+        """Read the stored state and ask every replica once before anything serves, so
+        the desired state is the newest anyone holds, not whichever replica answered first."""
+        with contextlib.suppress(Exception):  # an unreachable store: the replicas tell us
+            await self.desired.refresh()
         await self.check_all()
-        self._health = asyncio.create_task(self._health_loop(), name="health")
+        self._started = True
+        for replica in self.members():
+            self._watch(replica)
+        self._state_task = asyncio.create_task(self._state_loop(), name="control state")
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
-        for _, task in list(self._leaving.values()):
-            task.cancel()  # its cleanup closes the connection
+        tasks = [*self._health.values(), *self._syncs.values()]
+        tasks += [t for _, t in self._leaving.values()]  # their cleanup closes connections
+        if self._state_task is not None:
+            tasks.append(self._state_task)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for replica in self.replicas.values():
@@ -152,50 +166,63 @@ class ReplicaPool:
         self.replicas.clear()
         self.ctx.term()
 
+    def _watch(self, replica: Replica) -> None:
+        if replica.endpoint not in self._health:
+            task = asyncio.create_task(self._health_loop(replica), name=f"health {replica.name}")
+            self._health[replica.endpoint] = task
+
+    def _stop_tasks(self, endpoint: str) -> None:
+        for tasks in (self._health, self._syncs):
+            task = tasks.pop(endpoint, None)
+            if task is not None:
+                task.cancel()
+
     # ------------------------------------------------------------ health
 
-    async def _health_loop(self) -> None:
+    async def _health_loop(self, replica: Replica) -> None:
         while True:
             await asyncio.sleep(self.settings.ping_interval_s)
             try:
-                await self.check_all()
+                await self._check(replica)
             except Exception:  # one bad round must not end health checking
-                log.exception("health round failed")
+                log.exception("health check of %s failed", replica.name)
 
     async def check_all(self) -> None:
-        try:
-            await self.log.refresh()  # other routers may have appended
-        except Exception as exc:  # keep serving on the log we have
-            log.warning("control log refresh failed: %s", exc)
-        await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
-        self._wake()
+        await asyncio.gather(*(self._check(r) for r in self.members()))
 
     async def _check(self, replica: Replica) -> None:
         try:
             reply = await replica.conn.request(p.PING, None, self.settings.ping_timeout_s)
             ping: p.PingResult = reply.body_as(p.PingResult)
-        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
-            self._down(replica, f"ping failed: {exc or type(exc).__name__}")
+            held = parse_doc(ping.control) if ping.control is not None else None
+        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError, ValueError) as exc:
+            self._missed(replica, f"ping failed: {exc or type(exc).__name__}")
             return
         replica.answering, replica.last_seen, replica.status = True, time.monotonic(), ping.status
-        replica.replica_id, replica.applied = str(ping.replica), ping.applied
+        replica.missed_pings = 0
+        replica.replica_id, replica.held = str(ping.replica), held
         replica.sessions, replica.max_sessions = ping.sessions, ping.max_sessions
         replica.session_bytes = ping.session_bytes
         if ping.boot_id != replica.boot_id:
             if replica.boot_id:
-                log.warning("replica %s restarted: it will be replayed the log", replica.name)
+                log.warning(
+                    "replica %s restarted: it is brought to the desired state", replica.name
+                )
             replica.boot_id, replica.info = ping.boot_id, None
+        if self.desired.observe(held):
+            self._settle_all()  # another router's op (or a restarted router): follow it
         if ping.status != "ok":
-            replica.serving = False
             replica.last_error = f"replica reports {ping.status}"
-            return
-        if self.log.since(replica.applied) and not await self._catch_up(replica):
-            return
-        if replica.info is None:
+        elif replica.info is None:
             replica.info = await self._model_info(replica)
-        if replica.info is not None and not replica.serving:
-            log.info("replica %s serving (%s)", replica.name, replica.endpoint)
-            replica.serving, replica.last_error = True, None
+        self._settle(replica)
+
+    def _missed(self, replica: Replica, reason: str) -> None:
+        replica.missed_pings += 1
+        self._down(replica, reason)
+        if replica.missed_pings == self.settings.abandon_after_missed_pings:
+            # Stopped or hung: what it holds is answered elsewhere (the service retries).
+            replica.conn.abandon(f"{replica.endpoint} missed {replica.missed_pings} pings")
 
     def _down(self, replica: Replica, reason: str) -> None:
         if replica.serving:
@@ -207,28 +234,6 @@ class ReplicaPool:
         """A request saw the replica fail: stop sending to it until pings say otherwise."""
         self._down(replica, reason)
 
-    async def _catch_up(self, replica: Replica) -> bool:
-        async with self.control_lock:
-            return await self.replay(replica)
-
-    async def replay(self, replica: Replica) -> bool:
-        """Send what the replica missed, in order; True when it is caught up.
-
-        The caller holds ``control_lock``.
-        """
-        for position, op, args in self.log.since(replica.applied):
-            request = p.ControlRequest(op=op, args=args, log_position=position)
-            try:
-                await replica.conn.request(p.CONTROL, request, self.settings.control_timeout_s)
-            except (ReplicaLost, TimeoutError, p.RequestError) as exc:
-                replica.serving = False
-                replica.last_error = f"replaying {op} (log position {position}) failed: {exc}"
-                log.warning("replica %s: %s", replica.name, replica.last_error)
-                return False
-            replica.applied = position
-
-        return not self.log.since(replica.applied)
-
     async def _model_info(self, replica: Replica) -> dict[str, Any] | None:
         request = p.ControlRequest(op="model_info")
         try:
@@ -238,6 +243,133 @@ class ReplicaPool:
             return None
         result: p.ControlResult = reply.body_as(p.ControlResult)
         return result.result
+
+    # ------------------------------------------------------------ the desired state
+
+    def _settle(self, replica: Replica) -> None:
+        """Derive whether the replica serves; start its sync when it needs one."""
+        if replica.endpoint not in self.replicas:
+            return
+        state = replica.held.state if replica.held is not None else None
+        accepted = self.desired.accepts(state)
+        if accepted:
+            replica.sync_error = None
+        elif replica.answering and replica.status == "ok":
+            self._start_sync(replica)
+        serving = replica.answering and replica.status == "ok" and accepted
+        serving = serving and replica.info is not None
+        if serving and not replica.serving:
+            log.info("replica %s serving (%s)", replica.name, replica.endpoint)
+            replica.last_error = None
+        elif replica.serving and not serving:
+            log.warning("replica %s out of rotation: %s", replica.name, self._why_not(replica))
+        replica.serving = serving
+        self._wake()
+
+    def _settle_all(self) -> None:
+        for replica in self.members():
+            self._settle(replica)
+
+    def _why_not(self, replica: Replica) -> str:
+        doc = self.desired.doc
+        if not replica.answering or replica.status != "ok":
+            return replica.last_error or replica.status
+        if replica.sync_error:
+            return replica.sync_error
+        if doc is not None and not self.desired.accepts(
+            replica.held.state if replica.held else None
+        ):
+            return f"catching up to control state version {doc.version}"
+        return "starting"
+
+    def _start_sync(self, replica: Replica) -> None:
+        if self.desired.before is not None:
+            return  # a fan-out is bringing every replica along
+        task = self._syncs.get(replica.endpoint)
+        if task is None or task.done():
+            self._syncs[replica.endpoint] = asyncio.create_task(
+                self._sync(replica), name=f"sync {replica.name}"
+            )
+
+    async def _sync(self, replica: Replica) -> None:
+        """Bring one replica to the desired state, retrying with backoff while it fails."""
+        backoff = 1.0
+        while replica.answering and self.replicas.get(replica.endpoint) is replica:
+            doc = self.desired.doc
+            if doc is None or self.desired.before is not None:
+                return
+            if replica.held is not None and replica.held.state == doc.state:
+                break
+            outcome = await self.apply(replica, doc, p.SYNC_STATE, {})
+            if outcome.error is None:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, self.settings.sync_backoff_max_s)
+        self._settle(replica)
+
+    async def apply(
+        self, replica: Replica, doc: StateDoc, op: str, args: dict[str, Any]
+    ) -> ReplicaOutcome:
+        """Send ``doc`` (made by ``op``) to one replica; record what it holds after."""
+        if not replica.answering:
+            return ReplicaOutcome(replica.name, skipped=f"down: {replica.last_error}")
+        request = p.ControlRequest(op=op, args=args, state=doc.to_builtins())
+        async with replica.control:
+            try:
+                reply = await replica.conn.request(
+                    p.CONTROL, request, self.settings.control_timeout_s
+                )
+                body: p.ControlResult = reply.body_as(p.ControlResult)
+                replica.held = parse_doc(body.result["state"])
+            except p.RequestError as exc:
+                replica.sync_error = f"cannot reach control state version {doc.version}: {exc}"
+                return ReplicaOutcome(replica.name, error=exc.body())
+            except (ReplicaLost, TimeoutError) as exc:
+                self.mark_failed(replica, f"control op failed: {exc or 'timed out'}")
+                error = p.ErrorBody(code=p.UNAVAILABLE, message=str(exc) or "timed out")
+                return ReplicaOutcome(replica.name, error=error)
+            except (p.ProtocolError, KeyError, ValueError) as exc:
+                replica.sync_error = f"unreadable control answer: {exc}"
+                return ReplicaOutcome(
+                    replica.name, error=p.ErrorBody(code=p.INTERNAL, message=str(exc))
+                )
+        replica.sync_error = None
+        return ReplicaOutcome(replica.name, result=body.result)
+
+    def state_changed(self) -> None:
+        """The desired state moved (an op finished): every replica is judged again."""
+        self._settle_all()
+
+    def out_of_sync(self) -> OutOfSync:
+        return {
+            r.endpoint: self._why_not(r)
+            for r in self.members()
+            if r.answering and r.status == "ok" and not r.serving
+        }
+
+    async def _state_loop(self) -> None:
+        """Follow the stored state (other routers' ops) and publish who is out of sync."""
+        while True:
+            await asyncio.sleep(self.settings.ping_interval_s)
+            try:
+                before = self.desired.doc
+                await self.desired.refresh()
+                if self.desired.doc is not before:
+                    self._settle_all()
+                await self.desired.report(self.out_of_sync(), set(self.replicas))
+            except Exception as exc:  # keep serving on the state we have
+                log.warning("control state store: %s", exc)
+
+    # ------------------------------------------------------------ realtime sessions
+
+    def session_opened(self, replica: Replica) -> None:
+        replica.sessions += 1
+
+    def session_closed(self, replica: Replica) -> None:
+        replica.sessions = max(0, replica.sessions - 1)
+
+    def session_refused(self, replica: Replica) -> None:
+        replica.sessions = max(replica.sessions, replica.max_sessions)  # until its next ping
 
     # ------------------------------------------------------------ admission
 
@@ -288,7 +420,39 @@ class ReplicaPool:
         replica.inflight -= 1
         self._wake()
 
+    def note_served(self, replica: Replica) -> None:
+        replica.served += 1
+
     def _wake(self) -> None:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    # ------------------------------------------------------------ reporting
+
+    def snapshot(self, replica: Replica) -> dict[str, Any]:
+        if replica.serving:
+            state = "serving"
+        elif not replica.answering:
+            state = "down"
+        else:
+            state = "out_of_sync" if replica.sync_error else "syncing"
+        held = replica.held
+        return {
+            "replica": replica.name,
+            "endpoint": replica.endpoint,
+            "state": state,
+            "status": replica.status,
+            "in_flight": replica.inflight,
+            "served": replica.served,
+            "control_state": {"version": held.version, "digest": held.state.digest()}
+            if held
+            else None,
+            "sessions": replica.sessions,
+            "max_sessions": replica.max_sessions,
+            "session_bytes": replica.session_bytes,
+            "last_error": None if replica.serving else self._why_not(replica),
+            "last_seen_s_ago": round(time.monotonic() - replica.last_seen, 3)
+            if replica.last_seen
+            else None,
+        }

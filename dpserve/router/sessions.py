@@ -100,14 +100,14 @@ class SessionRouter:
             except p.RequestError as exc:
                 if exc.code != p.OVERLOADED:
                     raise
-                replica.sessions = max(replica.sessions, replica.max_sessions)  # until next ping
+                self.pool.session_refused(replica)
                 log.info("replica %s refused a session: %s", replica.name, exc)
                 continue
             except (ReplicaLost, TimeoutError) as exc:
                 self.pool.mark_failed(replica, f"session open failed: {exc}")
                 lost.append(replica.name)
                 continue
-            replica.sessions += 1
+            self.pool.session_opened(replica)
             return Attached(session_id, replica.endpoint, 0), _frame(reply, replica)
         if lost:
             raise p.RequestError(
@@ -152,7 +152,7 @@ class SessionRouter:
             log.warning("releasing session %s failed: %s", session.session_id, exc)
             return
         if info.released:
-            replica.sessions = max(0, replica.sessions - 1)
+            self.pool.session_closed(replica)
 
     # ------------------------------------------------------------ plumbing
 

@@ -1,8 +1,10 @@
 """Control operations on one replica: weights, LoRA adapters, memory, introspection.
 
-Every op runs on every rank of the gang with the same arguments, so the ranks'
-replicated state (weights, adapters, released or not) never diverges; the
-executor gathers the per-rank outcomes and the driver answers once.
+Every op runs on every rank of the gang with the same arguments. A state-changing
+op becomes a whole control state (dpserve.control_state) that each rank brings
+itself to; the ranks then agree, and if any rank failed every rank returns to the
+state it held before, so the ranks of a gang never differ. The executor gathers
+the per-rank outcomes and the driver answers once.
 """
 
 from __future__ import annotations
@@ -14,57 +16,34 @@ from typing import Any
 
 import torch
 
+from dpserve.control_state import ControlState, StateDoc, answer, bad, names, parse_doc, reduce
 from dpserve.protocol import (
     CONFLICT,
     INVALID_REQUEST,
     MUTATING_OPS,
+    SYNC_STATE,
     UNAVAILABLE,
-    UNSUPPORTED,
     ControlRequest,
-    FieldError,
     RequestError,
 )
+from dpserve.worker.converge import Effects, StateApplier
 from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.parallel.encoders import EncoderRelay, relayed
 from dpserve.worker.pipeline import Pipeline
-from dpserve.worker.weights import (
-    WeightOffload,
-    checksum,
-    modules_of,
-    own_storage,
-    tensor_bytes,
-)
+from dpserve.worker.weights import checksum, modules_of, tensor_bytes
 
 log = logging.getLogger(__name__)
 
 Agree = Callable[[bool], bool]  # True on every rank only if every rank passed True
-_LORA_TARGETS = ("all", "transformer")
 
 
-def _bad(field_name: str, message: str, code: str = INVALID_REQUEST) -> RequestError:
-    return RequestError(code, f"{field_name} {message}", [FieldError(field_name, message)])
+class PeerFailed(RequestError):
+    """This rank applied the change, but another rank of the gang could not: undone."""
 
 
-def _text(args: Mapping[str, Any], name: str) -> str | None:
-    value = args.get(name)
-    if value is not None and not isinstance(value, str):
-        raise _bad(name, "must be a string")
-    return value
-
-
-def _number(args: Mapping[str, Any], name: str, default: float) -> float:
-    value = args.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(name, "must be a number")
-    return float(value)
-
-
-def _names(value: Any, field_name: str) -> list[str]:
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise _bad(field_name, "must be a string or a non-empty list of strings")
-    return names
+class GangDiverged(RuntimeError):
+    """A rank could not return to the state the others hold: the gang must restart."""
 
 
 class ControlOps:
@@ -78,18 +57,28 @@ class ControlOps:
         relay: EncoderRelay | None = None,
     ) -> None:
         self.pipe = pipe
-        self.model_path = model_path
         self.parallel = parallel
-        self.relay = relay
-        self.loras = LoraAdapters(pipe, parallel)
-        self.device = device
-        self.offload = WeightOffload(device)
+        self.applier = StateApplier(pipe, model_path, device, parallel, relay)
         self.info = info  # static facts for model_info (layout, threads, ...)
-        self.applied_log = 0  # last control-log position applied (see protocol.ControlRequest)
+        self._doc = StateDoc()  # the last document a router sent (its state: state())
+        self._local_revision = 0  # for ops sent straight to this replica, not by a router
+
+    @property
+    def loras(self) -> LoraAdapters:
+        return self.applier.loras
 
     @property
     def released(self) -> bool:
-        return self.offload.released
+        return self.applier.offload.released
+
+    def held(self) -> StateDoc:
+        """The document this replica reports: the last one sent, with the state it really has."""
+        return StateDoc(
+            version=self._doc.version, id=self._doc.id, op=self._doc.op, state=self.state()
+        )
+
+    def state(self) -> ControlState:
+        return self.applier.state()
 
     def require_weights(self) -> None:
         if self.released:
@@ -99,23 +88,70 @@ class ControlOps:
             )
 
     def run(self, request: ControlRequest, agree: Agree) -> dict[str, Any]:
-        """Run one op; logged ops run in log order, once each (replays are no-ops)."""
-        position = request.log_position if request.op in MUTATING_OPS else None
-        if position is not None and position <= self.applied_log:
-            return {"already_applied": True, "log_position": position}
-        if position is not None and position != self.applied_log + 1:
-            raise RequestError(
-                CONFLICT,
-                f"control log position {position} arrived before {self.applied_log + 1}; "
-                "replay the log in order",
-            )
+        if request.op in MUTATING_OPS:
+            return self._change(request, agree)
         handler: Callable[[Mapping[str, Any], Agree], dict[str, Any]] = getattr(
             self, f"op_{request.op}"
         )
-        result = handler(request.args, agree)
-        if position is not None:
-            self.applied_log = position
-        return result
+        return handler(request.args, agree)
+
+    # ------------------------------------------------------------ state changes
+
+    def _change(self, request: ControlRequest, agree: Agree) -> dict[str, Any]:
+        """Bring the gang to the request's state (or the op's change to ours), all or nothing."""
+        doc, target, effects = self._converge(lambda: self._target(request), agree)
+        if doc is not None:
+            self._doc = doc
+        result = {} if request.op == SYNC_STATE else answer(request.op, request.args, target)
+        held = self.held().to_builtins()
+        return {**result, **effects, "changed": bool(effects["actions"]), "state": held}
+
+    def _target(self, request: ControlRequest) -> tuple[StateDoc | None, ControlState]:
+        if request.state is None:
+            if request.op == SYNC_STATE:
+                raise bad("state", "is required for sync_state")
+            self._local_revision += 1  # an op sent straight here, not by a router
+            return None, reduce(self.state(), request.op, request.args, -self._local_revision)
+        try:
+            doc = parse_doc(request.state)
+        except ValueError as exc:
+            raise bad("state", str(exc)) from None
+        if doc.key < self._doc.key:
+            raise RequestError(
+                CONFLICT,
+                f"this replica holds control state version {self._doc.version} from "
+                f"another router, newer than {doc.version}; refresh and retry",
+            )
+        return doc, doc.state
+
+    def _converge(
+        self, target_of: Callable[[], tuple[StateDoc | None, ControlState]], agree: Agree
+    ) -> tuple[StateDoc | None, ControlState, Effects]:
+        """Every rank calls ``agree`` the same number of times, whatever fails where."""
+        before = self.state()
+        error: RequestError | None = None
+        try:
+            doc, target = target_of()
+            effects = self.applier.apply(target)
+        except RequestError as exc:
+            error = exc
+        except Exception as exc:  # a broken file must not take the gang down
+            log.exception("applying the control state failed")
+            error = RequestError(INVALID_REQUEST, f"could not apply the change: {exc}")
+        if agree(error is None):
+            return doc, target, effects
+        # Some rank failed: every rank returns to where it was.
+        try:
+            self.applier.apply(before)
+            back = True
+        except Exception:
+            log.exception("could not return to the previous control state")
+            back = False
+        if not agree(back):
+            raise GangDiverged("a rank could not undo a failed control op; restarting the gang")
+        if error is not None:
+            raise error
+        raise PeerFailed(INVALID_REQUEST, "another rank of this replica failed; nothing changed")
 
     # ------------------------------------------------------------ introspection
 
@@ -123,7 +159,7 @@ class ControlOps:
         info = self.parallel.info
         return {
             **self.info,
-            "model_path": str(self.model_path),
+            "model_path": str(self.applier.source_of("transformer")),
             "pipeline_class": type(self.pipe).__name__,
             "components": sorted(modules_of(self.pipe.components)),
             "released": self.released,
@@ -141,10 +177,10 @@ class ControlOps:
     def op_get_weights_checksum(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
         self.require_weights()
         modules = modules_of(self.pipe.components)
-        wanted = _names(args.get("modules", sorted(modules)), "modules")
+        wanted = names(args.get("modules", sorted(modules)), "modules")
         missing = [m for m in wanted if m not in modules]
         if missing:
-            raise _bad("modules", f"names unknown modules: {', '.join(missing)}")
+            raise bad("modules", f"names unknown modules: {', '.join(missing)}")
         held = [name for name in wanted if not relayed(modules[name])]
         return {
             "checksums": {name: checksum(modules[name]) for name in held},
@@ -158,137 +194,3 @@ class ControlOps:
             "active": [{"nickname": n, "strength": s} for n, s in self.loras.active.items()],
             "merged": self.loras.merged,
         }
-
-    # ------------------------------------------------------------ weights
-
-    def op_update_weights_from_disk(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        """Load the named modules (default: the transformer) from a folder, all or nothing.
-
-        Every rank loads first; the new modules replace the old only if every rank
-        loaded them, so a bad path leaves the old weights serving everywhere.
-        """
-        path_arg = _text(args, "model_path")
-        names = _names(args.get("modules", ["transformer"]), "modules")
-        error: RequestError | None = None
-        loaded: dict[str, torch.nn.Module] = {}
-        try:
-            self.require_weights()
-            if not path_arg:
-                raise _bad("model_path", "is required")
-            loaded = self._load_modules(Path(path_arg), names)
-        except RequestError as exc:
-            error = exc
-        except Exception as exc:  # a broken checkpoint must not take the gang down
-            error = _bad("model_path", f"could not be loaded: {exc}")
-        if not agree(error is None):
-            raise error or RequestError(
-                INVALID_REQUEST, "another rank of this replica failed to load the weights"
-            )
-        assert path_arg is not None  # every rank loaded it
-        cleared = self.loras.drop_all()
-        for name, module in loaded.items():
-            setattr(self.pipe, name, module)
-            self.pipe.register_modules(**{name: module})
-            if self.relay is not None and name in self.relay.names:
-                self.relay.attach(module)
-        self.model_path = Path(path_arg)
-        return {"model_path": path_arg, "modules": names, "loras_cleared": cleared}
-
-    def _load_modules(self, path: Path, names: list[str]) -> dict[str, torch.nn.Module]:
-        if not path.is_dir():
-            raise _bad("model_path", f"{str(path)!r} is not a folder")
-        current = modules_of(self.pipe.components)
-        unknown = [n for n in names if n not in current]
-        if unknown:
-            raise _bad("modules", f"names unknown modules: {', '.join(unknown)}")
-        loaded = {}
-        for name in names:
-            if not (path / name).is_dir():
-                raise _bad("model_path", f"has no {name!r} subfolder")
-            if relayed(current[name]):
-                continue  # the output rank holds (and reloads) this encoder
-            cls: Any = type(current[name])
-            dtype = next(current[name].parameters()).dtype
-            module = cls.from_pretrained(path, subfolder=name, dtype=dtype, local_files_only=True)
-            if name == "transformer":
-                self.parallel.prepare(module)  # this rank's piece, before it moves to the device
-            loaded[name] = own_storage(module.to(self.device)).eval()
-        return loaded
-
-    # ------------------------------------------------------------ LoRA
-
-    def _check_target(self, args: Mapping[str, Any]) -> None:
-        target = args.get("target", "all")
-        if target not in _LORA_TARGETS:
-            raise _bad("target", f"must be one of {', '.join(_LORA_TARGETS)}, got {target!r}")
-
-    def op_set_lora(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        """Load adapters (when a path is given) and make exactly these ones active."""
-        self.require_weights()
-        self._check_target(args)
-        if not hasattr(self.pipe, "load_lora_weights"):
-            raise RequestError(UNSUPPORTED, f"{type(self.pipe).__name__} does not support LoRA")
-        nicknames = _names(args.get("lora_nickname"), "lora_nickname")
-        paths = args.get("lora_path")
-        path_list = [None] * len(nicknames) if paths is None else _names(paths, "lora_path")
-        strengths = args.get("strength", 1.0)
-        strength_list = strengths if isinstance(strengths, list) else [strengths] * len(nicknames)
-        if len(path_list) != len(nicknames):
-            raise _bad("lora_path", "needs one path per nickname")
-        if len(strength_list) != len(nicknames) or not all(
-            isinstance(s, int | float) and not isinstance(s, bool) for s in strength_list
-        ):
-            raise _bad("strength", "must be a number, or a list with one number per nickname")
-        if self.loras.merged:
-            raise _bad("lora_nickname", "cannot change adapters while merged; unmerge first")
-        for nick, path in zip(nicknames, path_list, strict=True):
-            if path is None and nick not in self.loras.loaded:
-                raise _bad("lora_path", f"is required: adapter {nick!r} is not loaded yet")
-            if path is not None and self.loras.loaded.get(nick) != path:
-                self._load_lora(nick, path)
-        self.loras.activate({n: float(s) for n, s in zip(nicknames, strength_list, strict=True)})
-        return {"active": [{"nickname": n, "strength": s} for n, s in self.loras.active.items()]}
-
-    def _load_lora(self, nick: str, path: str) -> None:
-        if not Path(path).exists():
-            raise _bad("lora_path", f"{path!r} does not exist")
-        try:
-            self.loras.load(nick, path)
-        except Exception as exc:
-            raise _bad("lora_path", f"could not be loaded as a LoRA: {exc}") from exc
-
-    def op_merge_lora_weights(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        self.require_weights()
-        self._check_target(args)
-        if not self.loras.active:
-            raise _bad("lora_nickname", "no active adapter to merge; call set_lora first")
-        if self.loras.merged:
-            raise _bad("lora_nickname", "adapters are already merged")
-        strength = _number(args, "strength", 1.0)
-        self.loras.merge(strength)
-        return {"merged": list(self.loras.active), "strength": strength}
-
-    def op_unmerge_lora_weights(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        self.require_weights()
-        self._check_target(args)
-        if not self.loras.merged:
-            raise _bad("lora_nickname", "no merged adapters to unmerge")
-        self.loras.unmerge()
-        return {"unmerged": list(self.loras.active)}
-
-    def op_noop(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        return {}
-
-    # ------------------------------------------------------------ memory
-
-    def op_release_memory_occupation(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        if self.released:
-            return {"released": True, "changed": False}
-        moved = self.offload.release(modules_of(self.pipe.components))
-        return {"released": True, "changed": True, "bytes_moved": moved}
-
-    def op_resume_memory_occupation(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        if not self.released:
-            return {"released": False, "changed": False}
-        self.offload.resume(modules_of(self.pipe.components))
-        return {"released": False, "changed": True}

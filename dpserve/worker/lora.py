@@ -26,24 +26,28 @@ class LoraAdapters:
     parallel: ModelParallel
     loaded: dict[str, str] = field(default_factory=dict)  # nickname -> path
     active: dict[str, float] = field(default_factory=dict)  # nickname -> strength
+    merged_strength: float | None = None  # the strength the active adapters are merged at
     _base: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> copy
 
     @property
     def merged(self) -> bool:
-        return bool(self._base)
+        return self.merged_strength is not None
 
     def load(self, nickname: str, path: str) -> None:
         if nickname in self.loaded:
-            self.pipe.delete_adapters(nickname)
-            del self.loaded[nickname]
-            self.active.pop(nickname, None)
-            self.parallel.adapters_changed(self.pipe.transformer)
+            self.unload(nickname)
         if self.parallel.sharded or relayed(getattr(self.pipe, "text_encoder", None)):
             self._load_split(nickname, path)
         else:
             self.pipe.load_lora_weights(path, adapter_name=nickname)
         self.parallel.adapters_changed(self.pipe.transformer)
         self.loaded[nickname] = path
+
+    def unload(self, nickname: str) -> None:
+        self.pipe.delete_adapters(nickname)
+        del self.loaded[nickname]
+        self.active.pop(nickname, None)
+        self.parallel.adapters_changed(self.pipe.transformer)
 
     def _load_split(self, nickname: str, path: str) -> None:
         """diffusers' two loading steps: the transformer's adapters cut to this rank's
@@ -83,6 +87,7 @@ class LoraAdapters:
     def merge(self, strength: float) -> None:
         self._base = {id(p): p.detach().clone() for p in self._adapted_base_params()}
         self.pipe.fuse_lora(lora_scale=strength, adapter_names=list(self.active))
+        self.merged_strength = strength
 
     def unmerge(self) -> None:
         self.pipe.unfuse_lora()
@@ -90,6 +95,7 @@ class LoraAdapters:
             for param in self._adapted_base_params():
                 param.copy_(self._base[id(param)])
         self._base = {}
+        self.merged_strength = None
 
     def drop_all(self) -> list[str]:
         """Unload every adapter; returns the nicknames that were loaded."""

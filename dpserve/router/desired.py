@@ -1,0 +1,101 @@
+"""The control state this router wants every replica to hold, and where it is kept.
+
+One owner: :class:`DesiredState`. It adopts the greatest document
+(dpserve.control_state) it sees — in its store, or reported by a replica in a
+ping — so a restarted router, a second router, or a router whose ConfigMap was
+deleted picks up the state the service really has instead of starting over.
+Writes go through the store's compare-and-swap ``advance``, which only ever
+moves the stored document forward.
+
+Where the document lives is a ``StateStore``: process memory for the embedded
+mode (the replicas' own reports are what a restarted router recovers from),
+a ConfigMap owned by the DiffusionService in Kubernetes (``kubernetes.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dpserve.control_state import ControlState, StateDoc, newest
+
+log = logging.getLogger(__name__)
+
+OutOfSync = dict[str, str]  # replica endpoint -> why it does not hold the desired state
+
+
+class StateStore(Protocol):
+    def load(self) -> StateDoc | None: ...
+
+    def advance(self, doc: StateDoc) -> StateDoc:
+        """Store ``doc`` if it is newer than what is stored; returns what is stored after."""
+        ...
+
+    def report(self, out_of_sync: OutOfSync, known: set[str]) -> None:
+        """Publish which of the ``known`` replicas are out of sync (and why)."""
+        ...
+
+
+@dataclass
+class MemoryStore:
+    doc: StateDoc | None = None
+    out_of_sync: OutOfSync = field(default_factory=dict)
+
+    def load(self) -> StateDoc | None:
+        return self.doc
+
+    def advance(self, doc: StateDoc) -> StateDoc:
+        self.doc = newest(self.doc, doc)
+        assert self.doc is not None
+        return self.doc
+
+    def report(self, out_of_sync: OutOfSync, known: set[str]) -> None:
+        self.out_of_sync = dict(out_of_sync)
+
+
+class DesiredState:
+    def __init__(self, store: StateStore | None = None) -> None:
+        self.store: StateStore = store or MemoryStore()
+        self.doc: StateDoc | None = None  # unknown until the store or a replica says
+        # While this router fans an op out, replicas still holding the state before
+        # it keep serving: each gang switches between two of its requests.
+        self.before: ControlState | None = None
+        self.ops = asyncio.Lock()  # this router changes the state one op at a time
+        self._reported: OutOfSync | None = None
+
+    def observe(self, held: StateDoc | None) -> bool:
+        """A replica's document; True when it is newer and became the desired one."""
+        if held is None or (self.doc is not None and held.key <= self.doc.key):
+            return False
+        if self.doc is not None:
+            log.info("adopting control state version %d (%s)", held.version, held.op or "boot")
+        self.doc = held
+        return True
+
+    def accepts(self, state: ControlState | None) -> bool:
+        """Whether a replica holding ``state`` may serve."""
+        if state is None or self.doc is None:
+            return False
+        return state == self.doc.state or (self.before is not None and state == self.before)
+
+    async def refresh(self) -> None:
+        """Adopt a newer stored document; store ours when it is the newer one."""
+        stored = await asyncio.to_thread(self.store.load)
+        if self.doc is not None and (stored is None or self.doc.key > stored.key):
+            stored = await asyncio.to_thread(self.store.advance, self.doc)
+        self.doc = newest(self.doc, stored)
+
+    async def commit(self, doc: StateDoc) -> StateDoc:
+        """Make ``doc`` the desired state; returns the stored one (newer if another won)."""
+        stored = await asyncio.to_thread(self.store.advance, doc)
+        self.doc = newest(self.doc, stored, doc)
+        return stored
+
+    async def report(self, out_of_sync: OutOfSync, known: set[str]) -> None:
+        """Publish out-of-sync replicas when the set (or a reason) changed."""
+        if out_of_sync == self._reported:
+            return
+        await asyncio.to_thread(self.store.report, out_of_sync, known)
+        self._reported = dict(out_of_sync)

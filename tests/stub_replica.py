@@ -1,0 +1,137 @@
+"""An in-process replica for router tests: the real wire protocol on a real ZMQ socket.
+
+It holds a control state the way a worker does (dpserve.control_state: documents
+ordered by version, whole states applied, refusals for older documents) and
+answers pings, model_info, control ops and generations with a fixed PNG. What it
+leaves out is the model: tests that need pixels or gangs use real workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from PIL import Image
+
+from dpserve import protocol as p
+from dpserve.control_state import StateDoc, answer, parse_doc, reduce
+from dpserve.transport import bind_router
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 20, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@dataclass
+class StubReplica:
+    ctx: zmq.asyncio.Context
+    replica: int = 0
+    fail_paths: set[str] = field(default_factory=set)  # LoRA/weights folders it cannot load
+    generate_s: float = 0.0  # how long a generation takes
+    held: StateDoc = field(default_factory=StateDoc)
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    calls: list[str] = field(default_factory=list)  # control ops received, in order
+    generated: int = 0
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set: answers nothing
+
+    def __post_init__(self) -> None:
+        self.sock = bind_router(self.ctx, "tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._task = asyncio.create_task(self._serve())
+        self._png = _png()
+
+    def reboot(self) -> None:
+        """A restarted gang: same address, boot state."""
+        self.held, self.boot_id = StateDoc(), uuid.uuid4().hex
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.sock.close(linger=0)
+
+    async def _serve(self) -> None:
+        while True:
+            identity, *frames = await self.sock.recv_multipart()
+            if self.stopped.is_set():
+                continue  # a SIGSTOPped process: nothing is read, nothing answered
+            message = p.decode(frames)
+            if message.kind == p.GENERATE:
+                asyncio.create_task(self._generate(identity, message))
+                continue
+            try:
+                reply = self._answer(message)
+            except p.RequestError as exc:
+                reply = p.encode_error(message.id, exc)
+            await self.sock.send_multipart([identity, *reply])
+
+    async def _generate(self, identity: bytes, message: p.Message) -> None:
+        await asyncio.sleep(self.generate_s)
+        if self.stopped.is_set():
+            return
+        self.generated += 1
+        meta = p.ImageMeta(index=0, blob=0, seed=1, format="png", width=16, height=16)
+        result = p.GenerateResult(
+            images=[meta],
+            replica=self.replica,
+            inference_time_s=self.generate_s,
+            queue_time_s=0.0,
+            peak_memory_mb=0.0,
+        )
+        await self.sock.send_multipart(
+            [identity, *p.encode(p.RESULT, message.id, result, [self._png])]
+        )
+
+    def _answer(self, message: p.Message) -> list[bytes]:
+        if message.kind == p.PING:
+            ping = p.PingResult(
+                replica=self.replica,
+                boot_id=self.boot_id,
+                status="ok",
+                busy=False,
+                queue_depth=0,
+                served=self.generated,
+                released=self.held.state.released,
+                progress_age_s=0.0,
+                control=self.held.to_builtins(),
+            )
+            return p.encode(p.RESULT, message.id, ping)
+        request: p.ControlRequest = message.body_as(p.ControlRequest)
+        self.calls.append(request.op)
+        result = self._control(request)
+        return p.encode(
+            p.RESULT,
+            message.id,
+            p.ControlResult(op=request.op, replica=self.replica, result=result),
+        )
+
+    def _control(self, request: p.ControlRequest) -> dict[str, Any]:
+        if request.op == "model_info":
+            return {"model_path": "/stub", "size_factor": 16, "parallel": {"sp": 1}}
+        if request.op == "list_loras":
+            return {"loaded": sorted(self.held.state.loras)}
+        if request.state is None:
+            raise p.RequestError(p.INVALID_REQUEST, "this stub takes states from routers only")
+        doc = parse_doc(request.state)
+        if doc.key < self.held.key:
+            raise p.RequestError(p.CONFLICT, f"holds newer version {self.held.version}")
+        wanted = {*doc.state.loras.values(), *(w.path for w in doc.state.weights.values())}
+        bad = sorted(wanted & self.fail_paths)
+        if bad:
+            raise p.RequestError(p.INVALID_REQUEST, f"lora_path {bad[0]!r} does not exist")
+        self.held = doc
+        out = {} if request.op == p.SYNC_STATE else answer(request.op, request.args, doc.state)
+        return {**out, "state": doc.to_builtins()}
+
+
+def direct_state(op: str, args: dict[str, Any], base: StateDoc) -> StateDoc:
+    """The document a router would make for ``op`` over ``base``."""
+    return base.successor(op, reduce(base.state, op, args, base.version + 1))
