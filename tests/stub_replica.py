@@ -45,6 +45,7 @@ class StubReplica:
     def __post_init__(self) -> None:
         self.sock = bind_router(self.ctx, "tcp://127.0.0.1:0")
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._generating: set[asyncio.Task[None]] = set()
         self._task = asyncio.create_task(self._serve())
         self._png = _png()
 
@@ -65,7 +66,9 @@ class StubReplica:
                 continue  # a SIGSTOPped process: nothing is read, nothing answered
             message = p.decode(frames)
             if message.kind == p.GENERATE:
-                asyncio.create_task(self._generate(identity, message))
+                task = asyncio.create_task(self._generate(identity, message))
+                self._generating.add(task)
+                task.add_done_callback(self._generating.discard)
                 continue
             try:
                 reply = self._answer(message)

@@ -1,6 +1,6 @@
 """The router's Kubernetes pieces against a real apiserver: EndpointSlice discovery
-follows ready/terminating/deleted endpoints, and the ConfigMap log survives
-concurrent writers."""
+follows ready/terminating/deleted endpoints, and the ConfigMap control state only
+moves forward under concurrent writers and survives being deleted."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from kubernetes import config
 
-from dpserve.router.control_log import ControlLog
-from dpserve.router.kubernetes import ConfigMapLogStore, EndpointSliceDiscovery
+from dpserve.control_state import ControlState, StateDoc
+from dpserve.router.desired import DesiredState
+from dpserve.router.kubernetes import ConfigMapStateStore, EndpointSliceDiscovery
 from tests.cluster.controlplane import ControlPlane
 
 pytestmark = pytest.mark.cluster
@@ -95,20 +96,47 @@ def test_discovery_follows_ready_endpoints(cluster: ControlPlane) -> None:
     asyncio.run(scenario())
 
 
-def test_configmap_log_keeps_every_writer(cluster: ControlPlane) -> None:
-    cluster.kubectl("-n", NS, "create", "configmap", "x-control-log", "--from-literal=log=[]")
+def test_configmap_state_only_moves_forward_and_survives_deletion(cluster: ControlPlane) -> None:
+    name = "x-control-state"
+    cluster.kubectl("-n", NS, "create", "configmap", name)
+    base = StateDoc()
+    docs = [base.successor("set_lora", ControlState(loras={"a": f"/l/{i}"})) for i in range(3)]
 
     async def scenario() -> None:
-        routers = [ControlLog(ConfigMapLogStore(NS, "x-control-log")) for _ in range(3)]
-        positions = await asyncio.gather(
-            *(log.reserve("set_lora", {"router": i}) for i, log in enumerate(routers))
+        routers = [DesiredState(ConfigMapStateStore(NS, name, router=f"r{i}")) for i in range(3)]
+        # Three routers race for version 1: compare-and-swap keeps exactly one, everywhere.
+        stored = await asyncio.gather(*(r.commit(d) for r, d in zip(routers, docs, strict=True)))
+        winner = max(docs, key=lambda d: d.key)
+        for router in routers:
+            await router.refresh()
+            assert router.doc == winner
+        assert stored[-1] == winner or winner in stored
+        # An older document never overwrites a newer one.
+        assert await routers[0].commit(StateDoc(version=0, id="zz")) == winner
+        fresh = DesiredState(ConfigMapStateStore(NS, name))
+        await fresh.refresh()  # a restarted router reads it
+        assert fresh.doc == winner
+        # Deleted ConfigMap: ops go on from memory; recreated, the router stores it again.
+        cluster.kubectl("-n", NS, "delete", "configmap", name)
+        later = winner.successor("release_memory_occupation", ControlState(released=True))
+        assert await fresh.commit(later) == later
+        cluster.kubectl("-n", NS, "create", "configmap", name)
+        await fresh.refresh()
+        assert await asyncio.to_thread(ConfigMapStateStore(NS, name).load) == later
+        # Out-of-sync replicas are published for the operator; a router rewrites only its own.
+        store = ConfigMapStateStore(NS, name, router="r0")
+        await asyncio.to_thread(
+            store.report, {"tcp://10.0.0.1:5575": "no such LoRA"}, {"tcp://10.0.0.1:5575"}
         )
-        assert sorted(positions) == [1, 2, 3]  # compare-and-swap: nobody overwrote anybody
-        for log, position in zip(routers, positions, strict=True):
-            await log.resolve(position, applied=True)
-        fresh = ControlLog(ConfigMapLogStore(NS, "x-control-log"))
-        await fresh.refresh()  # a restarted router sees it all
-        assert sorted(args["router"] for _, _, args in fresh.since(0)) == [0, 1, 2]
-        assert all(entry.state == "done" for entry in fresh.entries)
+        other = ConfigMapStateStore(NS, name, router="r1")
+        await asyncio.to_thread(other.report, {}, {"tcp://10.0.0.2:5575"})
+        raw = cluster.kubectl("-n", NS, "get", "configmap", name, "-o", "jsonpath={.data.replicas}")
+        entries = json.loads(raw.stdout)
+        assert list(entries) == ["tcp://10.0.0.1:5575"]
+        assert entries["tcp://10.0.0.1:5575"]["reason"] == "no such LoRA"
+        assert entries["tcp://10.0.0.1:5575"]["router"] == "r0"
+        # Garbage in the ConfigMap is read as "nothing stored", never a crash.
+        cluster.kubectl("-n", NS, "patch", "configmap", name, "-p", '{"data":{"state":"{oops"}}')
+        assert await asyncio.to_thread(ConfigMapStateStore(NS, name).load) is None
 
     asyncio.run(scenario())

@@ -1,13 +1,10 @@
-"""Routing policies: round-robin, rendezvous hashing, fan-out merging, the control log."""
+"""Routing policies: round-robin, rendezvous hashing, fan-out merging."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import Counter
 
 from dpserve.protocol import ErrorBody
-from dpserve.router.control_log import STALE_PENDING_S, ControlLog
 from dpserve.router.policies import ReplicaOutcome, RoundRobin, hrw_owner, merge_fanout
 
 KEYS = ["tcp://a:1", "tcp://b:1", "tcp://c:1", "tcp://d:1"]
@@ -94,38 +91,3 @@ def test_read_only_fanout_flags_the_odd_replica() -> None:
     assert answer.body["disagreeing_replicas"] == ["0"]
     same = merge_fanout("list_loras", [_ok("0", loras=[]), _ok("1", loras=[])], read_only=True)
     assert same.body["consistent"] is True and same.body["disagreeing_replicas"] == []
-
-
-async def _log_with(*ops: tuple[str, bool]) -> ControlLog:
-    log = ControlLog()
-    for op, ok in ops:
-        await log.resolve(await log.reserve(op, {"x": op}), ok)
-    return log
-
-
-def test_control_log_replays_what_a_late_replica_missed() -> None:
-    log = asyncio.run(
-        _log_with(("set_lora", True), ("update_weights_from_disk", False), ("merge", True))
-    )
-    assert ControlLog().since(0) == []
-    # A failed entry (no replica took it) is replayed as a noop that keeps positions aligned.
-    assert log.since(0) == [
-        (1, "set_lora", {"x": "set_lora"}),
-        (2, "noop", {}),
-        (3, "merge", {"x": "merge"}),
-    ]
-    assert [pos for pos, _, _ in log.since(2)] == [3]
-    assert log.since(3) == []
-
-
-def test_replay_stops_at_a_live_pending_op_but_not_a_stale_one() -> None:
-    log = ControlLog()
-
-    async def scenario() -> None:
-        await log.resolve(await log.reserve("set_lora", {}), True)
-        await log.reserve("merge_lora_weights", {})  # another router is fanning it out
-
-    asyncio.run(scenario())
-    assert [pos for pos, _, _ in log.since(0)] == [1]
-    later = time.time() + STALE_PENDING_S + 1  # its router died mid-op
-    assert [op for _, op, _ in log.since(0, now=later)] == ["set_lora", "merge_lora_weights"]
