@@ -1,12 +1,12 @@
 """The wire contract between the router (DEALER) and a replica's driver (ROUTER).
 
 A message is a list of ZMQ frames ``[header, *blobs]``. The header is msgpack
-(msgspec) carrying the protocol version, a request id, a kind and a body; binary
-payloads (images, frames) travel as their own frames and the body refers to them
-by index. Nothing on the wire is pickled, so a peer can never make the other side
-run code. Decoding never raises anything but :class:`ProtocolError`, whatever the
-bytes, so a malformed message can be answered or dropped without taking the
-driver down.
+(msgspec) carrying the protocol version, a request id, a kind, a body and, for
+work with a deadline, the time it has left; binary payloads (images, frames)
+travel as their own frames and the body refers to them by index. Nothing on the
+wire is pickled, so a peer can never make the other side run code. Decoding never
+raises anything but :class:`ProtocolError`, whatever the bytes, so a malformed
+message can be answered or dropped without taking the driver down.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -26,7 +26,8 @@ GENERATE: Final = "generate"
 CONTROL: Final = "control"
 PING: Final = "ping"
 SESSION: Final = "session"  # realtime sessions (dpserve.realtime): open, step, resume, close
-REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING, SESSION})
+CANCEL: Final = "cancel"  # nobody waits for an earlier generation any more; never answered
+REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING, SESSION, CANCEL})
 # Message kinds, reply side.
 RESULT: Final = "result"
 ERROR: Final = "error"
@@ -39,6 +40,8 @@ CONFLICT: Final = "conflict"
 NOT_FOUND: Final = "not_found"
 UNAVAILABLE: Final = "unavailable"
 INTERNAL: Final = "internal"
+CANCELLED: Final = "cancelled"  # its client cancelled it (or went away) before it finished
+DEADLINE_EXCEEDED: Final = "deadline_exceeded"  # its deadline passed before it finished
 HTTP_STATUS: Final[Mapping[str, int]] = {
     INVALID_REQUEST: 400,
     UNSUPPORTED: 400,
@@ -47,10 +50,13 @@ HTTP_STATUS: Final[Mapping[str, int]] = {
     NOT_FOUND: 404,
     UNAVAILABLE: 503,
     INTERNAL: 500,
+    CANCELLED: 499,  # nginx's "client closed request": nobody reads the answer
+    DEADLINE_EXCEEDED: 504,
 }
 
 # Control operations a replica understands (SGLang's names). State-changing ops
 # must reach every replica; read-only ones may be answered by any.
+SYNC_STATE: Final = "sync_state"  # the router's: bring a replica to a whole control state
 MUTATING_OPS: Final = frozenset(
     {
         "update_weights_from_disk",
@@ -59,7 +65,7 @@ MUTATING_OPS: Final = frozenset(
         "unmerge_lora_weights",
         "release_memory_occupation",
         "resume_memory_occupation",
-        "noop",  # advances a replica past a control-log entry no replica could apply
+        SYNC_STATE,
     }
 )
 READ_ONLY_OPS: Final = frozenset({"model_info", "list_loras", "get_weights_checksum"})
@@ -79,11 +85,15 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
 
-class Header(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+class Header(msgspec.Struct, kw_only=True, forbid_unknown_fields=False, omit_defaults=True):
     v: int
     id: str
     kind: str
     body: msgspec.Raw = msgspec.Raw(_MSGPACK_EMPTY_MAP)
+    # The time the sender still gives the request, in ms at sending (gRPC's timeout
+    # header): a relative time, because the two ends' clocks differ. Omitted: no
+    # deadline. Peers that predate it ignore it (unknown fields are allowed).
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class FieldError(msgspec.Struct, frozen=True):
@@ -120,6 +130,7 @@ class Message:
     kind: str
     body: msgspec.Raw
     blobs: tuple[bytes, ...]
+    timeout_ms: int | None = None  # the header's: time left for the request when it was sent
 
     def body_as(self, type_: type[Any]) -> Any:
         try:
@@ -385,16 +396,29 @@ def fill_seeds(params: GenerateParams) -> GenerateParams:
     return msgspec.structs.replace(params, seed=[base + i for i in range(params.n)])
 
 
+# ---------------------------------------------------------------- cancellation
+
+
+class CancelRequest(msgspec.Struct, kw_only=True):
+    """Body of a ``cancel``: the id of an earlier ``generate`` sent on the same connection.
+
+    Never answered itself; the named request, if still queued or running, is answered
+    ``cancelled`` (queued: at once; running: at its next denoising step).
+    """
+
+    request_id: str
+
+
 # ---------------------------------------------------------------- control and ping
 
 
 class ControlRequest(msgspec.Struct, kw_only=True):
     op: str
     args: dict[str, Any] = msgspec.field(default_factory=dict)
-    # Position of a state-changing op in the router's control log. A replica
-    # applies positions in order, once each, and reports the last in its pings,
-    # so any router (or a restarted one) knows what the replica still needs.
-    log_position: int | None = None
+    # With a state-changing op, the control state document (dpserve.control_state)
+    # the op produced: the replica brings itself to that whole state, not just the
+    # op's change, and answers with the op's fields.
+    state: dict[str, Any] | None = None
 
 
 class ControlResult(msgspec.Struct, kw_only=True):
@@ -412,7 +436,9 @@ class PingResult(msgspec.Struct, kw_only=True):
     served: int
     released: bool
     progress_age_s: float
-    applied: int = 0  # control-log positions applied since this boot
+    # The control state document the replica holds (dpserve.control_state), its
+    # state as it really is: routers compare it with the state they want.
+    control: dict[str, Any] | None = None
     sessions: int = 0  # realtime sessions held
     max_sessions: int = 0
     session_bytes: int = 0  # memory their state takes, on the driver's rank
@@ -436,11 +462,16 @@ _ENCODER: Final = msgspec.msgpack.Encoder()
 
 
 def encode(
-    kind: str, request_id: str, body: Any = None, blobs: Sequence[bytes] = ()
+    kind: str,
+    request_id: str,
+    body: Any = None,
+    blobs: Sequence[bytes] = (),
+    timeout_ms: int | None = None,
 ) -> list[bytes]:
-    """Frames for one message; ``body`` is a msgspec Struct, a dict or ``None``."""
+    """Frames for one message; ``body`` is a msgspec Struct, a dict or ``None``;
+    ``timeout_ms`` the time the request has left (none: no deadline)."""
     raw = msgspec.Raw(_ENCODER.encode(body if body is not None else {}))
-    header = Header(v=PROTOCOL_VERSION, id=request_id, kind=kind, body=raw)
+    header = Header(v=PROTOCOL_VERSION, id=request_id, kind=kind, body=raw, timeout_ms=timeout_ms)
     return [_ENCODER.encode(header), *blobs]
 
 
@@ -461,7 +492,13 @@ def decode(frames: Sequence[bytes]) -> Message:
             f"protocol version {header.v} is not supported (this side speaks {PROTOCOL_VERSION})",
             header.id,
         )
-    return Message(id=header.id, kind=header.kind, body=header.body, blobs=tuple(frames[1:]))
+    return Message(
+        id=header.id,
+        kind=header.kind,
+        body=header.body,
+        blobs=tuple(frames[1:]),
+        timeout_ms=header.timeout_ms,
+    )
 
 
 def _salvage_id(raw: bytes) -> str | None:

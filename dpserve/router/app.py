@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.layout import ParallelConfig, describe
-from dpserve.router.control_log import ControlLog
+from dpserve.router.desired import DesiredState
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import error_body, image_response, parse_image_request
 from dpserve.router.policies import FanoutAnswer
@@ -43,11 +43,12 @@ REPLICA_HEADER = "X-Dpserve-Replica"
 
 @dataclass(frozen=True)
 class KubernetesDiscovery:
-    """Replicas are the ready endpoints of a headless Service; the log is a ConfigMap."""
+    """Replicas are the ready endpoints of a headless Service; the control state is kept
+    in a ConfigMap."""
 
     namespace: str
     service: str
-    control_log_configmap: str | None = None
+    control_state_configmap: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,9 @@ async def _json_body(request: Request, limit: int, required: bool) -> Any:
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float) -> T:
-    """Await ``work``, cancelling it when the client goes away (it frees its queue slot)."""
+    """Await ``work``, cancelling it when the client goes away: a request waiting for a
+    slot leaves the router's queue, and one a replica has is cancelled there (the
+    replica drops it at its next denoising step, which frees it for the next request)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -145,11 +148,11 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
             kube.load_config()
             store = (
-                kube.ConfigMapLogStore(k8s.namespace, k8s.control_log_configmap)
-                if k8s.control_log_configmap
+                kube.ConfigMapStateStore(k8s.namespace, k8s.control_state_configmap)
+                if k8s.control_state_configmap
                 else None
             )
-            pool = ReplicaPool(settings.pool, log=ControlLog(store))
+            pool = ReplicaPool(settings.pool, desired=DesiredState(store))
             discovery = kube.EndpointSliceDiscovery(k8s.namespace, k8s.service, pool.set_endpoints)
             await discovery.start()
         await pool.start()
@@ -259,8 +262,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
             # everywhere): tensor parallel's split and the encoders' placement show here.
             "rank_weights": info.get("rank_weights"),
             "router": {k: v for k, v in asdict(settings).items() if k != "output_dir"},
-            "control_log_length": len(pool().log),
-            "replica_states": [r.snapshot() for r in replicas],
+            "control_state": _control_state(pool()),
+            "replica_states": [pool().snapshot(r) for r in replicas],
         }
 
     # ------------------------------------------------------------ control fan-out
@@ -295,7 +298,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         replicas = list(pool().replicas.values())
-        silent = [r.snapshot() for r in replicas if not r.answering]
+        silent = [pool().snapshot(r) for r in replicas if not r.answering]
         if not replicas or silent:
             message = "no replicas known" if not replicas else "some replicas do not answer"
             return JSONResponse({"status": "unhealthy", "message": message, "silent": silent}, 503)
@@ -317,7 +320,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @app.get("/health/replicas")
     async def health_replicas() -> dict[str, Any]:
         return {
-            "replicas": [r.snapshot() for r in pool().replicas.values()],
+            "replicas": [pool().snapshot(r) for r in pool().replicas.values()],
+            "control_state": _control_state(pool()),
             "queue_depth": pool().queue_depth,
         }
 
@@ -353,6 +357,19 @@ def _limits(pool: ReplicaPool) -> p.Limits:
         max_steps=int(info.get("max_steps", 100)),
         sequence_split=int(info.get("parallel", {}).get("sp", 1)),
     )
+
+
+def _control_state(pool: ReplicaPool) -> dict[str, Any] | None:
+    """The state every serving replica holds: its version, the op that made it, a digest."""
+    doc = pool.desired.doc
+    if doc is None:
+        return None
+    return {
+        "version": doc.version,
+        "op": doc.op,
+        "digest": doc.state.digest(),
+        "state": doc.to_builtins()["state"],
+    }
 
 
 def _layout(info: dict[str, Any], replicas: int) -> str | None:

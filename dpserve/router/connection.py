@@ -44,26 +44,62 @@ class ReplicaConnection:
         return len(self._pending)
 
     async def request(
-        self, kind: str, body: Any, timeout_s: float, blobs: list[bytes] | None = None
+        self,
+        kind: str,
+        body: Any,
+        timeout_s: float,
+        blobs: list[bytes] | None = None,
+        *,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
     ) -> p.Message:
-        """Send one request and wait for its reply; an ``error`` reply raises RequestError."""
-        request_id = uuid.uuid4().hex
+        """Send one request and wait for its reply; an ``error`` reply raises RequestError.
+
+        ``deadline_s`` is the time the replica is given (sent as the header's
+        ``timeout_ms``; a generation past it is dropped there). A generation this
+        call stops waiting for (timed out, or the caller cancelled) is cancelled on
+        the replica, so it does not render for nobody.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        timeout_ms = None if deadline_s is None else max(0, int(deadline_s * 1000))
         future: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
             try:
                 await self._sock.send_multipart(
-                    p.encode(kind, request_id, body, blobs or []), flags=zmq.NOBLOCK
+                    p.encode(kind, request_id, body, blobs or [], timeout_ms), flags=zmq.NOBLOCK
                 )
             except zmq.Again:
                 raise ReplicaLost(f"{self.endpoint} is not connected") from None
             # shield: a cancelled caller must not cancel the future other code may await
             reply = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            if kind == p.GENERATE and not future.done():
+                self.cancel(request_id)
+            raise
         finally:
             self._pending.pop(request_id, None)
         if reply.kind == p.ERROR:
             raise p.decode_error(reply)
         return reply
+
+    def cancel(self, request_id: str) -> None:
+        """Tell the replica nobody waits for generation ``request_id`` any more.
+
+        Best effort and never answered: if it is still queued or running there, the
+        replica answers it ``cancelled`` (at once, or at its next denoising step).
+        """
+        frames = p.encode(p.CANCEL, uuid.uuid4().hex, p.CancelRequest(request_id=request_id))
+        # A non-blocking send completes (or fails) before this returns.
+        sent = self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        sent.add_done_callback(_quietly)
+
+    def abandon(self, reason: str) -> None:
+        """Fail everything in flight now (the replica stopped answering pings): callers
+        retry elsewhere instead of waiting for the request timeout."""
+        if self._pending:
+            log.warning("%s: failing %d in flight: %s", self.endpoint, len(self._pending), reason)
+        self._fail_all(ReplicaLost(reason))
 
     def _fail_all(self, exc: Exception) -> None:
         for future in self._pending.values():
@@ -106,3 +142,9 @@ class ReplicaConnection:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
+
+
+def _quietly(sent: asyncio.Future[Any]) -> None:
+    """A failed best-effort send (the replica is not connected) needs no one's attention."""
+    if not sent.cancelled() and sent.exception() is not None:
+        log.debug("cancel not sent: %s", sent.exception())

@@ -1,13 +1,17 @@
-"""The router's service layer: generation with one retry, control fan-out with a log."""
+"""The router's service layer: generation with one retry, control ops as a desired state."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from dpserve import protocol as p
+from dpserve.control_state import reduce
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import FanoutAnswer, ReplicaOutcome, merge_fanout
 from dpserve.router.pool import Replica, ReplicaPool
@@ -16,6 +20,10 @@ log = logging.getLogger(__name__)
 
 # Replica-side refusals that say "this replica, not this request": try another one.
 _RETRIABLE = frozenset({p.UNAVAILABLE, p.OVERLOADED})
+# How long past the request's deadline the router still waits for the replica's own
+# answer (its result, or deadline_exceeded from its next denoising step) before it
+# gives up on the replica. A step or an image decode can outlast the deadline a little.
+REPLY_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -35,19 +43,31 @@ class RouterService:
         """Serve on a replica; if it fails before replying, once more on another.
 
         The seeds are fixed before the first try, so a retry returns the bytes the
-        first replica would have.
+        first replica would have. The request timeout is one deadline for the whole
+        request, waits and retry included; each replica is told the time left.
         """
         params = p.fill_seeds(params)
+        timeout_s = self.pool.settings.request_timeout_s
+        deadline = time.monotonic() + timeout_s
         tried: set[str] = set()
         last: Exception | None = None
         for _ in range(2):
-            replica = await self.pool.acquire(tried, self.pool.settings.request_timeout_s)
+            if tried and deadline - time.monotonic() <= 0:
+                break
+            replica = await self.pool.acquire(tried, max(0.0, deadline - time.monotonic()))
             tried.add(replica.endpoint)
             # The call owns the slot until the replica answers, even if our caller
-            # (a client that went away) stops waiting for it.
-            call = asyncio.create_task(self._call(replica, params))
+            # (a client that went away) stops waiting for it: then the replica is told
+            # to cancel, answers at its next denoising step, and the slot is free.
+            request_id = uuid.uuid4().hex
+            call = asyncio.create_task(self._call(replica, params, request_id, deadline))
+            call.add_done_callback(_retrieve)
             try:
                 return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                if not call.done():
+                    replica.conn.cancel(request_id)
+                raise
             except p.RequestError as exc:
                 if exc.code not in _RETRIABLE:
                     raise
@@ -57,10 +77,17 @@ class RouterService:
             log.warning("replica %s failed a request (%s); retrying", replica.name, last)
         raise p.RequestError(p.UNAVAILABLE, f"no replica could serve the request: {last}")
 
-    async def _call(self, replica: Replica, params: p.GenerateParams) -> Generated:
+    async def _call(
+        self, replica: Replica, params: p.GenerateParams, request_id: str, deadline: float
+    ) -> Generated:
         try:
+            left = deadline - time.monotonic()
             reply = await replica.conn.request(
-                p.GENERATE, params, self.pool.settings.request_timeout_s
+                p.GENERATE,
+                params,
+                max(0.0, left) + REPLY_GRACE_S,
+                request_id=request_id,
+                deadline_s=left,
             )
             result: p.GenerateResult = reply.body_as(p.GenerateResult)
             images = [reply.blobs[m.blob] for m in result.images]
@@ -75,57 +102,86 @@ class RouterService:
             raise p.RequestError(p.INTERNAL, f"reply from {replica.name} lacks images") from None
         finally:
             self.pool.release(replica)
-        replica.served += 1
+        self.pool.note_served(replica)
         return Generated(result, images, replica.name)
 
     # ------------------------------------------------------------ control
 
     async def control(self, op: str, args: dict[str, Any]) -> FanoutAnswer:
-        """Send ``op`` to every replica at once and merge: first error wins.
-
-        A state-changing op first takes its position in the control log; the
-        replicas that apply it record that position. One that failed, was down
-        or is still catching up leaves rotation and is replayed what it missed
-        before it serves again.
-        """
+        """Send ``op`` to every replica at once and merge: first error wins."""
         p.parse_control(p.ControlRequest(op=op, args=args))
-        if op == "noop":
-            raise p.RequestError(p.UNSUPPORTED, "noop is internal to control-log replay")
-        mutating = op in p.MUTATING_OPS
-        if not mutating:
-            replicas = list(self.pool.replicas.values())
-            outcomes = await asyncio.gather(*(self._one(r, op, args, None) for r in replicas))
+        if op == p.SYNC_STATE:
+            raise p.RequestError(p.UNSUPPORTED, "sync_state is internal to the router")
+        if op not in p.MUTATING_OPS:
+            replicas = self.pool.members()
+            outcomes = await asyncio.gather(*(self._read(r, op, args) for r in replicas))
             return merge_fanout(op, outcomes, read_only=True)
-        async with self.pool.control_lock:
-            try:
-                await self.pool.log.refresh()
-                position = await self.pool.log.reserve(op, args)
-            except Exception as exc:
-                raise p.RequestError(p.UNAVAILABLE, f"control log unavailable: {exc}") from exc
-            replicas = list(self.pool.replicas.values())
-            outcomes = await asyncio.gather(*(self._one(r, op, args, position) for r in replicas))
-            applied = [o.result is not None for o in outcomes]
-            await self.pool.log.resolve(position, any(applied))
-            for replica, ok in zip(replicas, applied, strict=True):
-                if ok:
-                    replica.applied = position
-                elif any(applied):
-                    replica.serving = False  # behind the others now: replayed before serving
-            # Replicas that missed this position catch up now: a noop when nobody
-            # applied it, else a retry (a replica that fails it again stays out).
-            behind = [r for r, ok in zip(replicas, applied, strict=True) if r.answering and not ok]
-            await asyncio.gather(*(self.pool.replay(r) for r in behind))
-        return merge_fanout(op, outcomes, read_only=False)
+        outcomes, summary = await self._change(op, args)
+        answer = merge_fanout(op, outcomes, read_only=False)
+        return FanoutAnswer(answer.status, {**answer.body, "control_state": summary})
 
-    async def _one(
-        self, replica: Replica, op: str, args: dict[str, Any], position: int | None
-    ) -> ReplicaOutcome:
+    async def _change(
+        self, op: str, args: dict[str, Any]
+    ) -> tuple[list[ReplicaOutcome], dict[str, Any]]:
+        """Make the op's state the desired one, and bring every replica there.
+
+        **Decision** (docs/router.md): the state is desired before it is sent, so
+        a replica that joins meanwhile is brought there too. If no replica could
+        take it, the state goes back (a new version holding the old state) and the
+        answer is the replicas' error. If some could, the state stays: the others
+        leave rotation, named with their reason, and are retried until they hold it.
+        """
+        desired = self.pool.desired
+        async with desired.ops:
+            with contextlib.suppress(Exception):  # unreachable store: go on with ours
+                await desired.refresh()
+            base = desired.doc
+            if base is None:
+                raise p.RequestError(
+                    p.UNAVAILABLE, "no replica has reported its control state yet; retry shortly"
+                )
+            doc = base.successor(op, reduce(base.state, op, args, revision=base.version + 1))
+            try:
+                stored = await desired.commit(doc)
+            except Exception as exc:
+                raise p.RequestError(p.UNAVAILABLE, f"control state store: {exc}") from exc
+            if stored.key != doc.key:
+                raise p.RequestError(
+                    p.CONFLICT,
+                    f"another router changed the control state (now version {stored.version}) "
+                    "at the same moment; retry",
+                )
+            desired.before = base.state
+            try:
+                replicas = self.pool.members()
+                outcomes = list(
+                    await asyncio.gather(*(self.pool.apply(r, doc, op, args) for r in replicas))
+                )
+            finally:
+                desired.before = None
+            taken = sum(o.result is not None for o in outcomes)
+            final = doc
+            if not taken:
+                final = doc.successor(f"undo {op}", base.state)
+                try:
+                    await desired.commit(final)
+                except Exception as exc:  # the replicas still hold the old state
+                    log.warning("control state store: undo not stored: %s", exc)
+            self.pool.state_changed()
+        behind = [o.replica for o in outcomes if o.result is None]
+        summary = {
+            "version": final.version,
+            "digest": final.state.digest(),
+            "applied": taken > 0,
+            "replicas_holding": taken,
+            "out_of_rotation_until_synced": behind if taken else [],
+        }
+        return outcomes, summary
+
+    async def _read(self, replica: Replica, op: str, args: dict[str, Any]) -> ReplicaOutcome:
         if not replica.answering:
             return ReplicaOutcome(replica.name, skipped=f"down: {replica.last_error}")
-        if position is not None and replica.applied < position - 1:
-            # Applying this before what it missed would reorder its history.
-            return ReplicaOutcome(replica.name, skipped="catching up; replayed later")
-        request = p.ControlRequest(op=op, args=args, log_position=position)
+        request = p.ControlRequest(op=op, args=args)
         try:
             reply = await replica.conn.request(
                 p.CONTROL, request, self.pool.settings.control_timeout_s
@@ -138,3 +194,9 @@ class RouterService:
             return ReplicaOutcome(replica.name, error=error)
         body: p.ControlResult = reply.body_as(p.ControlResult)
         return ReplicaOutcome(replica.name, result=body.result)
+
+
+def _retrieve(task: asyncio.Task[Generated]) -> None:
+    """Mark a call's failure as seen: its caller may have left before it ended."""
+    if not task.cancelled():
+        task.exception()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -46,6 +46,6 @@ class GangStatus:
     busy: bool = False
     served: int = 0
     released: bool = False
-    applied: int = 0
+    control: dict[str, Any] | None = None  # the control state document held (ControlOps.held)
     sessions: int = 0
     session_bytes: int = 0

@@ -28,8 +28,8 @@ from dpserve.protocol import (
 )
 from dpserve.worker.comm import GangComm
 from dpserve.worker.commands import GangStatus
-from dpserve.worker.control import ControlOps
-from dpserve.worker.denoiser import DenoiserPatch
+from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
+from dpserve.worker.denoiser import DenoiserPatch, HaltCheck, Halted, StopGate
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.pipeline import Pipeline, cfg_requested, encode_image, pipeline_kwargs
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
@@ -42,6 +42,7 @@ class _RankOutcome(msgspec.Struct, kw_only=True):
     ok: bool
     result: dict[str, Any] = msgspec.field(default_factory=dict)
     error: ErrorBody | None = None
+    echo: bool = False  # failed only because another rank did (control.PeerFailed)
 
 
 _OUTCOME_DECODER = msgspec.msgpack.Decoder(_RankOutcome)
@@ -65,6 +66,7 @@ class Executor:
     fixed_kwargs: dict[str, Any]  # pipeline arguments set at start-up, for every request
     session_limits: SessionLimits = field(default_factory=SessionLimits)
     parallel: ModelParallel | None = None
+    _gate: StopGate | None = field(default=None, init=False, repr=False)  # a generation's
 
     def __post_init__(self) -> None:
         wrap = self.parallel.wrap if self.parallel is not None else (lambda forward, lend: forward)
@@ -72,6 +74,7 @@ class Executor:
             self.comm.info.cfg_rank, self.comm.cfg_group, self._progress, wrap
         )
         self.split_ok = self.patch.can_split(denoiser_of(self.pipe))
+        self.status.control = self.ops.held().to_builtins()
         self.sessions = SessionHost(
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
         )
@@ -82,17 +85,30 @@ class Executor:
     # ------------------------------------------------------------ generation
 
     def run_pipe(self, pipe: Pipeline, kwargs: dict[str, Any], params: GenerateParams) -> Any:
-        """One pipeline call on this rank, with the denoiser split when CFG asks for it."""
+        """One pipeline call on this rank, with the denoiser split when CFG asks for it
+        (and, for a generation, its stop gate)."""
         self.ops.require_weights()
         split = self.split_ok and cfg_requested(params, self.call_defaults)
         reset_peak_memory(self.device)
-        with torch.inference_mode(), self.patch.applied(denoiser_of(pipe), split):
+        with torch.inference_mode(), self.patch.applied(denoiser_of(pipe), split, self._gate):
             return pipe(**kwargs).images
 
-    def generate(self, request_id: str, params: GenerateParams, queue_s: float) -> list[bytes]:
-        """Every rank runs the pipeline; the returned frames matter on the driver only."""
+    def generate(
+        self,
+        request_id: str,
+        params: GenerateParams,
+        queue_s: float,
+        halt: HaltCheck | None = None,
+    ) -> list[bytes]:
+        """Every rank runs the pipeline; the returned frames matter on the driver only.
+
+        ``halt`` is the driver's: at each denoiser call it says whether the request
+        was cancelled or passed its deadline, and the whole gang drops it there.
+        """
         start = time.perf_counter()
         output_rank = self.comm.info.is_output_rank
+        group = self.comm.cpu_group if self.comm.size > 1 else None
+        self._gate = StopGate(group, self.comm.info.replica_group[0], halt)
         try:
             # Only the output rank decodes latents to pixels; the others skip the VAE.
             output_type = "pil" if output_rank else "latent"
@@ -101,11 +117,17 @@ class Executor:
                 **pipeline_kwargs(params, self.call_defaults, output_type),
             }
             images = self.run_pipe(self.pipe, kwargs, params)
+        except Halted as exc:
+            if output_rank:
+                log.info("generation %s: %s", request_id, exc)
+            return encode_error(request_id, exc)
         except RequestError as exc:
             return encode_error(request_id, exc)
         except Exception as exc:
             log.exception("generation %s failed", request_id)
             return encode_error(request_id, RequestError(INTERNAL, f"generation failed: {exc}"))
+        finally:
+            self._gate = None
         peak_mb = self._gang_peak_mb()
         if not output_rank:
             return []
@@ -211,13 +233,17 @@ class Executor:
         try:
             result = self.ops.run(request, self._agree)
             outcome = _RankOutcome(ok=True, result=result)
+        except PeerFailed as exc:
+            outcome = _RankOutcome(ok=False, error=exc.body(), echo=True)
         except RequestError as exc:
             outcome = _RankOutcome(ok=False, error=exc.body())
+        except GangDiverged:
+            raise  # the ranks may differ now: only a restart is safe
         except Exception as exc:
             log.exception("control op %s failed", request.op)
             outcome = _RankOutcome(ok=False, error=ErrorBody(code=INTERNAL, message=str(exc)))
         self.status.released = self.ops.released
-        self.status.applied = self.ops.applied_log
+        self.status.control = self.ops.held().to_builtins()
         gathered = self.comm.gather_bytes(msgspec.msgpack.encode(outcome))
         if not self.comm.info.is_driver:
             return []
@@ -230,16 +256,18 @@ class Executor:
 
 
 def _merge_ranks(op: str, outcomes: list[_RankOutcome]) -> dict[str, Any]:
-    """The replica's answer: the first rank's error, else rank 0's result.
+    """The replica's answer: a failing rank's own error, else rank 0's result.
 
-    A checksum must be the same on every rank (they hold replicated weights); a
-    difference is an error that names the ranks.
+    A rank that only undid its change because another failed (``echo``) does not
+    hide the error that says why. A checksum must be the same on every rank
+    (they hold replicated weights); a difference is an error naming the ranks.
     """
-    for rank, outcome in enumerate(outcomes):
-        if not outcome.ok:
-            error = outcome.error or ErrorBody(code=INTERNAL, message="unknown failure")
-            prefix = f"rank {rank}: " if rank else ""
-            raise RequestError(error.code, prefix + error.message, error.fields)
+    failed = [(rank, o) for rank, o in enumerate(outcomes) if not o.ok]
+    if failed:
+        rank, outcome = next(((r, o) for r, o in failed if not o.echo), failed[0])
+        error = outcome.error or ErrorBody(code=INTERNAL, message="unknown failure")
+        prefix = f"rank {rank}: " if rank else ""
+        raise RequestError(error.code, prefix + error.message, error.fields)
     if op == "get_weights_checksum":
         return {**_merge_checksums([o.result for o in outcomes]), "ranks": len(outcomes)}
     if op == "model_info":

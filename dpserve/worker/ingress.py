@@ -6,6 +6,11 @@ queues work for the gang loop. Replies come back from the loop over an inproc
 socket, because a ZMQ socket must only be used by the thread that owns it.
 Malformed frames are answered with an error when they carry a request id, else
 dropped and logged; nothing a peer sends can stop this thread.
+
+A generation leaves the queue without running when its client cancels it or its
+deadline passes: the ingress thread answers it at once (or within one poll
+interval of the deadline). A running one is answered by the gang, which asks
+:meth:`Ingress.halt` at every denoiser call and drops it there.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +29,7 @@ import zmq
 
 from dpserve import protocol as p
 from dpserve import realtime as rt
-from dpserve.transport import bind_router, inproc_pair
+from dpserve.transport import bind_router, bound_endpoint, inproc_pair
 from dpserve.worker.commands import GangCommand, GangStatus
 
 log = logging.getLogger(__name__)
@@ -33,6 +40,77 @@ class Work:
     identity: bytes
     command: GangCommand
     received_at: float
+    deadline: float | None = None  # on the driver's monotonic clock; generations only
+
+
+class WorkQueue:
+    """The gang's bounded FIFO, and the work the gang runs now.
+
+    A generation may leave the queue before its turn (cancelled, or past its
+    deadline). One lock covers the queue and the running work, so a cancel finds a
+    request in exactly one of the two places, or nowhere (done already).
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: deque[Work] = deque()
+        self._cond = threading.Condition()  # reentrant
+        self._running: Work | None = None
+        self._cancelled = False  # the running work's client cancelled it
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, work: Work) -> None:
+        with self._cond:
+            if len(self._items) >= self.maxsize:
+                raise queue.Full
+            self._items.append(work)
+            self._cond.notify()
+
+    def start(self, timeout: float) -> Work | None:
+        """The next work, which becomes the running one; ``None`` after ``timeout``."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._items), timeout)
+            work = self._items.popleft() if self._items else None
+            self._running, self._cancelled = work, False
+            return work
+
+    def finish(self) -> None:
+        with self._cond:
+            self._running, self._cancelled = None, False
+
+    def running(self) -> tuple[Work | None, bool]:
+        """The running work and whether its client cancelled it."""
+        with self._cond:
+            return self._running, self._cancelled
+
+    def take(self, drop: Callable[[Work], bool]) -> list[Work]:
+        """Remove the queued work ``drop`` picks, and return it in queue order."""
+        with self._cond:
+            kept: deque[Work] = deque()
+            taken: list[Work] = []
+            for work in self._items:
+                (taken if drop(work) else kept).append(work)
+            self._items = kept
+            return taken
+
+    def cancel(self, identity: bytes, request_id: str) -> list[Work]:
+        """That client's generation ``request_id``: removed if queued (and returned),
+        marked if running; anything else is left alone."""
+
+        def named(work: Work) -> bool:
+            command = work.command
+            return (
+                work.identity == identity
+                and command.id == request_id
+                and command.kind == p.GENERATE
+            )
+
+        with self._cond:
+            if self._running is not None and named(self._running):
+                self._cancelled = True
+            return self.take(named)
 
 
 class Ingress:
@@ -45,21 +123,24 @@ class Ingress:
         max_queue: int,
         stall_s: float,
         max_sessions: int,
+        *,
+        settle: bool = False,
     ) -> None:
-        self.endpoint = endpoint
         self.replica = replica
         self.limits = limits
         self.status = status
         self.stall_s = stall_s
         self.max_sessions = max_sessions
         self.boot_id = uuid.uuid4().hex
-        self.work: queue.Queue[Work] = queue.Queue(maxsize=max_queue)
+        self.work = WorkQueue(max_queue)
         self.draining = threading.Event()
         self._stop = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._replies_in, self._replies_out = inproc_pair(self._ctx, f"replies-{id(self)}")
-        # Bind here, on the caller's thread, so a taken port fails the start-up loudly.
-        self._sock = bind_router(self._ctx, endpoint)
+        # Bind here, on the caller's thread, so a taken port fails the start-up loudly
+        # (or, asked to ``settle``, moves to a free one: the endpoint is what was bound).
+        self._sock = bind_router(self._ctx, endpoint, settle=settle)
+        self.endpoint = bound_endpoint(self._sock)
         self._thread = threading.Thread(target=self._run, name="dpserve-ingress", daemon=True)
 
     def start(self) -> None:
@@ -68,10 +149,34 @@ class Ingress:
     # ------------------------------------------------------------ gang loop side
 
     def next_work(self, timeout: float) -> Work | None:
-        try:
-            return self.work.get(timeout=timeout)
-        except queue.Empty:
+        """The next work to run, which becomes the running one until :meth:`finished`.
+
+        Work whose deadline passed since the ingress thread last looked is answered
+        here instead of run.
+        """
+        end = time.monotonic() + timeout
+        while (work := self.work.start(max(0.0, end - time.monotonic()))) is not None:
+            late = _past_deadline(work, time.monotonic(), started=False)
+            if late is None:
+                return work
+            self.reply(work.identity, p.encode_error(work.command.id, late))
+        return None
+
+    def halt(self) -> p.RequestError | None:
+        """Why the running generation must stop now (cancelled, or past its deadline).
+
+        Asked by the gang loop at every denoiser call; ``None``: go on.
+        """
+        work, cancelled = self.work.running()
+        if work is None:
             return None
+        if cancelled:
+            return p.RequestError(p.CANCELLED, f"request {work.command.id} was cancelled")
+        return _past_deadline(work, time.monotonic(), started=True)
+
+    def finished(self) -> None:
+        """The running work is done (answered, or dropped)."""
+        self.work.finish()
 
     def reply(self, identity: bytes, frames: list[bytes]) -> None:
         self._replies_out.send_multipart([identity, *frames])
@@ -104,6 +209,21 @@ class Ingress:
                     self._handle(frames)
                 except Exception:  # never let one message end the ingress
                     log.exception("dropping a message that could not be handled")
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        """Answer queued work whose deadline passed: its client stopped waiting."""
+        for work in self.work.take(lambda w: w.deadline is not None and now >= w.deadline):
+            late = _past_deadline(work, now, started=False)
+            assert late is not None
+            self._send(work.identity, p.encode_error(work.command.id, late))
+
+    def _cancel(self, identity: bytes, request: p.CancelRequest) -> None:
+        for work in self.work.cancel(identity, request.request_id):
+            gone = p.RequestError(
+                p.CANCELLED, f"request {work.command.id} was cancelled before it started"
+            )
+            self._send(identity, p.encode_error(work.command.id, gone))
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         self._sock.send_multipart([identity, *frames])
@@ -131,8 +251,12 @@ class Ingress:
             self._send(identity, reply)
 
     def _dispatch(self, identity: bytes, message: p.Message) -> list[bytes] | None:
+        received = time.monotonic()
         if message.kind == p.PING:
             return p.encode(p.RESULT, message.id, self.ping())
+        if message.kind == p.CANCEL:  # never answered, draining or not
+            self._cancel(identity, message.body_as(p.CancelRequest))
+            return None
         if message.kind == p.GENERATE:
             body: Any = message.body_as(dict)
             command = GangCommand(
@@ -154,8 +278,11 @@ class Ingress:
                 ending = f"replica {self.replica} is shutting down; its sessions end with it"
                 raise p.RequestError(p.NOT_FOUND, ending)
             raise p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
+        deadline = None  # sessions and control ops run to the end: they change state
+        if message.kind == p.GENERATE and message.timeout_ms is not None:
+            deadline = received + message.timeout_ms / 1000
         try:
-            self.work.put_nowait(Work(identity, command, time.monotonic()))
+            self.work.put_nowait(Work(identity, command, received, deadline))
         except queue.Full:
             raise p.RequestError(
                 p.OVERLOADED, f"replica {self.replica} queue is full ({self.work.maxsize})"
@@ -196,7 +323,7 @@ class Ingress:
             served=self.status.served,
             released=self.status.released,
             progress_age_s=round(age, 3),
-            applied=self.status.applied,
+            control=self.status.control,
             sessions=self.status.sessions,
             max_sessions=self.max_sessions,
             session_bytes=self.status.session_bytes,
@@ -222,6 +349,18 @@ def _check_session_params(params: rt.SessionParams, limits: p.Limits) -> None:
             p.INVALID_REQUEST,
             f"frame_steps must be 1..{limits.max_steps} and strength in (0, 1]",
         )
+
+
+def _past_deadline(work: Work, now: float, started: bool) -> p.RequestError | None:
+    if work.deadline is None or now < work.deadline:
+        return None
+    given = work.deadline - work.received_at
+    where = "while it ran" if started else "before it started"
+    return p.RequestError(
+        p.DEADLINE_EXCEEDED,
+        f"request {work.command.id} passed its deadline ({given:g}s after this replica "
+        f"received it) {where}",
+    )
 
 
 def _invalid(message: str) -> p.RequestError:

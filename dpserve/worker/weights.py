@@ -30,9 +30,15 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 
 def checksum(module: torch.nn.Module) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order.
+
+    peft leaves its wrapper behind when an adapter is deleted (``x.base_layer.weight``
+    for ``x.weight``): names are taken without it, so a layer that held an adapter
+    and one that never did compare equal when their tensors are.
+    """
     digest = hashlib.sha256()
-    for name, tensor in sorted(_tensors(module), key=lambda kv: kv[0]):
+    named = ((name.replace(".base_layer.", "."), t) for name, t in _tensors(module))
+    for name, tensor in sorted(named, key=lambda kv: kv[0]):
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(data.numpy().tobytes())
