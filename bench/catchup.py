@@ -1,0 +1,103 @@
+"""Catch-up cost does not grow with history: a killed replica after many op pairs.
+
+One `dpserve serve --dp-size 2` of the tiny model. Replica 1 is killed once at the
+start (no history: the time a fresh replica takes to serve again, its gang's
+start-up included), then a LoRA is set and ``--pairs`` release/resume pairs go
+through the router, then replica 1 is killed again and timed the same way.
+``catchup_ratio`` = after / before: ≈1 when catch-up does not depend on the number
+of ops ever issued. On CPU each release spills the weights to a file, so real
+replicas take a few ops a second: the default history is 500 pairs here, and the
+router-side 20,000-pair run is tests/unit/test_router_control_state.py. Last line:
+``pairs=<n> ops_per_s=<x> fresh_s=<a> after_history_s=<b> catchup_ratio=<b/a>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import cached_model
+from dpserve.local import free_port
+from dpserve.worker.tiny_model import build_tiny_lora
+
+
+def _replicas(http: httpx.Client) -> list[dict[str, object]]:
+    try:
+        return list(http.get("/health/replicas").json()["replicas"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+
+
+def _kill_and_time(proc: subprocess.Popen[bytes], http: httpx.Client, replica: str) -> float:
+    """SIGKILL the replica's supervisor and ranks; seconds until it serves the desired state."""
+    for child in psutil.Process(proc.pid).children():
+        cmd = child.cmdline()
+        if "worker" in cmd and cmd[cmd.index("--replica") + 1] == replica:
+            victims = [child, *child.children(recursive=True)]
+            break
+    else:
+        raise LookupError(replica)
+    started = time.monotonic()
+    for victim in victims:
+        victim.kill()
+    time.sleep(0.5)
+    while True:
+        states = {str(r["replica"]): r["state"] for r in _replicas(http)}
+        if states.get(replica) == "serving" and time.monotonic() - started > 1.0:
+            return time.monotonic() - started
+        if time.monotonic() - started > 600:
+            raise TimeoutError("the replica did not come back")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pairs", type=int, default=500)
+    args = parser.parse_args()
+    model = cached_model("tiny")
+    lora = model.parent / "tiny-lora-seed0"
+    if not lora.is_dir():
+        build_tiny_lora(lora, model, seed=0)
+    port = free_port()
+    cmd = [sys.executable, "-m", "dpserve", "serve", "--model", str(model), "--dp-size", "2"]
+    cmd += ["--port", str(port), "--scheduler-port", str(free_port())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+    try:
+        while sum(r["state"] == "serving" for r in _replicas(http)) < 2:
+            time.sleep(0.5)
+        fresh = _kill_and_time(proc, http, "1")
+        body = {"lora_nickname": "fox", "lora_path": str(lora)}
+        assert http.post("/v1/set_lora", json=body).status_code == 200
+        started = time.monotonic()
+        for _ in range(args.pairs):
+            for op in ("/release_memory_occupation", "/resume_memory_occupation"):
+                r = http.post(op)
+                assert r.status_code == 200, r.text
+        ops_per_s = 2 * args.pairs / (time.monotonic() - started)
+        after = _kill_and_time(proc, http, "1")
+        listed = http.get("/v1/list_loras").json()
+        assert listed["consistent"] and len(listed["replicas"]) == 2, listed
+        version = http.get("/server_info").json()["control_state"]["version"]
+        print(f"control state version {version}; both replicas hold the LoRA")
+    finally:
+        http.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    print(
+        f"pairs={args.pairs} ops_per_s={ops_per_s:.0f} fresh_s={fresh:.2f} "
+        f"after_history_s={after:.2f} catchup_ratio={after / fresh:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
