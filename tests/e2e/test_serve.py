@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from dpserve.router.metrics import read_accounting
 from tests.servers import ServeProcess
 
 pytestmark = pytest.mark.e2e
@@ -189,6 +190,8 @@ def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora:
         t.join(timeout=120)
     assert failures == []
     assert served.count("1") >= 1 and served.count("0") >= 1
+    books = read_accounting(dp2.http.get("/metrics").text)
+    assert books.unanswered == 0, books  # every request it took got one answer
     listed = dp2.http.get("/v1/list_loras").json()
     assert listed["consistent"] is True
     assert "k" in [x["nickname"] for x in listed["result"]["loaded"]]
