@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Final
 
 from dpserve.operator import spec as s
@@ -18,6 +20,9 @@ from dpserve.worker.config import worker_flags
 ROUTER_PORT: Final = 8000
 SPEC_HASH: Final = "dpserve.dev/spec-hash"
 REPLICA_LABEL: Final = "dpserve.dev/replica"
+# The control-state ConfigMap's key where routers list the replicas out of sync.
+OUT_OF_SYNC_KEY: Final = "replicas"
+EVENT_SOURCE: Final = "dpserve-operator"
 # Seconds a worker gets, beyond the longest request, to drain after SIGTERM.
 DRAIN_MARGIN_S: Final = 30
 
@@ -75,8 +80,8 @@ def router_name(svc: Svc) -> str:
     return f"{svc.name}-router"
 
 
-def control_log_name(svc: Svc) -> str:
-    return f"{svc.name}-control-log"
+def control_state_name(svc: Svc) -> str:
+    return f"{svc.name}-control-state"
 
 
 def labels(svc: Svc, component: str) -> dict[str, str]:
@@ -275,13 +280,18 @@ def build_headless_service(svc: Svc) -> dict[str, Any]:
     }
 
 
-def build_control_log(svc: Svc) -> dict[str, Any]:
-    """Where the routers keep the control log, so every router and a restart see it."""
+def build_control_state(svc: Svc) -> dict[str, Any]:
+    """Where the routers keep the desired control state (key ``state``) and the replicas
+    not yet brought to it (key ``replicas``), so every router and a restart see them.
+
+    Created once; the routers own the content afterwards. It starts with no replica
+    out of sync, so the key is never missing for a reader.
+    """
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(svc, control_log_name(svc), "router"),
-        "data": {"log": "[]"},
+        "metadata": _meta(svc, control_state_name(svc), "router"),
+        "data": {OUT_OF_SYNC_KEY: "{}"},
     }
 
 
@@ -295,7 +305,7 @@ def router_args(svc: Svc) -> list[str]:
         "--discovery", "kubernetes",
         "--namespace", svc.namespace,
         "--service", headless_name(svc),
-        "--control-log-configmap", control_log_name(svc),
+        "--control-state-configmap", control_state_name(svc),
         "--host", "0.0.0.0",
         "--port", str(ROUTER_PORT),
         "--request-timeout", str(r.requestTimeoutSeconds),
@@ -359,7 +369,7 @@ def build_router_service(svc: Svc) -> dict[str, Any]:
     }
 
 
-# The router reads its replicas' EndpointSlices and keeps the control log.
+# The router reads its replicas' EndpointSlices and keeps the control state.
 ROUTER_RULES: Final = (
     {
         "apiGroups": ["discovery.k8s.io"],
@@ -373,7 +383,7 @@ ROUTER_RULES: Final = (
 def build_router_rbac(svc: Svc) -> list[dict[str, Any]]:
     name = router_name(svc)
     rules = [dict(rule) for rule in ROUTER_RULES]
-    rules[1] = {**rules[1], "resourceNames": [control_log_name(svc)]}
+    rules[1] = {**rules[1], "resourceNames": [control_state_name(svc)]}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(svc, name, "router")},
         {
@@ -396,8 +406,42 @@ def build_children(svc: Svc, images: Images) -> list[dict[str, Any]]:
     """Every child except the replica pods (those are planned one by one)."""
     return [
         build_headless_service(svc),
-        build_control_log(svc),
+        build_control_state(svc),
         *build_router_rbac(svc),
         build_router_deployment(svc, images),
         build_router_service(svc),
     ]
+
+
+# ------------------------------------------------------------ events
+
+
+def build_event(
+    owner: Mapping[str, Any], kind: str, reason: str, message: str, now: datetime
+) -> dict[str, Any]:
+    """A core/v1 Event about a DiffusionService (``owner`` is its object, as read).
+
+    The server picks the name (``generateName``), so two events never collide.
+    """
+    meta = owner["metadata"]
+    stamp = now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": f"{s.GROUP}/{s.VERSION}",
+            "kind": s.KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+        "type": kind,
+        "reason": reason,
+        "message": message[:1000],
+        "source": {"component": EVENT_SOURCE},
+        "reportingComponent": EVENT_SOURCE,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }

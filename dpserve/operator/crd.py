@@ -54,9 +54,21 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
 
 
 def _columns() -> list[dict[str, Any]]:
+    # READY is the Ready condition (servable: replicas and router), not a replica
+    # count: "2/2" beside a router that is not up yet read as servable and was not.
     return [
-        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
-        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+        {
+            "name": "Ready",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+            "description": "the Ready condition: every replica ready and the router available",
+        },
+        {
+            "name": "Replicas",
+            "type": "string",
+            "jsonPath": ".status.ready",
+            "description": "ready/desired replicas",
+        },
         {"name": "Parallel", "type": "string", "jsonPath": ".status.parallel"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

@@ -1,9 +1,10 @@
 """kopf handlers: thin wrappers that read state, call the pure parts, apply, write status.
 
 One level-based reconcile serves create, update, resume, a drift timer and
-events of the replica pods; a per-object lock keeps them from interleaving.
-Nothing sleeps in a handler: API conflicts raise ``kopf.TemporaryError`` and the
-work is retried with a delay.
+events of the replica pods, the router Deployment and the control-state
+ConfigMap; a per-object lock keeps them from interleaving. Nothing sleeps in a
+handler: API conflicts raise ``kopf.TemporaryError`` and the work is retried
+with a delay. Every action is recorded as an Event on the DiffusionService.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, cast
+from datetime import datetime, timezone
+from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -24,11 +26,14 @@ from dpserve.layout import LayoutError, ParallelConfig
 from dpserve.operator import builders as b
 from dpserve.operator import spec as s
 from dpserve.operator.kube import Kube, load_config
-from dpserve.operator.plan import plan
-from dpserve.operator.status import compute_status, pod_facts
+from dpserve.operator.plan import Note, plan, why_create, why_delete
+from dpserve.operator.status import compute_status, known_indices, parse_control_state, pod_facts
 
 log = logging.getLogger(__name__)
 ANNOTATION_PREFIX = "dpserve.dev"
+# The objects the operator makes: the event handlers' watches select only these on
+# the server, so the operator never caches every pod or ConfigMap of the cluster.
+MANAGED = "app.kubernetes.io/managed-by=dpserve-operator"
 DRIFT_INTERVAL_S = 10.0
 RETRY_S = 5.0  # after an unexpected API error (kopf's default would wait a minute)
 
@@ -74,6 +79,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    for resource in ("pods", ("apps", "deployments"), "configmaps"):
+        settings.watching.label_selectors[resource] = MANAGED
     load_config()
     memo.runtime = Runtime(Kube(), images_from_env())
     memo.drift = asyncio.create_task(drift_loop(memo.runtime, list(memo.get("namespaces", []))))
@@ -99,14 +106,19 @@ async def reconcile(
     if coalesce and key in runtime.waiting:
         return
     runtime.waiting.add(key)
-    async with runtime.lock(namespace, name):
+    lock = runtime.lock(namespace, name)
+    try:
+        await lock.acquire()
+    finally:  # acquired, or cancelled while waiting: either way no longer waiting
         runtime.waiting.discard(key)
-        try:
-            await _reconcile(runtime, namespace, name, drift)
-        except ApiException as exc:
-            if exc.status in (409, 429, 500, 503):
-                raise kopf.TemporaryError(f"API answered {exc.status}; retrying", delay=2) from exc
-            raise
+    try:
+        await _reconcile(runtime, namespace, name, drift)
+    except ApiException as exc:
+        if exc.status in (409, 429, 500, 503):
+            raise kopf.TemporaryError(f"API answered {exc.status}; retrying", delay=2) from exc
+        raise
+    finally:
+        lock.release()
 
 
 async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -> None:
@@ -131,30 +143,53 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
         runtime.applied[(namespace, name)] = digest
     selector = b.selector_string(svc)
     pods = await kube.list_pods(namespace, selector)
+    views = {v.name: v for v in (pod_facts(p).view for p in pods)}
+    replicas = svc.spec.replicas
     todo = plan(
-        replicas=svc.spec.replicas,
+        replicas=replicas,
         current_hash=b.spec_hash(svc.spec),
         max_unavailable=svc.spec.updateStrategy.maxUnavailable,
         max_surge=svc.spec.updateStrategy.maxSurge,
-        pods=[pod_facts(p).view for p in pods],
+        pods=list(views.values()),
     )
+    previous = obj.get("status") or {}
+    known = known_indices(previous)
     for pod_name in todo.delete:
-        log.info("%s/%s: deleting %s", namespace, name, pod_name)
         await kube.delete_pod(namespace, pod_name)
+        await _record(kube, obj, why_delete(views[pod_name], replicas))
     for index in todo.create:
-        log.info("%s/%s: creating replica %d", namespace, name, index)
-        await kube.create_pod(b.build_replica_pod(svc, index, runtime.images))
+        pod = b.build_replica_pod(svc, index, runtime.images)
+        if await kube.create_pod(pod):
+            note = why_create(index, pod["metadata"]["name"], replicas, known)
+            await _record(kube, obj, note)
     if not todo.empty:
         pods = await kube.list_pods(namespace, selector)
-    status = compute_status(svc, pods, obj.get("status") or {})
+    router = await kube.get_deployment(namespace, b.router_name(svc))
+    control = parse_control_state(await kube.get_configmap(namespace, b.control_state_name(svc)))
+    if control.problem:
+        log.warning("%s/%s: control state ignored: %s", namespace, name, control.problem)
+    status = compute_status(svc, pods, previous, router=router, control=control)
     await kube.patch_status(namespace, name, status)
+
+
+async def _record(kube: Kube, obj: dict[str, Any], note: Note, kind: str = "Normal") -> None:
+    """An Event on the DiffusionService; one that cannot be posted is only logged."""
+    meta = obj["metadata"]
+    log.info("%s/%s: %s: %s", meta["namespace"], meta["name"], note.reason, note.message)
+    event = b.build_event(obj, kind, note.reason, note.message, datetime.now(timezone.utc))
+    try:
+        await kube.create_event(event)
+    except ApiException as exc:
+        log.warning("event %s on %s not recorded: %s", note.reason, meta["name"], exc.status)
 
 
 async def _report_invalid(kube: Kube, obj: dict[str, Any], message: str) -> None:
     meta = obj["metadata"]
-    kopf.warn(cast(kopf.Body, obj), reason="InvalidSpec", message=message[:1000])
     previous = {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []}
     old = previous.get("Degraded") or {}
+    if old.get("reason") != "InvalidSpec" or old.get("message") != message[:1000]:
+        # Once per refusal, not on every drift check while the spec stays wrong.
+        await _record(kube, obj, Note("SpecRefused", message), kind="Warning")
     condition = {
         "type": "Degraded",
         "status": "True",
@@ -219,13 +254,21 @@ async def stop_drift(memo: Any, **_: Any) -> None:
     "pods",
     labels={"app.kubernetes.io/name": "dpserve", "app.kubernetes.io/component": "replica"},
 )
-async def on_replica_pod(
-    namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any
-) -> None:
-    """A replica pod changed (ready, gone, failing): reconcile its owner now."""
+@kopf.on.event(
+    "apps",
+    "deployments",
+    labels={"app.kubernetes.io/name": "dpserve", "app.kubernetes.io/component": "router"},
+)
+@kopf.on.event(
+    "configmaps",
+    labels={"app.kubernetes.io/name": "dpserve", "app.kubernetes.io/component": "router"},
+)
+async def on_child(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+    """A replica pod (ready, gone, failing), the router Deployment (available or not) or
+    the control state (a replica out of sync) changed: reconcile the owner now."""
     owner = labels.get("app.kubernetes.io/instance")
     if owner:
         try:
             await reconcile(memo.runtime, namespace or "", owner, coalesce=True)
         except kopf.TemporaryError as exc:  # the drift timer will catch up
-            log.info("reconcile after a pod event deferred: %s", exc)
+            log.info("reconcile after a child's event deferred: %s", exc)

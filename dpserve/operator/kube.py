@@ -25,7 +25,7 @@ FIELD_MANAGER: Final = "dpserve-operator"
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
 
 # What kopf needs beside our own calls: watch the CRs, keep its annotations on
-# them, post events, and discover the CRD.
+# them, post events, discover the CRD, and watch what the event handlers follow.
 KOPF_RULES: Final = frozenset(
     {
         (s.GROUP, s.PLURAL, "list"),
@@ -36,8 +36,15 @@ KOPF_RULES: Final = frozenset(
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
         ("", "namespaces", "list"),
         ("", "namespaces", "watch"),
-        ("", "pods", "list"),  # the replica-pod event handler watches them
-        ("", "pods", "watch"),
+        *(
+            (group, resource, verb)
+            for group, resource in (
+                ("", "pods"),  # replica pods
+                ("apps", "deployments"),  # the router Deployment (Ready needs it available)
+                ("", "configmaps"),  # the control state (replicas out of sync)
+            )
+            for verb in ("list", "watch")
+        ),
     }
 )
 
@@ -90,9 +97,10 @@ class Kube:
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
-    @uses((s.GROUP, s.PLURAL, "get"))
-    async def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
-        resource = self._resource(f"{s.GROUP}/{s.VERSION}", s.KIND)
+    async def _get(
+        self, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        resource = self._resource(api_version, kind)
         try:
             obj = await self._run(resource.get, name=name, namespace=namespace)
         except ApiException as exc:
@@ -100,6 +108,10 @@ class Kube:
                 return None
             raise
         return obj.to_dict()
+
+    @uses((s.GROUP, s.PLURAL, "get"))
+    async def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._get(f"{s.GROUP}/{s.VERSION}", s.KIND, namespace, name)
 
     @uses((s.GROUP, s.PLURAL, "list"))
     async def list_services(self, namespace: str | None) -> list[dict[str, Any]]:
@@ -175,9 +187,22 @@ class Kube:
             force_conflicts=True,
         )
 
+    @uses(("apps", "deployments", "get"))
+    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._get("apps/v1", "Deployment", namespace, name)
+
+    @uses(("", "configmaps", "get"))
+    async def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._get("v1", "ConfigMap", namespace, name)
+
+    @uses(("", "events", "create"))
+    async def create_event(self, event: dict[str, Any]) -> None:
+        events = self._resource("v1", "Event")
+        await self._run(events.create, body=event, namespace=event["metadata"]["namespace"])
+
     @uses(("", "configmaps", "create"))
     async def create_if_absent(self, obj: dict[str, Any]) -> None:
-        """For objects whose content others own after birth (the control log)."""
+        """For objects whose content others own after birth (the control state)."""
         resource = self._resource(obj["apiVersion"], obj["kind"])
         try:
             await self._run(resource.create, body=obj, namespace=obj["metadata"]["namespace"])

@@ -218,8 +218,8 @@ class Condition(_Model):
 class ReplicaStatus(_Model):
     index: int
     pod: str
-    phase: str
-    ready: bool
+    phase: str = Field(description="the pod's phase, Terminating, or Missing (being recreated)")
+    ready: bool = Field(description="serves: pod Ready and no router reports it out of sync")
     updated: bool
     node: str | None = None
     reason: str | None = None

@@ -1,11 +1,16 @@
-"""Status of a DiffusionService, computed from its pods: pure, so tested on dicts."""
+"""Status of a DiffusionService, computed from its pods, its router Deployment and the
+routers' control-state ConfigMap: pure, so tested on dicts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
+from dpserve.layout import LayoutError, replica_endpoint
 from dpserve.operator import builders as b
 from dpserve.operator.plan import PodView
 from dpserve.operator.spec import Condition, DiffusionServiceStatus, ReplicaStatus
@@ -30,6 +35,78 @@ class PodFacts:
     node: str | None
     reason: str | None  # why it is not ready, when something is wrong
     message: str | None
+    ip: str | None = None
+
+
+@dataclass(frozen=True)
+class Unsynced:
+    """A router's word that a replica lacks the desired control state."""
+
+    reason: str
+    since: float | None
+    router: str | None
+
+    def describe(self) -> str:
+        when = (
+            datetime.fromtimestamp(self.since, timezone.utc).strftime(" since %Y-%m-%dT%H:%M:%SZ")
+            if self.since is not None
+            else ""
+        )
+        return f"{self.reason} (router {self.router or '?'}{when})"
+
+
+@dataclass(frozen=True)
+class ControlState:
+    """What the routers say in the control-state ConfigMap: replicas out of sync, by
+    endpoint (``tcp://podIP:port``). ``problem`` says why it could not be read."""
+
+    out_of_sync: Mapping[str, Unsynced] = field(default_factory=dict)
+    problem: str | None = None
+
+
+def parse_control_state(configmap: Mapping[str, Any] | None) -> ControlState:
+    """Never raises: the routers write this, and a bad write must not stop the operator."""
+    raw = ((configmap or {}).get("data") or {}).get(b.OUT_OF_SYNC_KEY)
+    if not raw:
+        return ControlState()
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        return ControlState(problem=f"{b.OUT_OF_SYNC_KEY!r} is not JSON: {exc}")
+    if not isinstance(doc, dict):
+        return ControlState(problem=f"{b.OUT_OF_SYNC_KEY!r} is not a JSON object")
+    out: dict[str, Unsynced] = {}
+    for endpoint, entry in doc.items():
+        entry = entry if isinstance(entry, dict) else {}
+        since = entry.get("since")
+        router = entry.get("router")
+        out[endpoint] = Unsynced(
+            reason=str(entry.get("reason") or "out of sync"),
+            since=float(since) if _plausible_time(since) else None,
+            router=str(router) if router else None,
+        )
+    return ControlState(out_of_sync=out)
+
+
+def _plausible_time(value: Any) -> TypeGuard[float]:
+    """A unix time that formats as a date (JSON allows NaN, Infinity and 1e300)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value < 253402300800  # year 10000
+    )
+
+
+def router_available(deployment: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """Servable needs at least one router pod that passes its readiness probe (which
+    itself needs a replica that can serve); the message says how many there are."""
+    if deployment is None:
+        return False, "the router Deployment does not exist yet"
+    status = deployment.get("status") or {}
+    available = int(status.get("availableReplicas") or 0)
+    wanted = (deployment.get("spec") or {}).get("replicas", 1)
+    return available >= 1, f"router {available}/{wanted} available"
 
 
 def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -74,7 +151,18 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         node=(pod.get("spec") or {}).get("nodeName"),
         reason=reason,
         message=(message or "").strip() or None,
+        ip=status.get("podIP") or None,
     )
+
+
+def _unsynced(facts: PodFacts, port: int, state: ControlState) -> Unsynced | None:
+    # Routers follow Ready pods only; an entry for another pod is stale.
+    if not facts.view.ready or not facts.ip or not state.out_of_sync:
+        return None
+    try:
+        return state.out_of_sync.get(replica_endpoint(facts.ip, port, 0))
+    except LayoutError:
+        return None
 
 
 def _now() -> str:
@@ -107,26 +195,37 @@ def compute_status(
     svc: b.Svc,
     pods: list[dict[str, Any]],
     previous: dict[str, Any],
-    invalid: str | None = None,
+    router: Mapping[str, Any] | None = None,
+    control: ControlState | None = None,
 ) -> dict[str, Any]:
-    """The status subresource, as the schema declares it."""
+    """The status subresource, as the schema declares it.
+
+    ``router`` is the router Deployment as read (None: absent), ``control`` what the
+    routers report in the control-state ConfigMap. A replica counts as ready when its
+    pod is Ready and no router reports it out of sync: only then does it serve.
+    """
     spec, current = svc.spec, b.spec_hash(svc.spec)
+    control = control or ControlState()
     facts = sorted((pod_facts(p) for p in pods), key=lambda f: f.view.index)
+    lag = {f.view.index: u for f in facts if (u := _unsynced(f, spec.schedulerPort, control))}
     desired = [f for f in facts if f.view.index < spec.replicas and not f.view.deleting]
-    ready = sum(1 for f in desired if f.view.ready)
+    serving = {f.view.index for f in facts if f.view.ready and f.view.index not in lag}
+    ready = sum(1 for f in desired if f.view.index in serving)
     updated = sum(1 for f in desired if f.view.spec_hash == current)
     troubled = [f for f in facts if f.reason is not None]
     settled = (
         len(desired) == spec.replicas and updated == spec.replicas and len(facts) == spec.replicas
     )
-    par = spec.parallelism
+    routed, router_says = router_available(router)
+    counted = f"{ready}/{spec.replicas} replicas ready"
+    if ready < spec.replicas:
+        ready_condition = ("False", "ReplicasNotReady", f"{counted}; {router_says}")
+    elif not routed:
+        ready_condition = ("False", "RouterNotAvailable", f"{counted}; {router_says}")
+    else:
+        ready_condition = ("True", "AllReplicasReady", f"{counted}; {router_says}")
     wanted = [
-        (
-            "Ready",
-            "True" if ready >= spec.replicas else "False",
-            "AllReplicasReady" if ready >= spec.replicas else "ReplicasNotReady",
-            f"{ready}/{spec.replicas} replicas ready",
-        ),
+        ("Ready", *ready_condition),
         (
             "Progressing",
             "False" if settled else "True",
@@ -134,9 +233,7 @@ def compute_status(
             f"{updated}/{spec.replicas} replicas on the current spec, {len(facts)} pods exist",
         ),
     ]
-    if invalid is not None:
-        wanted.append(("Degraded", "True", "InvalidSpec", invalid))
-    elif troubled:
+    if troubled:
         first = troubled[0]
         detail = "; ".join(
             f"{f.view.name}: {f.reason}: {f.message or ''}".rstrip(": ") for f in troubled
@@ -144,6 +241,40 @@ def compute_status(
         wanted.append(("Degraded", "True", first.reason or "ReplicaFailing", detail))
     else:
         wanted.append(("Degraded", "False", "AsExpected", "no replica reports a problem"))
+    if control.problem is not None:
+        wanted.append(("ControlStateSynced", "Unknown", "ControlStateUnreadable", control.problem))
+    elif lag:
+        detail = "; ".join(f"replica {i}: {u.describe()}" for i, u in sorted(lag.items()))
+        wanted.append(("ControlStateSynced", "False", "OutOfSync", detail))
+    else:
+        wanted.append(
+            ("ControlStateSynced", "True", "InSync", "no router reports a replica out of sync")
+        )
+    present = {f.view.index for f in facts}
+    entries = [
+        ReplicaStatus(
+            index=f.view.index,
+            pod=f.view.name,
+            phase="Terminating" if f.view.deleting else f.phase,
+            ready=f.view.index in serving,
+            updated=f.view.spec_hash == current,
+            node=f.node,
+            # For a Ready pod, being out of sync is what keeps it from serving.
+            reason="OutOfSync" if f.view.index in lag else f.reason,
+            message=lag[f.view.index].describe() if f.view.index in lag else f.message,
+        )
+        for f in facts
+    ]
+    # A desired replica without a pod is listed too: the next reconcile knows (from this
+    # status) that creating it replaces a pod rather than adding one.
+    entries += [
+        ReplicaStatus(
+            index=i, pod=b.replica_pod_name(svc, i), phase="Missing", ready=False, updated=False
+        )
+        for i in range(spec.replicas)
+        if i not in present
+    ]
+    par = spec.parallelism
     status = DiffusionServiceStatus(
         replicas=len(desired),
         readyReplicas=ready,
@@ -153,19 +284,16 @@ def compute_status(
         selector=b.selector_string(svc),
         observedGeneration=svc.generation,
         endpoint=f"http://{svc.name}.{svc.namespace}.svc:{spec.router.service.port}",
-        replicaStatuses=[
-            ReplicaStatus(
-                index=f.view.index,
-                pod=f.view.name,
-                phase="Terminating" if f.view.deleting else f.phase,
-                ready=f.view.ready,
-                updated=f.view.spec_hash == current,
-                node=f.node,
-                reason=f.reason,
-                message=f.message,
-            )
-            for f in facts
-        ],
+        replicaStatuses=sorted(entries, key=lambda r: r.index),
         conditions=_conditions(previous.get("conditions") or [], wanted, svc.generation),
     )
     return status.model_dump(mode="json", exclude_none=True)
+
+
+def known_indices(previous: Mapping[str, Any]) -> set[int]:
+    """Replica indices the last written status listed, present or missing."""
+    return {
+        int(r["index"])
+        for r in previous.get("replicaStatuses") or []
+        if isinstance(r, dict) and isinstance(r.get("index"), int)
+    }

@@ -2,24 +2,39 @@
 
 There is no kubelet here (the node-level e2e brings a test kubelet): pods stay
 unbound, the real scheduler marks them Unschedulable, and where a journey needs
-a Ready replica the test plays the kubelet's part by writing the pod's Ready
-condition through the status subresource, as a kubelet would.
+a Ready replica (or router) pod the test plays the kubelet's part by writing the
+pod's phase, address and Ready condition through the status subresource, as a
+kubelet would; the ReplicaSet and Deployment controllers then count a Ready
+router pod as available.
+
+The fault tests SIGKILL the operator in the middle of a scale and of a roll and
+check that the restarted one converges: exactly the desired indices, each once,
+owned by the CR, on the current spec, and a status that says so.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes import watch
 
+from dpserve.operator import builders as b
 from dpserve.operator.builders import SPEC_HASH
+from dpserve.operator.spec import DiffusionServiceSpec
 from tests.cluster.controlplane import ControlPlane
 from tests.polling import eventually
 from tests.workers import free_port
@@ -27,6 +42,7 @@ from tests.workers import free_port
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
 NS = "op-test"
+NS_FAULTS = "op-faults"
 
 
 @pytest.fixture(scope="module")
@@ -34,27 +50,56 @@ def cluster(control_plane: ControlPlane) -> ControlPlane:
     plane = control_plane
     plane.kubectl("apply", "-f", str(REPO / "charts/dpserve/crds"))
     plane.kubectl("wait", "--for=condition=Established", "crd/diffusionservices.dpserve.dev")
-    plane.kubectl("create", "namespace", NS)
-    # Pods need the namespace's default service account (the controller-manager's work).
-    eventually(
-        lambda: plane.kubectl("-n", NS, "get", "sa", "default", check=False).returncode == 0,
-        what="default service account",
-    )
+    for namespace in (NS, NS_FAULTS):
+        plane.kubectl("create", "namespace", namespace)
+        # Pods need the namespace's default service account (the controller-manager's work).
+        eventually(
+            lambda ns=namespace: (
+                plane.kubectl("-n", ns, "get", "sa", "default", check=False).returncode == 0
+            ),
+            what="default service account",
+        )
     return plane
 
 
+class Operator:
+    """``dpserve operator`` as a process of its own, to be killed and started again."""
+
+    def __init__(self, cluster: ControlPlane, namespace: str) -> None:
+        self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+        self.env["DPSERVE_WORKER_IMAGE"] = "example.invalid/dpserve-worker:test"
+        self.env["DPSERVE_ROUTER_IMAGE"] = "example.invalid/dpserve-router:test"
+        self.cmd = [sys.executable, "-m", "dpserve", "operator", "--namespace", namespace]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Operator:
+        port = str(free_port())
+        self.proc = subprocess.Popen([*self.cmd, "--liveness-port", port], env=self.env)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup handler runs, whatever it was doing stops half-way."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
-def operator(cluster: ControlPlane) -> Iterator[subprocess.Popen[bytes]]:
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    env["DPSERVE_WORKER_IMAGE"] = "example.invalid/dpserve-worker:test"
-    env["DPSERVE_ROUTER_IMAGE"] = "example.invalid/dpserve-router:test"
-    cmd = [sys.executable, "-m", "dpserve", "operator", "--namespace", NS]
-    proc = subprocess.Popen([*cmd, "--liveness-port", str(free_port())], env=env)
+def operator(cluster: ControlPlane) -> Iterator[Operator]:
+    op = Operator(cluster, NS).start()
     try:
-        yield proc
+        yield op
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        op.stop()
 
 
 def get(cluster: ControlPlane, *what: str) -> Any:
@@ -81,13 +126,21 @@ def pods(cluster: ControlPlane, name: str) -> dict[str, dict[str, Any]]:
     return {p["metadata"]["name"]: p for p in listed["items"]}
 
 
-def mark_ready(cluster: ControlPlane, pod: str) -> None:
-    """The kubelet's part: report the pod Running and Ready."""
+def running(ip: str | None = None) -> dict[str, Any]:
+    """The pod status a kubelet reports for a Running, Ready pod (at ``ip``)."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    status = {
+    status: dict[str, Any] = {
         "phase": "Running",
         "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
     }
+    if ip:
+        status |= {"podIP": ip, "podIPs": [{"ip": ip}]}
+    return status
+
+
+def mark_ready(cluster: ControlPlane, pod: str, ip: str | None = None) -> None:
+    """The kubelet's part: report the pod Running and Ready."""
+    status = running(ip)
     cluster.kubectl(
         "-n",
         NS,
@@ -101,12 +154,42 @@ def mark_ready(cluster: ControlPlane, pod: str) -> None:
     )
 
 
+def mark_router_ready(cluster: ControlPlane, name: str) -> None:
+    """Its ReplicaSet's pod reports Ready, so the Deployment counts it available."""
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=router"
+    routers = eventually(
+        lambda: get(cluster, "pods", "-l", selector)["items"], what=f"{name}'s router pod"
+    )
+    for pod in routers:
+        mark_ready(cluster, pod["metadata"]["name"])
+
+
 def status(cluster: ControlPlane, name: str) -> dict[str, Any]:
     return get(cluster, "dsvc", name).get("status") or {}
 
 
 def condition(cluster: ControlPlane, name: str, kind: str) -> dict[str, Any]:
     return next(c for c in status(cluster, name)["conditions"] if c["type"] == kind)
+
+
+def events(cluster: ControlPlane, name: str, namespace: str = NS) -> list[tuple[str, str]]:
+    """(reason, message) of the Events about DiffusionService ``name``, oldest first."""
+    listed = json.loads(
+        cluster.kubectl(
+            "-n", namespace, "get", "events", "-o", "json",
+            "--field-selector", f"involvedObject.kind=DiffusionService,involvedObject.name={name}",
+        ).stdout
+    )["items"]  # fmt: skip
+    listed.sort(key=lambda e: (e.get("firstTimestamp") or "", e["metadata"]["name"]))
+    return [(e["reason"], e["message"]) for e in listed]
+
+
+def has_event(cluster: ControlPlane, name: str, reason: str, pod: str) -> bool:
+    return any(r == reason and pod in m for r, m in events(cluster, name))
+
+
+def wait_event(cluster: ControlPlane, name: str, reason: str, pod: str) -> None:
+    eventually(lambda: has_event(cluster, name, reason, pod), what=f"{reason} {pod}")
 
 
 def test_crd_rejects_invalid_specs_with_the_cel_message(cluster: ControlPlane) -> None:
@@ -120,8 +203,8 @@ def test_crd_rejects_invalid_specs_with_the_cel_message(cluster: ControlPlane) -
     assert typed.returncode != 0 and "replicas" in typed.stderr
 
 
-def test_children_status_scale_roll_and_cascade(
-    cluster: ControlPlane, operator: subprocess.Popen[bytes]
+def test_children_status_events_scale_roll_and_cascade(
+    cluster: ControlPlane, operator: Operator
 ) -> None:
     apply(cluster, dsvc("tiny", replicas=2))
     eventually(
@@ -135,11 +218,20 @@ def test_children_status_scale_roll_and_cascade(
         ("serviceaccount", "tiny-router"),
         ("role", "tiny-router"),
         ("rolebinding", "tiny-router"),
-        ("configmap", "tiny-control-log"),
+        ("configmap", "tiny-control-state"),
     ]:
         obj = get(cluster, kind, name)
         assert obj["metadata"]["ownerReferences"][0]["kind"] == "DiffusionService"
     assert get(cluster, "service", "tiny-replicas")["spec"]["clusterIP"] == "None"
+    router_args = get(cluster, "deployment", "tiny-router")["spec"]["template"]["spec"]
+    args = router_args["containers"][0]["args"]
+    assert args[args.index("--control-state-configmap") + 1] == "tiny-control-state"
+    assert get(cluster, "role", "tiny-router")["rules"][1]["resourceNames"] == [
+        "tiny-control-state"
+    ]
+    # Each action is an Event on the DiffusionService (kubectl describe shows them).
+    for pod in ("tiny-replica-0", "tiny-replica-1"):
+        wait_event(cluster, "tiny", "ReplicaCreated", pod)
 
     # No node can take the pods: the scheduler's reason shows as Degraded.
     degraded = eventually(
@@ -158,9 +250,19 @@ def test_children_status_scale_roll_and_cascade(
     for pod in pods(cluster, "tiny"):
         mark_ready(cluster, pod)
     eventually(lambda: status(cluster, "tiny").get("readyReplicas") == 2, what="2 ready")
-    assert condition(cluster, "tiny", "Ready")["status"] == "True"
-    columns = cluster.kubectl("-n", NS, "get", "dsvc", "tiny").stdout.split("\n")[0].split()
-    assert columns == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
+    # Every replica is Ready, but nothing serves before a router pod is available.
+    not_yet = condition(cluster, "tiny", "Ready")
+    assert (not_yet["status"], not_yet["reason"]) == ("False", "RouterNotAvailable")
+    mark_router_ready(cluster, "tiny")
+    eventually(lambda: condition(cluster, "tiny", "Ready")["status"] == "True", what="Ready")
+    assert condition(cluster, "tiny", "Ready")["reason"] == "AllReplicasReady"
+    wait = cluster.kubectl(
+        "-n", NS, "wait", "--for=condition=Ready", "dsvc/tiny", "--timeout=5s", check=False
+    )
+    assert wait.returncode == 0, wait.stderr
+    table = cluster.kubectl("-n", NS, "get", "dsvc", "tiny").stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
+    assert table[1].split()[:4] == ["tiny", "True", "2/2", "tp1-sp1-cfg1"]
 
     # A lost pod comes back under the same name.
     uid = pods(cluster, "tiny")["tiny-replica-1"]["metadata"]["uid"]
@@ -170,6 +272,7 @@ def test_children_status_scale_roll_and_cascade(
         what="tiny-replica-1 recreated",
     )
     mark_ready(cluster, "tiny-replica-1")
+    wait_event(cluster, "tiny", "ReplicaReplaced", "tiny-replica-1")
 
     # The scale subresource: kubectl scale (and an HPA) work on the CR.
     cluster.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=3")
@@ -177,6 +280,9 @@ def test_children_status_scale_roll_and_cascade(
     cluster.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=1")
     eventually(lambda: set(pods(cluster, "tiny")) == {"tiny-replica-0"}, what="scale to 1")
     eventually(lambda: status(cluster, "tiny").get("replicas") == 1, what="status follows")
+    assert has_event(cluster, "tiny", "ReplicaCreated", "tiny-replica-2")
+    for pod in ("tiny-replica-2", "tiny-replica-1"):
+        wait_event(cluster, "tiny", "ReplicaDeleted", pod)
 
     # A spec change replaces the replica; status tells the truth throughout.
     cluster.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=2")
@@ -225,6 +331,9 @@ def test_children_status_scale_roll_and_cascade(
         raise AssertionError(f"roll did not finish: {status(cluster, 'tiny')}")
     assert seen_unavailable <= 1  # maxUnavailable 1: one replica at a time
     assert condition(cluster, "tiny", "Progressing")["status"] == "False"
+    for pod in ("tiny-replica-0", "tiny-replica-1"):
+        assert has_event(cluster, "tiny", "ReplicaRolled", pod)
+        assert has_event(cluster, "tiny", "ReplicaReplaced", pod)
 
     # No finalizer: deleting a CR never hangs on the operator being up.
     assert not get(cluster, "dsvc", "tiny")["metadata"].get("finalizers")
@@ -238,11 +347,11 @@ def test_children_status_scale_roll_and_cascade(
         ),
         what="router collected",
     )
-    assert operator.poll() is None
+    assert operator.alive()
 
 
 def test_invalid_spec_beyond_the_crd_is_reported_not_crashed(
-    cluster: ControlPlane, operator: subprocess.Popen[bytes]
+    cluster: ControlPlane, operator: Operator
 ) -> None:
     apply(cluster, dsvc("odd", model={"path": "models/tiny"}))
     degraded = eventually(
@@ -253,10 +362,332 @@ def test_invalid_spec_beyond_the_crd_is_reported_not_crashed(
         what="InvalidSpec",
     )
     assert "model.path must be absolute" in degraded["message"]
-    events = get(cluster, "events", "--field-selector", "involvedObject.name=odd")["items"]
-    assert any(e["reason"] == "InvalidSpec" for e in events)
+    refused = eventually(
+        lambda: [m for r, m in events(cluster, "odd") if r == "SpecRefused"], what="SpecRefused"
+    )
+    assert "model.path must be absolute" in refused[0]
     assert pods(cluster, "odd") == {}
+    # Another reconcile of the same wrong spec (an edit kopf reacts to) records nothing new.
+    cluster.kubectl("-n", NS, "annotate", "dsvc", "odd", "example.com/touched=1")
+    time.sleep(2)
+    assert len([r for r, _ in events(cluster, "odd") if r == "SpecRefused"]) == 1
     # Fixing the spec is picked up; the operator never stopped.
     apply(cluster, dsvc("odd", model={"path": "/models/tiny"}))
     eventually(lambda: len(pods(cluster, "odd")) == 1, what="replica after the fix")
-    assert operator.poll() is None
+    assert has_event(cluster, "odd", "ReplicaCreated", "odd-replica-0")
+    assert operator.alive()
+
+
+def test_replicas_out_of_sync_are_reported_from_the_control_state(
+    cluster: ControlPlane, operator: Operator
+) -> None:
+    apply(cluster, dsvc("synced", replicas=2))
+    eventually(lambda: len(pods(cluster, "synced")) == 2, what="two replica pods")
+    ips = {"synced-replica-0": "10.244.7.10", "synced-replica-1": "10.244.7.11"}
+    for pod, ip in ips.items():
+        mark_ready(cluster, pod, ip)
+    mark_router_ready(cluster, "synced")
+    eventually(lambda: condition(cluster, "synced", "Ready")["status"] == "True", what="Ready")
+    assert condition(cluster, "synced", "ControlStateSynced")["reason"] == "InSync"
+
+    def write(replicas: str) -> None:
+        patch = {"data": {"replicas": replicas}}
+        cluster.kubectl(
+            "-n", NS, "patch", "configmap", "synced-control-state", "--type=merge",
+            "-p", json.dumps(patch),
+        )  # fmt: skip
+
+    # What a router writes when a replica lacks the desired state.
+    lagging = {"reason": "weights update failed", "since": time.time(), "router": "synced-r-1"}
+    write(json.dumps({"tcp://10.244.7.11:5575": lagging}))
+    synced = eventually(
+        lambda: (
+            condition(cluster, "synced", "ControlStateSynced")["status"] == "False"
+            and condition(cluster, "synced", "ControlStateSynced")
+        ),
+        what="ControlStateSynced False",
+    )
+    assert synced["reason"] == "OutOfSync"
+    assert synced["message"].startswith("replica 1: weights update failed (router synced-r-1")
+    st = status(cluster, "synced")
+    one = st["replicaStatuses"][1]
+    assert (one["pod"], one["reason"], one["ready"]) == ("synced-replica-1", "OutOfSync", False)
+    assert "weights update failed" in one["message"]
+    assert st["readyReplicas"] == 1 and st["ready"] == "1/2"
+    assert condition(cluster, "synced", "Ready")["status"] == "False"
+
+    # A malformed write is ignored (and said so), never fatal.
+    write("{not json")
+    eventually(
+        lambda: condition(cluster, "synced", "ControlStateSynced")["status"] == "Unknown",
+        what="ControlStateSynced Unknown",
+    )
+    assert condition(cluster, "synced", "Ready")["status"] == "True"
+    write("{}")
+    eventually(
+        lambda: condition(cluster, "synced", "ControlStateSynced")["status"] == "True",
+        what="in sync again",
+    )
+    assert status(cluster, "synced")["readyReplicas"] == 2
+    assert operator.alive()
+    cluster.kubectl("-n", NS, "delete", "dsvc", "synced", "--wait=false")
+
+
+# ------------------------------------------------------------ operator faults
+
+
+class Kubelet:
+    """Plays the kubelet for every dpserve pod in a namespace, from a thread: each pod
+    that is not Ready gets an address and, ``startup_s`` after it was first seen,
+    reports Running and Ready. It also records,
+    per service, the most replica pods (not terminating) it ever saw at once, any index
+    held by two pods, and, once ``watch_floor`` names the service, the fewest Ready."""
+
+    def __init__(self, api: k8s.ApiClient, namespace: str, startup_s: float = 0.0) -> None:
+        self.core = k8s.CoreV1Api(api)
+        self.namespace = namespace
+        self.startup_s = startup_s
+        self._seen: dict[str, float] = {}
+        self.most: Counter[str] = Counter()
+        self.duplicates: list[str] = []
+        self.fewest_ready: dict[str, int] = {}
+        self.paused = threading.Event()
+        self._ips: dict[str, str] = {}
+        self._next = itertools.count(10)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fake-kubelet", daemon=True)
+
+    def watch_floor(self, name: str, ready_now: int) -> None:
+        self.fewest_ready[name] = ready_now
+
+    def __enter__(self) -> Kubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self._round()
+            except Exception:  # an API hiccup; the next round retries
+                continue
+
+    def _round(self) -> None:
+        listed = self.core.list_namespaced_pod(
+            self.namespace, label_selector="app.kubernetes.io/name=dpserve"
+        ).items
+        live = [p for p in listed if p.metadata.deletion_timestamp is None]
+        replicas = [p for p in live if p.metadata.labels.get(b.REPLICA_LABEL) is not None]
+        per_service = Counter(p.metadata.labels["app.kubernetes.io/instance"] for p in replicas)
+        for name, count in per_service.items():
+            self.most[name] = max(self.most[name], count)
+        slots = Counter(
+            (p.metadata.labels["app.kubernetes.io/instance"], p.metadata.labels[b.REPLICA_LABEL])
+            for p in replicas
+        )
+        self.duplicates += [f"{svc}/{index}" for (svc, index), n in slots.items() if n > 1]
+        for name, fewest in self.fewest_ready.items():
+            ready = sum(
+                1
+                for p in replicas
+                if p.metadata.labels["app.kubernetes.io/instance"] == name
+                and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            )
+            self.fewest_ready[name] = min(fewest, ready)
+        if self.paused.is_set():
+            return
+        for pod in live:
+            conditions = (pod.status.conditions if pod.status else None) or []
+            if any(c.type == "Ready" and c.status == "True" for c in conditions):
+                continue
+            first_seen = self._seen.setdefault(pod.metadata.uid, time.monotonic())
+            if time.monotonic() - first_seen < self.startup_s:
+                continue  # still "loading the model"
+            ip = self._ips.setdefault(pod.metadata.uid, f"10.244.9.{next(self._next)}")
+            self.core.patch_namespaced_pod_status(
+                pod.metadata.name,
+                self.namespace,
+                {"status": running(ip)},
+                _content_type="application/strategic-merge-patch+json",
+            )
+
+
+@pytest.fixture(scope="module")
+def api(cluster: ControlPlane) -> k8s.ApiClient:
+    return k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))
+
+
+@pytest.fixture
+def faulty(cluster: ControlPlane) -> Iterator[Operator]:
+    op = Operator(cluster, NS_FAULTS).start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+def kill_when(
+    operator: Operator,
+    api: k8s.ApiClient,
+    name: str,
+    trigger: Callable[[str, Any], bool],
+    act: Callable[[], object] = lambda: None,
+) -> list[str]:
+    """Do ``act``, then SIGKILL the operator on the first replica pod event (type, pod)
+    for which ``trigger`` holds: it is then in the middle of what ``act`` started.
+    Returns the replica pods that exist right after the kill."""
+    core = k8s.CoreV1Api(api)
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
+    since = core.list_namespaced_pod(NS_FAULTS, label_selector=selector).metadata.resource_version
+    act()
+    stream = watch.Watch()
+    for event in stream.stream(
+        core.list_namespaced_pod,
+        NS_FAULTS,
+        label_selector=selector,
+        resource_version=since,
+        timeout_seconds=60,
+    ):
+        if trigger(event["type"], event["object"]):
+            operator.kill()
+            stream.stop()
+            break
+    else:
+        raise AssertionError(f"{name}: the operator never got there")
+    left = core.list_namespaced_pod(NS_FAULTS, label_selector=selector).items
+    return sorted(p.metadata.name for p in left if p.metadata.deletion_timestamp is None)
+
+
+def converged(cluster: ControlPlane, name: str) -> bool:
+    """Exactly the desired replicas, each once, owned by the CR, on its current spec,
+    all Ready, the router available, and a status that says all of that."""
+    obj = json.loads(cluster.kubectl("-n", NS_FAULTS, "get", "dsvc", name, "-o", "json").stdout)
+    replicas, current = (
+        obj["spec"]["replicas"],
+        b.spec_hash(DiffusionServiceSpec.model_validate(obj["spec"])),
+    )
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
+    listed = json.loads(
+        cluster.kubectl("-n", NS_FAULTS, "get", "pods", "-l", selector, "-o", "json").stdout
+    )["items"]
+    indices = sorted(int(p["metadata"]["labels"][b.REPLICA_LABEL]) for p in listed)
+    if indices != list(range(replicas)):
+        return False
+    for pod in listed:
+        meta = pod["metadata"]
+        index = meta["labels"][b.REPLICA_LABEL]
+        assert meta["name"] == f"{name}-replica-{index}"
+        [owner] = meta["ownerReferences"]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == (
+            "DiffusionService",
+            obj["metadata"]["uid"],
+            True,
+        )
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in pod.get("status", {}).get("conditions") or []
+        )
+        if meta.get("deletionTimestamp") or meta["annotations"][SPEC_HASH] != current or not ready:
+            return False
+    st = obj.get("status") or {}
+    conditions = {c["type"]: c for c in st.get("conditions") or []}
+    return (
+        st.get("observedGeneration") == obj["metadata"]["generation"]
+        and (st.get("replicas"), st.get("readyReplicas"), st.get("updatedReplicas"))
+        == (replicas, replicas, replicas)
+        and [(r["index"], r["pod"], r["ready"], r["updated"]) for r in st["replicaStatuses"]]
+        == [(i, f"{name}-replica-{i}", True, True) for i in range(replicas)]
+        and conditions["Ready"]["status"] == "True"
+        and conditions["Progressing"]["status"] == "False"
+    )
+
+
+def fault_svc(name: str, **spec: Any) -> dict[str, Any]:
+    return {**dsvc(name, **spec), "metadata": {"name": name, "namespace": NS_FAULTS}}
+
+
+def test_operator_killed_mid_scale_converges_on_restart(
+    cluster: ControlPlane, api: k8s.ApiClient, faulty: Operator
+) -> None:
+    scale = ["-n", NS_FAULTS, "scale", "dsvc/scaler"]
+    with Kubelet(api, NS_FAULTS) as kubelet:
+        apply(cluster, fault_svc("scaler", replicas=1))
+        eventually(lambda: converged(cluster, "scaler"), what="1 replica")
+
+        # Killed once the first new pod exists: the rest of the scale-up is not done.
+        left = kill_when(
+            faulty,
+            api,
+            "scaler",
+            lambda kind, pod: kind == "ADDED" and pod.metadata.name != "scaler-replica-0",
+            act=lambda: cluster.kubectl(*scale, "--replicas=8"),
+        )
+        print(f"killed mid scale-up with {len(left)} of 8 pods")
+        faulty.start()
+        eventually(lambda: converged(cluster, "scaler"), 90, "8 replicas after the restart")
+
+        # Killed at the first deletion of a scale-down; scaled again while it is down.
+        left = kill_when(
+            faulty,
+            api,
+            "scaler",
+            lambda kind, pod: kind == "DELETED",
+            act=lambda: cluster.kubectl(*scale, "--replicas=2"),
+        )
+        print(f"killed mid scale-down with {len(left)} pods left")
+        cluster.kubectl(*scale, "--replicas=3")
+        faulty.start()
+        eventually(lambda: converged(cluster, "scaler"), 90, "3 replicas after the restart")
+    assert kubelet.duplicates == []
+    assert kubelet.most["scaler"] <= 8
+    for reason in ("ReplicaCreated", "ReplicaDeleted"):
+        assert any(r == reason for r, _ in events(cluster, "scaler", NS_FAULTS))
+    assert faulty.alive()
+
+
+def test_operator_killed_mid_roll_converges_on_restart(
+    cluster: ControlPlane, api: k8s.ApiClient, faulty: Operator
+) -> None:
+    strategy = {"maxUnavailable": 1, "maxSurge": 1}
+    # Replacements take a moment to turn Ready, as a model server's do.
+    with Kubelet(api, NS_FAULTS, startup_s=1.5) as kubelet:
+        apply(cluster, fault_svc("roller", replicas=3, updateStrategy=strategy))
+        eventually(lambda: converged(cluster, "roller"), 90, "3 replicas")
+        old = {p["metadata"]["annotations"][SPEC_HASH] for p in pods_in(cluster, "roller")}
+        kubelet.watch_floor("roller", 3)
+        patch = {"spec": {"env": [{"name": "ROLL", "value": "1"}]}}
+
+        def change_spec() -> None:
+            cluster.kubectl(
+                "-n", NS_FAULTS, "patch", "dsvc", "roller", "--type=merge",
+                "-p", json.dumps(patch),
+            )  # fmt: skip
+
+        # Killed at the roll's first deletion (its surge pod may or may not exist yet).
+        kill_when(faulty, api, "roller", lambda kind, _: kind == "DELETED", act=change_spec)
+        faulty.start()
+
+        # Killed again at the first pod it creates on the new spec after the restart.
+        def on_new_spec(kind: str, pod: Any) -> bool:
+            return kind == "ADDED" and pod.metadata.annotations[SPEC_HASH] not in old
+
+        kill_when(faulty, api, "roller", on_new_spec)
+        # While it is down the kubelet carries on (the new pods turn Ready).
+        time.sleep(1)
+        faulty.start()
+        eventually(lambda: converged(cluster, "roller"), 120, "the roll after two restarts")
+    assert kubelet.duplicates == []
+    assert kubelet.most["roller"] <= 3 + 1  # never more than replicas + maxSurge
+    assert kubelet.fewest_ready["roller"] >= 3 - 1  # never fewer than replicas - maxUnavailable
+    reasons = {r for r, _ in events(cluster, "roller", NS_FAULTS)}
+    assert {"ReplicaRolled", "ReplicaReplaced"} <= reasons
+    assert faulty.alive()
+
+
+def pods_in(cluster: ControlPlane, name: str) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
+    out = cluster.kubectl("-n", NS_FAULTS, "get", "pods", "-l", selector, "-o", "json").stdout
+    return list(json.loads(out)["items"])

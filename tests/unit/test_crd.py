@@ -48,8 +48,11 @@ def test_schema_is_structural() -> None:
         "labelSelectorPath": ".status.selector",
     }
     assert "status" in version["subresources"]
-    columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Replicas", "Parallel", "Age"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Ready", "Replicas", "Parallel", "Age"]
+    # READY is the Ready condition (replicas and router), REPLICAS ready/desired.
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Replicas"] == ".status.ready"
     names = build_crd()["spec"]["names"]
     assert names["shortNames"] == ["dsvc"] and names["kind"] == "DiffusionService"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from dpserve.operator import builders as b
@@ -201,7 +202,7 @@ def test_headless_service_and_router_objects() -> None:
     args = container["args"]
     assert args[:5] == ["router", "--discovery", "kubernetes", "--namespace", "ml"]
     assert args[args.index("--service") + 1] == "qwen-replicas"
-    assert args[args.index("--control-log-configmap") + 1] == "qwen-control-log"
+    assert args[args.index("--control-state-configmap") + 1] == "qwen-control-state"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
     template_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -225,7 +226,7 @@ def test_router_rbac_reads_slices_and_only_its_own_configmap() -> None:
             "apiGroups": [""],
             "resources": ["configmaps"],
             "verbs": ["get", "update"],
-            "resourceNames": ["qwen-control-log"],
+            "resourceNames": ["qwen-control-state"],
         },
     ]
     assert binding["roleRef"]["name"] == "qwen-router"
@@ -252,3 +253,45 @@ def test_every_child_is_owned_and_labelled() -> None:
     for child in children:
         assert child["metadata"]["ownerReferences"] == [OWNER]
         assert child["metadata"]["labels"]["app.kubernetes.io/instance"] == "qwen"
+
+
+def test_control_state_configmap_starts_with_no_replica_out_of_sync() -> None:
+    assert b.build_control_state(svc()) == {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "qwen-control-state",
+            "namespace": "ml",
+            "labels": labels("router"),
+            "ownerReferences": [OWNER],
+        },
+        "data": {"replicas": "{}"},
+    }
+
+
+def test_event_names_the_diffusionservice_and_lets_the_server_pick_its_name() -> None:
+    owner = {"metadata": {"name": "qwen", "namespace": "ml", "uid": "uid-1"}}
+    now = datetime(2026, 12, 1, 12, 0, 5, tzinfo=timezone.utc)
+    event = b.build_event(owner, "Normal", "ReplicaCreated", "created pod qwen-replica-0", now)
+    assert event == {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": "qwen.", "namespace": "ml"},
+        "involvedObject": {
+            "apiVersion": "dpserve.dev/v1alpha1",
+            "kind": "DiffusionService",
+            "name": "qwen",
+            "namespace": "ml",
+            "uid": "uid-1",
+        },
+        "type": "Normal",
+        "reason": "ReplicaCreated",
+        "message": "created pod qwen-replica-0",
+        "source": {"component": "dpserve-operator"},
+        "reportingComponent": "dpserve-operator",
+        "firstTimestamp": "2026-12-01T12:00:05Z",
+        "lastTimestamp": "2026-12-01T12:00:05Z",
+        "count": 1,
+    }
+    long = b.build_event(owner, "Warning", "SpecRefused", "x" * 5000, now)
+    assert len(long["message"]) == 1000

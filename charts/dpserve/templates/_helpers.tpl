@@ -84,10 +84,12 @@ Namespaced resources: bound cluster-wide, or per watched namespace in namespaced
 - services, serviceaccounts, deployments, roles, rolebindings: the headless and router
   Services, the router's Deployment, ServiceAccount and Role(Binding), by server-side
   apply (patch; an apply that creates the object is authorized as create too).
-- configmaps create: the control log; get/update: the router's Role grants them, and RBAC
-  lets the operator grant only what it holds itself (escalation prevention).
+- deployments get/list/watch: Ready needs the router Deployment available.
+- configmaps create: the control state; get/list/watch: the operator reports the
+  replicas the routers say are out of sync; update: the router's Role grants it, and
+  RBAC lets the operator grant only what it holds itself (escalation prevention).
 - endpointslices list/watch: also granted to the router's Role (same reason).
-- events create: kopf posts events on the CRs.
+- events create: the operator records an Event for each action; kopf posts its own.
 */}}
 {{- define "dpserve.namespacedRules" -}}
 - apiGroups: ["dpserve.dev"]
@@ -107,13 +109,13 @@ Namespaced resources: bound cluster-wide, or per watched namespace in namespaced
   verbs: ["create", "patch"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "get", "update"]
+  verbs: ["create", "get", "list", "update", "watch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "get", "list", "patch", "watch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles"]
   verbs: ["create", "patch"]
