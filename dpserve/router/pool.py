@@ -341,10 +341,12 @@ class ReplicaPool:
         self._settle_all()
 
     def out_of_sync(self) -> OutOfSync:
+        """Replicas that tried and failed to reach the desired state (not ones still
+        catching up: that is a few seconds of normal start-up), with the reason."""
         return {
-            r.endpoint: self._why_not(r)
+            r.endpoint: r.sync_error
             for r in self.members()
-            if r.answering and r.status == "ok" and not r.serving
+            if r.answering and r.sync_error and not r.serving
         }
 
     async def _state_loop(self) -> None:

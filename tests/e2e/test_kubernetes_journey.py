@@ -108,15 +108,16 @@ def image(response: httpx.Response) -> bytes:
 def test_journey(k8s: Backend, tiny_lora: Path) -> None:
     # 2. apply the example; the CR becomes Ready; kubectl shows the printer columns.
     k8s.kubectl("-n", NS, "apply", "-f", str(REPO / "examples/diffusionservice-cpu.yaml"))
-    eventually(lambda: status(k8s).get("readyReplicas") == 2, 300, "2 ready replicas")
-    ready = next(c for c in status(k8s)["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "True"
+    # Ready means servable: the router is available too, so a request right after
+    # `kubectl wait` is answered.
+    k8s.kubectl("-n", NS, "wait", "--for=condition=Ready", "dsvc/tiny", "--timeout=300s")
+    assert status(k8s).get("readyReplicas") == 2
+    url = k8s.router_url(NS, "tiny")
+    assert httpx.post(f"{url}/v1/images/generations", json=REQUEST, timeout=120).status_code == 200
     header = k8s.kubectl("-n", NS, "get", "dsvc").stdout.splitlines()[0].split()
     assert header == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
 
-    # 3. through the router: both replicas serve, same seed ⇒ same bytes. (The router
-    # turns Ready one probe period after it has found a replica.)
-    url = eventually(lambda: k8s.router_url(NS, "tiny"), 120, "a ready router pod")
+    # 3. through the router: both replicas serve, same seed ⇒ same bytes.
     eventually(lambda: serving(k8s) == ["0", "1"], 120, "router sees both replicas")
     with httpx.Client(base_url=url, timeout=120) as http:
         first = http.post("/v1/images/generations", json=REQUEST)
@@ -147,10 +148,13 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
         eventually(lambda: serving(k8s) == ["0"], 60, "router sees 1")
         eventually(lambda: set(replica_pods(k8s)) == {"tiny-replica-0"}, 120, "pods gone")
 
-        # 9. a control op reaches every replica; one created later gets it first.
+        # 9. a control op reaches every replica, even with the control-state ConfigMap
+        # gone (the state lives in the replicas too); one created later gets it first.
+        k8s.kubectl("-n", NS, "delete", "configmap", "tiny-control-state")
         body = {"lora_nickname": "style", "lora_path": "/loras/" + tiny_lora.name}
         done = httpx.post(f"{url}/v1/set_lora", json=body, timeout=120)
         assert done.status_code == 200, done.text
+        assert done.json()["control_state"]["replicas_holding"] == 1
         k8s.kubectl("-n", NS, "scale", "dsvc/tiny", "--replicas=2")
         eventually(lambda: serving(k8s) == ["0", "1"], 240, "router sees 2 again")
         listed = httpx.get(f"{url}/v1/list_loras", timeout=60).json()

@@ -183,7 +183,7 @@ def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora:
         assert dp2.http.get("/ready").status_code == 200
         time.sleep(0.1)
     assert saw_unhealthy
-    dp2.wait_healthy(120)  # restarted by serve, replayed the control log
+    dp2.wait_healthy(120)  # restarted by serve, brought to the desired control state
     time.sleep(2)
     stop.set()
     for t in threads:

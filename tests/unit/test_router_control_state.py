@@ -119,7 +119,8 @@ def test_two_routers_follow_each_others_ops() -> None:
 def test_a_replica_that_cannot_reach_the_state_leaves_rotation_named() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         stubs = await _stubs(ctx, 2)
-        async with _router(stubs) as router:
+        store = MemoryStore()
+        async with _router(stubs, store) as router:
             stubs[1].fail_paths.add("/loras/style")
             done = await router.control("set_lora", LORA)
             # Decision: the state stays (one replica holds it); the answer is the error.
@@ -131,11 +132,14 @@ def test_a_replica_that_cannot_reach_the_state_leaves_rotation_named() -> None:
             states = {s["replica"]: s for s in (pool.snapshot(r) for r in pool.members())}
             assert states["1"]["state"] == "out_of_sync"
             assert "does not exist" in states["1"]["last_error"]
-            assert "1" in " ".join(pool.out_of_sync().values()) or pool.out_of_sync()
+            # Published for the operator's status: only replicas that failed, with why.
+            await _until(lambda: list(store.out_of_sync) == [stubs[1].endpoint])
+            assert "does not exist" in store.out_of_sync[stubs[1].endpoint]
             # Fixed on the replica's side: the sync task's retry brings it back.
             stubs[1].fail_paths.clear()
             await _until(lambda: len(pool.serving()) == 2, timeout_s=10)
             assert stubs[1].held == pool.desired.doc
+            await _until(lambda: store.out_of_sync == {})
         await _close(stubs)
 
     _run(scenario)
