@@ -57,8 +57,8 @@ class ReplicaConnection:
 
         ``deadline_s`` is the time the replica is given (sent as the header's
         ``timeout_ms``; a generation past it is dropped there). A generation this
-        call stops waiting for (timed out, or the caller cancelled) is cancelled on
-        the replica, so it does not render for nobody.
+        call stops waiting for (timed out, abandoned, or the caller cancelled) is
+        cancelled on the replica, so it does not render for nobody.
         """
         request_id = request_id or uuid.uuid4().hex
         timeout_ms = None if deadline_s is None else max(0, int(deadline_s * 1000))
@@ -73,8 +73,10 @@ class ReplicaConnection:
                 raise ReplicaLost(f"{self.endpoint} is not connected") from None
             # shield: a cancelled caller must not cancel the future other code may await
             reply = await asyncio.wait_for(asyncio.shield(future), timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
-            if kind == p.GENERATE and not future.done():
+        except (TimeoutError, asyncio.CancelledError, ReplicaLost):
+            # Given up on without a reply (an abandoned replica may yet come back).
+            replied = future.done() and not future.cancelled() and future.exception() is None
+            if kind == p.GENERATE and not replied:
                 self.cancel(request_id)
             raise
         finally:

@@ -65,6 +65,8 @@ class RouterService:
             try:
                 return await asyncio.shield(call)
             except asyncio.CancelledError:
+                # The call's first step (it sends the request) was scheduled before
+                # this task could resume, so the cancel follows the request.
                 if not call.done():
                     replica.conn.cancel(request_id)
                 raise

@@ -1,5 +1,6 @@
-"""Per-request instrumentation of the pipeline's denoiser: progress ticks, CFG-parallel,
-and the model-parallel wrapper (``ModelParallel.wrap``: the sequence split under sp).
+"""Per-request instrumentation of the pipeline's denoiser: progress ticks, the stop
+gate, CFG-parallel, and the model-parallel wrapper (``ModelParallel.wrap``: the
+sequence split under sp).
 
 CFG-parallel relies on one convention of diffusers pipelines with true CFG (Flux,
 Qwen-Image, ...): each step calls the denoiser twice in a row, the first call
@@ -11,6 +12,18 @@ The rank that skipped the first call returned an empty tensor shaped like the
 latents and fills it in place at the exchange, before the pipeline reads it.
 Each rank therefore runs the exact single-process forward for its branch, so the
 output is bit-identical to one process at the same thread count.
+
+The stop gate drops a generation whose client cancelled it or whose deadline
+passed at its next denoising step instead of rendering it to the end. Every rank
+calls the denoiser the same number of times (the rank that skips a branch still
+enters the patched forward), so at a step's first call the driver, which alone
+knows about cancellations and owns the deadline's clock, broadcasts one byte over
+the gang's CPU group and every rank raises the same :class:`Halted` before the
+call's first collective. A rank that stopped on its own would leave the others
+waiting in a collective until it timed out. The gate skips the second branch of a
+CFG split: there the rank that skipped the first branch would wait at the
+broadcast for the other's first-branch forward instead of running its own branch
+meanwhile. A gang of one rank checks and relays nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +36,49 @@ import torch
 import torch.distributed as dist
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
+from dpserve.protocol import CANCELLED, DEADLINE_EXCEEDED, RequestError
+
 Forward = Callable[..., Any]
+# The driver's look at the running request: why it must stop now (a CANCELLED or
+# DEADLINE_EXCEEDED error), or None.
+HaltCheck = Callable[[], RequestError | None]
+_HALT_CODES: tuple[str | None, ...] = (None, CANCELLED, DEADLINE_EXCEEDED)
+
+
+class Halted(RequestError):
+    """The gang dropped the request at a denoiser call; answered like any refusal."""
+
+
+class StopGate:
+    """Asks the driver, at a step's denoiser call, whether the request goes on; every
+    rank gets the same answer (see the module's docstring).
+
+    ``group`` is the gang's CPU group (``None`` for a gang of one rank: nothing to
+    relay); ``check`` is the driver's (``None`` on the other ranks, and for work
+    nobody can cancel, such as the warm-up).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, src: int, check: HaltCheck | None) -> None:
+        self.group = group
+        self.src = src
+        self.check = check
+        self.calls = 0
+        self._flag = torch.zeros(1, dtype=torch.uint8)
+
+    def __call__(self, ask: bool = True) -> None:
+        """One denoiser call; ``ask`` is False where the gate must not stop the ranks."""
+        self.calls += 1
+        if not ask:
+            return
+        error = self.check() if self.check is not None else None
+        if self.group is not None:
+            self._flag[0] = 0 if error is None else _HALT_CODES.index(error.code)
+            dist.broadcast(self._flag, src=self.src, group=self.group)
+            code = _HALT_CODES[int(self._flag[0])]
+            if code is not None and error is None:  # another rank's view; never sent
+                error = RequestError(code, "stopped by the driver")
+        if error is not None:
+            raise Halted(error.code, f"{error}; dropped at denoiser call {self.calls}")
 
 
 def _sample(output: Any) -> torch.Tensor:
@@ -102,7 +157,9 @@ class DenoiserPatch:
         return self.cfg_group is not None and hasattr(denoiser, "cache_context")
 
     @contextlib.contextmanager
-    def applied(self, denoiser: torch.nn.Module, split: bool) -> Iterator[None]:
+    def applied(
+        self, denoiser: torch.nn.Module, split: bool, gate: StopGate | None = None
+    ) -> Iterator[None]:
         # A CFG gang's request without true CFG lends the CFG ranks to the split.
         lend = self.cfg_group is not None and not split
         original_forward: Forward = self.wrap(denoiser.forward, lend)
@@ -115,6 +172,8 @@ class DenoiserPatch:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             self.on_step()
+            if gate is not None:
+                gate(ask=state is None or state.branch != "uncond")
             if state is None:
                 return original_forward(*args, **kwargs)
             return state.call(original_forward, args, kwargs)

@@ -66,7 +66,7 @@ class Executor:
     fixed_kwargs: dict[str, Any]  # pipeline arguments set at start-up, for every request
     session_limits: SessionLimits = field(default_factory=SessionLimits)
     parallel: ModelParallel | None = None
-    _gate: StopGate | None = field(default=None, init=False, repr=False)  # a generation's
+    _gate: StopGate | None = field(default=None, init=False, repr=False)  # while generating
 
     def __post_init__(self) -> None:
         wrap = self.parallel.wrap if self.parallel is not None else (lambda forward, lend: forward)
@@ -102,7 +102,7 @@ class Executor:
     ) -> list[bytes]:
         """Every rank runs the pipeline; the returned frames matter on the driver only.
 
-        ``halt`` is the driver's: at each denoiser call it says whether the request
+        ``halt`` is the driver's: at each denoising step it says whether the request
         was cancelled or passed its deadline, and the whole gang drops it there.
         """
         start = time.perf_counter()

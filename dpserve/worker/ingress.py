@@ -10,7 +10,7 @@ dropped and logged; nothing a peer sends can stop this thread.
 A generation leaves the queue without running when its client cancels it or its
 deadline passes: the ingress thread answers it at once (or within one poll
 interval of the deadline). A running one is answered by the gang, which asks
-:meth:`Ingress.halt` at every denoiser call and drops it there.
+:meth:`Ingress.halt` at each denoising step and drops it there.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Ingress:
     def halt(self) -> p.RequestError | None:
         """Why the running generation must stop now (cancelled, or past its deadline).
 
-        Asked by the gang loop at every denoiser call; ``None``: go on.
+        Asked by the gang loop at each denoising step; ``None``: go on.
         """
         work, cancelled = self.work.running()
         if work is None:

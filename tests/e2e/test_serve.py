@@ -155,43 +155,65 @@ def test_readme_realtime_example_runs(dp2: ServeProcess) -> None:
     assert scope["png"].startswith(b"\x89PNG")
 
 
+class _Load:
+    """Clients generating without pause; what each got (replica or error) and how long."""
+
+    def __init__(self, serve: ServeProcess, clients: int = 3) -> None:
+        self.url = serve.url
+        self.served: list[tuple[str, float, float]] = []  # replica, start, end
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._client) for _ in range(clients)]
+
+    def __enter__(self) -> _Load:
+        for t in self.threads:
+            t.start()
+        time.sleep(1.5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+    def _client(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as client:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                r = client.post("/v1/images/generations", json={**REQUEST, "size": "128x128"})
+                if r.status_code == 200:
+                    replica = r.headers["X-Dpserve-Replica"]
+                    self.served.append((replica, start, time.monotonic()))
+                else:
+                    self.failures.append(r.text)
+
+    def replicas(self) -> list[str]:
+        return [replica for replica, _, _ in self.served]
+
+
+def _answered_everything(serve: ServeProcess) -> None:
+    books = read_accounting(serve.http.get("/metrics").text)
+    assert books.unanswered == 0, books  # every request it took got one answer
+
+
 def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora: Path) -> None:
     dp2.http.post("/v1/set_lora", json={"lora_nickname": "k", "lora_path": str(tiny_lora)})
-    failures: list[str] = []
-    served: list[str] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        with httpx.Client(base_url=dp2.url, timeout=120) as client:
-            while not stop.is_set():
-                r = client.post("/v1/images/generations", json={**REQUEST, "size": "128x128"})
-                (served if r.status_code == 200 else failures).append(
-                    r.headers.get("X-Dpserve-Replica", r.text)
-                )
-
-    threads = [threading.Thread(target=load) for _ in range(3)]
-    for t in threads:
-        t.start()
-    time.sleep(1.5)
-    victim = dp2.replica_supervisor(1)
-    for proc in [victim, *victim.children(recursive=True)]:
-        proc.kill()
-    saw_unhealthy = False
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not saw_unhealthy:
-        saw_unhealthy = dp2.http.get("/health").status_code == 503
-        assert dp2.http.get("/ready").status_code == 200
-        time.sleep(0.1)
-    assert saw_unhealthy
-    dp2.wait_healthy(120)  # restarted by serve, brought to the desired control state
-    time.sleep(2)
-    stop.set()
-    for t in threads:
-        t.join(timeout=120)
-    assert failures == []
-    assert served.count("1") >= 1 and served.count("0") >= 1
-    books = read_accounting(dp2.http.get("/metrics").text)
-    assert books.unanswered == 0, books  # every request it took got one answer
+    with _Load(dp2) as load:
+        victim = dp2.replica_supervisor(1)
+        for proc in [victim, *victim.children(recursive=True)]:
+            proc.kill()
+        saw_unhealthy = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not saw_unhealthy:
+            saw_unhealthy = dp2.http.get("/health").status_code == 503
+            assert dp2.http.get("/ready").status_code == 200
+            time.sleep(0.1)
+        assert saw_unhealthy
+        dp2.wait_healthy(120)  # restarted by serve, brought to the desired control state
+        time.sleep(2)
+    assert load.failures == []
+    assert load.replicas().count("1") >= 1 and load.replicas().count("0") >= 1
+    _answered_everything(dp2)
     listed = dp2.http.get("/v1/list_loras").json()
     assert listed["consistent"] is True
     assert "k" in [x["nickname"] for x in listed["result"]["loaded"]]
@@ -200,6 +222,30 @@ def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora:
         for r in (dp2.http.post("/v1/images/generations", json=REQUEST) for _ in range(2))
     }
     assert set(pngs) == {"0", "1"} and pngs["0"] == pngs["1"]
+
+
+def test_stopped_driver_costs_seconds_not_requests(dp2: ServeProcess) -> None:
+    """SIGSTOP a driver under load: what it held is retried on the other replica after
+    two missed pings (seconds, not the request timeout); SIGCONT: it serves again."""
+    ranks = [
+        c
+        for c in dp2.replica_supervisor(0).children()
+        if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    driver = min(ranks, key=lambda c: c.create_time())
+    with _Load(dp2) as load:
+        stopped = time.monotonic()
+        driver.suspend()
+        time.sleep(8)
+        driver.resume()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and load.replicas()[-6:].count("0") < 2:
+            time.sleep(0.2)  # back in rotation after a good ping
+    assert load.failures == []
+    held = [end - start for _, start, end in load.served if start <= stopped <= end]
+    assert held and max(held) < 10, held
+    assert load.replicas()[-6:].count("0") >= 2
+    _answered_everything(dp2)
 
 
 def test_serve_with_sequence_and_tensor_parallel_replicas(tiny4_model: Path) -> None:

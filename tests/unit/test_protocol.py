@@ -136,3 +136,55 @@ def test_fuzz_truncated_and_mutated_frames_never_crash_the_decoder() -> None:
         if isinstance(body, dict):
             with contextlib.suppress(p.RequestError):
                 p.parse_generate(body.get("body"), LIMITS)
+
+
+# ---------------------------------------------------------------- deadlines and cancel
+
+
+def test_a_deadline_travels_in_the_header_and_is_absent_without_one() -> None:
+    timed = p.decode(p.encode(p.GENERATE, "t", {"prompt": "x"}, timeout_ms=1500))
+    assert (timed.id, timed.kind, timed.timeout_ms) == ("t", p.GENERATE, 1500)
+    plain = p.encode(p.GENERATE, "u", {"prompt": "x"})
+    assert p.decode(plain).timeout_ms is None
+    # No deadline, no field: the header is byte for byte what version 1 always sent.
+    v1 = {"v": 1, "id": "u", "kind": p.GENERATE, "body": {"prompt": "x"}}
+    assert plain[0] == msgspec.msgpack.encode(v1)
+
+
+def test_a_peer_that_predates_deadlines_reads_the_header_and_ignores_it() -> None:
+    class OldHeader(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+        v: int
+        id: str
+        kind: str
+        body: msgspec.Raw = msgspec.Raw(b"\x80")
+
+    old = msgspec.msgpack.decode(
+        p.encode(p.GENERATE, "t", {"a": 1}, timeout_ms=5)[0], type=OldHeader
+    )
+    assert (old.v, old.id, old.kind) == (p.PROTOCOL_VERSION, "t", p.GENERATE)
+    assert msgspec.msgpack.decode(old.body) == {"a": 1}
+
+
+@pytest.mark.parametrize("timeout_ms", [-1, "soon", 1.5, [3]])
+def test_a_bad_deadline_is_refused_with_the_request_id(timeout_ms: object) -> None:
+    header = msgspec.msgpack.encode(
+        {"v": 1, "id": "late", "kind": p.GENERATE, "body": {}, "timeout_ms": timeout_ms}
+    )
+    with pytest.raises(p.ProtocolError) as err:
+        p.decode([header])
+    assert err.value.request_id == "late" and "timeout_ms" in str(err.value)
+
+
+def test_cancel_names_a_request_and_a_bad_cancel_body_is_a_protocol_error() -> None:
+    message = p.decode(p.encode(p.CANCEL, "c1", p.CancelRequest(request_id="r9")))
+    assert message.kind == p.CANCEL and p.CANCEL in p.REQUEST_KINDS
+    assert message.body_as(p.CancelRequest) == p.CancelRequest(request_id="r9")
+    for body in ({}, {"request_id": 5}, [1, 2], "r9"):
+        with pytest.raises(p.ProtocolError) as err:
+            p.decode(p.encode(p.CANCEL, "c2", body)).body_as(p.CancelRequest)
+        assert err.value.request_id == "c2"
+
+
+def test_dropped_work_has_codes_a_front_end_maps() -> None:
+    assert p.RequestError(p.CANCELLED, "gone").status == 499
+    assert p.RequestError(p.DEADLINE_EXCEEDED, "late").status == 504

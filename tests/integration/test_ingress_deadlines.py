@@ -1,0 +1,151 @@
+"""The driver's ingress on its own (a real ROUTER socket; this test plays the gang loop):
+deadlines and cancels take generations out of the queue, and tell the running one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from dpserve import protocol as p
+from dpserve.client import ReplicaClient, ReplicaTimeout
+from dpserve.worker.commands import GangStatus
+from dpserve.worker.ingress import Ingress
+from tests.workers import free_port
+
+BODY = {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}
+
+
+@pytest.fixture()
+def ingress() -> Iterator[Ingress]:
+    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, p.Limits(), GangStatus(), 8, 120.0, 2)
+    front.start()
+    try:
+        yield front
+    finally:
+        front.close()
+
+
+def _client(ingress: Ingress) -> ReplicaClient:
+    return ReplicaClient(ingress.endpoint, timeout_s=5)
+
+
+def _cancel(client: ReplicaClient, request_id: str) -> None:
+    client.send_raw(
+        p.encode(p.CANCEL, f"cancel-{request_id}", p.CancelRequest(request_id=request_id))
+    )
+
+
+def _queued(ingress: Ingress, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while ingress.work.qsize() != n:
+        assert time.monotonic() < deadline, f"queue holds {ingress.work.qsize()}, not {n}"
+        time.sleep(0.01)
+
+
+def _code(message: p.Message) -> str:
+    assert message.kind == p.ERROR
+    return p.decode_error(message).code
+
+
+def test_queued_work_past_its_deadline_is_answered_without_the_gang(ingress: Ingress) -> None:
+    with _client(ingress) as client:
+        sent = time.monotonic()
+        client.send_raw(p.encode(p.GENERATE, "late", BODY, timeout_ms=300))
+        client.send_raw(p.encode(p.GENERATE, "now", BODY, timeout_ms=0))
+        client.send_raw(p.encode(p.GENERATE, "calm", BODY))  # no deadline: it waits its turn
+        first = client.recv()
+        assert (first.id, _code(first)) == ("now", p.DEADLINE_EXCEEDED)
+        assert time.monotonic() - sent < 0.5  # at once: before "late", queued first, expired
+        second = client.recv()
+        waited = time.monotonic() - sent
+        assert (second.id, _code(second)) == ("late", p.DEADLINE_EXCEEDED)
+        assert 0.3 <= waited < 1.0  # one poll interval (0.1 s) past the deadline, load aside
+        assert "before it started" in str(p.decode_error(second))
+    work = ingress.next_work(timeout=0)
+    assert work is not None and work.command.id == "calm" and work.deadline is None
+    assert ingress.work.qsize() == 0
+
+
+def test_a_cancel_takes_only_its_own_clients_queued_request(ingress: Ingress) -> None:
+    with _client(ingress) as mine, _client(ingress) as other:
+        mine.send_raw(p.encode(p.GENERATE, "r1", BODY))
+        mine.send_raw(p.encode(p.GENERATE, "r2", BODY))
+        other.send_raw(p.encode(p.GENERATE, "r1", BODY))  # the same id from someone else
+        _queued(ingress, 3)
+        _cancel(mine, "r1")
+        reply = mine.recv()
+        assert (reply.id, _code(reply)) == ("r1", p.CANCELLED)
+        _cancel(mine, "nobody")  # unknown (or answered already): no reply at all
+        with pytest.raises(ReplicaTimeout):
+            mine.recv(timeout_s=0.3)
+        with pytest.raises(ReplicaTimeout):
+            other.recv(timeout_s=0.1)
+    left = [ingress.next_work(timeout=0) for _ in range(2)]
+    # Mine r2 and the other's r1 (two connections: in either order).
+    assert sorted(w.command.id for w in left if w is not None) == ["r1", "r2"]
+
+
+def test_the_running_generation_learns_it_was_cancelled_or_is_late(ingress: Ingress) -> None:
+    with _client(ingress) as client:
+        client.send_raw(p.encode(p.GENERATE, "run", BODY, timeout_ms=60_000))
+        work = ingress.next_work(timeout=5)
+        assert work is not None and work.command.id == "run"
+        assert ingress.halt() is None
+        _cancel(client, "run")
+        deadline = time.monotonic() + 5
+        while (halt := ingress.halt()) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert halt.code == p.CANCELLED and halt.status == 499
+        ingress.finished()
+        assert ingress.halt() is None  # a late cancel concerns nothing now
+
+        client.send_raw(p.encode(p.GENERATE, "slow", BODY, timeout_ms=200))
+        work = ingress.next_work(timeout=5)
+        assert work is not None and ingress.halt() is None
+        time.sleep(0.25)
+        late = ingress.halt()
+        assert late is not None and late.code == p.DEADLINE_EXCEEDED
+        assert "while it ran" in str(late)
+        ingress.finished()
+        with pytest.raises(ReplicaTimeout):  # the gang answers a running one, not the ingress
+            client.recv(timeout_s=0.2)
+
+
+def test_deadlines_and_cancels_leave_sessions_and_control_ops_alone(ingress: Ingress) -> None:
+    with _client(ingress) as client:
+        control = p.ControlRequest(op="list_loras")
+        client.send_raw(p.encode(p.CONTROL, "ctl", control, timeout_ms=0))
+        _queued(ingress, 1)
+        _cancel(client, "ctl")
+        with pytest.raises(ReplicaTimeout):
+            client.recv(timeout_s=0.3)
+        work = ingress.next_work(timeout=0)
+        assert work is not None and work.command.id == "ctl" and work.deadline is None
+        _cancel(client, "ctl")
+        time.sleep(0.1)
+        assert ingress.halt() is None
+        ingress.finished()
+
+
+def test_malformed_cancels_are_answered_like_any_malformed_message(ingress: Ingress) -> None:
+    enc = msgspec.msgpack.encode
+    cases = {
+        "empty": p.encode(p.CANCEL, "empty", {})[0],
+        "number": p.encode(p.CANCEL, "number", {"request_id": 5})[0],
+        "list": p.encode(p.CANCEL, "list", [1, 2])[0],
+        "minus": enc({"v": 1, "id": "minus", "kind": p.GENERATE, "body": BODY, "timeout_ms": -5}),
+    }
+    with _client(ingress) as client:
+        for request_id, header in cases.items():
+            client.send_raw([header])
+            reply = client.recv()
+            assert (reply.id, _code(reply)) == (request_id, p.INVALID_REQUEST)
+        client.send_raw([enc({"v": 1, "kind": p.CANCEL, "body": {"request_id": 1}})])  # no id
+        with pytest.raises(ReplicaTimeout):
+            client.recv(timeout_s=0.3)
+        assert client.ping().status == "ok"
+    assert ingress.work.qsize() == 0
