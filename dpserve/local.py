@@ -1,9 +1,11 @@
 """Embedded mode: N replicas as local processes and the router in front.
 
 ``dpserve serve --dp-size N`` is SGLang's ``--dp-size`` on one machine: replica
-``r``'s driver binds ``scheduler_port + r``; a replica that dies is started again
-on the same port (as a pod's restart policy would), and the router replays the
-control log to it before it takes traffic.
+``r``'s driver binds ``scheduler_port + r``, or a free port when that one is taken
+(the worker reports the endpoint it bound, and the router dials that one, as SGLang
+settles its scheduler ports); a replica that dies is started again on the same
+endpoint (as a pod's restart policy would), and the router replays the control log
+to it before it takes traffic.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
 from dpserve.client import ReplicaClient, ReplicaTimeout
@@ -45,7 +48,14 @@ def _worker_preexec() -> None:
 
 
 class WorkerProcess:
-    """One replica (``dpserve worker``) as a child process."""
+    """One replica (``dpserve worker``) as a child process.
+
+    With ``settle``, a taken ``port`` moves to a free one: the worker writes the
+    endpoint it bound to a file (``--endpoint-file``), and ``port`` and ``endpoint``
+    are the real ones once ``wait_ready`` returns. A restart asks for that endpoint
+    and no other, since its clients already dial it (taken: that start fails, and
+    the next one tries again).
+    """
 
     def __init__(
         self,
@@ -54,18 +64,25 @@ class WorkerProcess:
         port: int | None = None,
         wait: bool = True,
         ready_timeout_s: float = 180.0,
+        settle: bool = False,
     ) -> None:
         self.model = model
         self.args = args
         self.port = port or free_port()
         self.endpoint = replica_endpoint("127.0.0.1", self.port, 0)
+        # Where the worker reports its endpoint (removed at exit, read or not).
+        self._report = tempfile.TemporaryDirectory(prefix="dpserve-endpoint-") if settle else None
         self.proc = self._spawn()
         if wait:
             self.wait_ready(ready_timeout_s)
 
+    @property
+    def _endpoint_file(self) -> Path | None:
+        return None if self._report is None else Path(self._report.name) / "endpoint"
+
     def _spawn(self) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "dpserve", "worker"]
-        cmd += [*worker_flags({"model": self.model, "port": self.port}), *self.args]
+        where = {"model": self.model, "port": self.port, "endpoint_file": self._endpoint_file}
+        cmd = [sys.executable, "-m", "dpserve", "worker", *worker_flags(where), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(cmd, env=env, preexec_fn=_worker_preexec)
 
@@ -74,6 +91,8 @@ class WorkerProcess:
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
+        if self._report is not None:
+            self._settle(deadline)
         with ReplicaClient(self.endpoint) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -85,6 +104,24 @@ class WorkerProcess:
                     continue
         self.kill()
         raise TimeoutError(f"worker on {self.endpoint} not ready in {timeout_s:.0f}s")
+
+    def _settle(self, deadline: float) -> None:
+        """Wait for the endpoint the worker bound; from then on, it is this worker's."""
+        assert self._report is not None and self._endpoint_file is not None
+        try:
+            while not self._endpoint_file.is_file():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited with {self.proc.returncode} during start-up")
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise TimeoutError(f"worker for port {self.port} reported no endpoint in time")
+                time.sleep(0.1)
+            bound = self._endpoint_file.read_text().strip()
+        finally:
+            self._report.cleanup()
+            self._report = None  # restarts ask for this endpoint, and only for it
+        self.port = int(bound.rsplit(":", 1)[1])
+        self.endpoint = replica_endpoint("127.0.0.1", self.port, 0)
 
     def client(self, timeout_s: float = 120.0) -> ReplicaClient:
         return ReplicaClient(self.endpoint, timeout_s=timeout_s)
@@ -147,7 +184,8 @@ class LocalReplicas:
         for r in range(self.config.dp_size):
             port = self.config.scheduler_port + r
             args = self.config.replica_args(r)
-            self.workers.append(WorkerProcess(self.config.model, *args, port=port, wait=False))
+            worker = WorkerProcess(self.config.model, *args, port=port, wait=False, settle=True)
+            self.workers.append(worker)
         try:
             for worker in self.workers:  # they start in parallel; wait for each in turn
                 worker.wait_ready(ready_timeout_s)
@@ -163,9 +201,10 @@ class LocalReplicas:
                 if worker.proc.poll() is None or self._stopping.is_set():
                     continue
                 log.warning(
-                    "replica %d exited with %s; restarting in %.0fs",
+                    "replica %d exited with %s; restarting it on %s in %.0fs",
                     r,
                     worker.proc.returncode,
+                    worker.endpoint,
                     backoff[r],
                 )
                 if self._stopping.wait(backoff[r]):
@@ -207,36 +246,62 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
 
     from dpserve.router.app import create_app, server_config
 
-    local = LocalReplicas(replicas)
-    local.start()
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    settings = dataclasses.replace(settings, workers=tuple(local.endpoints), public_url=url)
-    server = uvicorn.Server(server_config(create_app(settings), host, port))
 
-    async def announce() -> None:
-        while not server.started:
-            await asyncio.sleep(0.05)
-        print(_banner(url, replicas), flush=True)
+    async def run(server: uvicorn.Server, endpoints: list[str]) -> None:
+        async def announce() -> None:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            print(_banner(url, replicas, endpoints), flush=True)
 
-    async def run() -> None:
         announcer = asyncio.create_task(announce())
         try:
             await server.serve()
         finally:
             announcer.cancel()
 
+    _unwind_on_signals()
+    local = LocalReplicas(replicas)
     try:
-        asyncio.run(run())
+        local.start()
+        settings = dataclasses.replace(settings, workers=tuple(local.endpoints), public_url=url)
+        server = uvicorn.Server(server_config(create_app(settings), host, port))
+        asyncio.run(run(server, local.endpoints))
+    except _Stopped:
+        pass  # asked to stop: what follows is the stop
     finally:
+        # Already stopping. A second Ctrl-C still works: it reaches the workers too
+        # (one process group), and they take it as "now".
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         local.stop()
     return 0
 
 
-def _banner(url: str, replicas: ReplicaSetConfig) -> str:
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM reached ``serve``: unwind to the orderly stop."""
+
+
+def _unwind_on_signals() -> None:
+    """SIGINT and SIGTERM raise ``_Stopped``: no KeyboardInterrupt traceback.
+
+    Needed twice: while the replicas start, and when uvicorn, which handles both
+    signals while it serves, re-raises the one it caught on its way out; by default
+    that re-raise ends the process before the replicas are stopped, leaving them
+    to drain orphaned.
+    """
+
+    def unwind(signum: int, frame: FrameType | None) -> None:
+        raise _Stopped(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, unwind)
+
+
+def _banner(url: str, replicas: ReplicaSetConfig, endpoints: list[str]) -> str:
     return (
         f"\ndpserve ready: {replicas.dp_size} replica(s) of {replicas.model} behind {url}\n"
-        f"  drivers on tcp://127.0.0.1:{replicas.scheduler_port}"
-        f"..{replicas.scheduler_port + replicas.dp_size - 1}\n"
+        f"  drivers on {', '.join(endpoints)}\n"
         "  try:\n"
         f"    curl -s {url}/v1/images/generations -H 'Content-Type: application/json' \\\n"
         '      -d \'{"prompt": "a lighthouse at dusk", "size": "256x256", '

@@ -24,17 +24,38 @@ def _configure(sock: S) -> S:
     return sock
 
 
-def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
-    """The driver's ingress: a ROUTER bound on ``endpoint`` (``tcp://ADDR:PORT``)."""
+def bind_router(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, *, settle: bool = False
+) -> zmq.Socket[bytes]:
+    """The driver's ingress: a ROUTER bound on ``endpoint`` (``tcp://ADDR:PORT``).
+
+    A taken port is an error, unless ``settle``: then the socket binds a free port
+    on the same address, and whoever asked reads the real one (``bound_endpoint``).
+    """
     sock = _configure(ctx.socket(zmq.ROUTER))
     # Replies to a router that reconnected under the same identity must not be lost.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     try:
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            if not (settle and exc.errno == zmq.EADDRINUSE):
+                raise
+            sock.bind(_any_port(endpoint))  # the OS picks: no race with another binder
     except zmq.ZMQError:
         sock.close(linger=0)
         raise
     return sock
+
+
+def bound_endpoint(sock: zmq.Socket[bytes]) -> str:
+    """The endpoint a socket really bound (its port resolved, as a peer connects to it)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _any_port(endpoint: str) -> str:
+    address, _, _port = endpoint.rpartition(":")
+    return f"{address}:*"
 
 
 def connect_dealer(ctx: zmq.Context[Any], endpoint: str, *, immediate: bool = False) -> Any:

@@ -1,15 +1,43 @@
-"""Prometheus metrics of one router, in a registry of its own (no process-global state)."""
+"""Prometheus metrics of one router, in a registry of its own (no process-global state).
+
+Accounting: every HTTP request is counted once when it enters the app
+(``dpserve_requests_accepted_total``) and once when the app is done with it
+(``dpserve_requests_answered_total`` by outcome), so a request the router lost
+shows as accepted > answered. ``read_accounting`` turns a scrape into the numbers.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.routing import Match
 
 from dpserve.router.pool import ReplicaPool
 
+_ROUTE_CACHE = 1024
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+# Outcomes of an HTTP request (``dpserve_requests_answered_total{outcome}``).
+OK, CLIENT_ERROR, SERVER_ERROR, DISCONNECTED = "ok", "client_error", "server_error", "disconnected"
+# Outcomes of a WebSocket connection (``dpserve_websockets_closed_total{outcome}``).
+WS_CLOSED, WS_REFUSED, WS_ERROR = "closed", "refused", "error"
+
+
+def outcome(status: int, disconnected: bool) -> str:
+    """What became of a request: the client left before an answer started, or its status class.
+
+    A client that went away gets no answer at all (the router's 499 never reaches it).
+    """
+    if disconnected:
+        return DISCONNECTED
+    if status < 400:
+        return OK
+    return CLIENT_ERROR if status < 500 else SERVER_ERROR
 
 
 class RouterMetrics:
@@ -19,6 +47,31 @@ class RouterMetrics:
             "dpserve_requests",
             "HTTP requests by route and status",
             ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.accepted = Counter(
+            "dpserve_requests_accepted",
+            "HTTP requests that entered the router, counted on entry",
+            ["route", "method"],
+            registry=self.registry,
+        )
+        self.answered = Counter(
+            "dpserve_requests_answered",
+            "HTTP requests the router is done with, by outcome (ok, client_error, "
+            "server_error, disconnected)",
+            ["route", "method", "outcome"],
+            registry=self.registry,
+        )
+        self.ws_opened = Counter(
+            "dpserve_websockets_opened",
+            "WebSocket connections that entered the router",
+            ["route"],
+            registry=self.registry,
+        )
+        self.ws_closed = Counter(
+            "dpserve_websockets_closed",
+            "WebSocket connections the router is done with, by outcome (closed, refused, error)",
+            ["route", "outcome"],
             registry=self.registry,
         )
         self.latency = Histogram(
@@ -50,10 +103,13 @@ class RouterMetrics:
             "dpserve_queue_depth", "Requests waiting for a replica slot", registry=self.registry
         )
 
-    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+    def observe(
+        self, route: str, method: str, status: int, seconds: float, disconnected: bool = False
+    ) -> None:
         labels = (route, method, str(status))
         self.requests.labels(*labels).inc()
         self.latency.labels(*labels).observe(seconds)
+        self.answered.labels(route, method, outcome(status, disconnected)).inc()
 
     def render(self, pool: ReplicaPool) -> bytes:
         """Gauges are read from the pool at scrape time, so they are never stale."""
@@ -68,28 +124,131 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+def _route_of(scope: Any) -> str:
+    """The route template the app will pick for ``scope``, known before it runs.
+
+    The router's own choice, replayed: the first full match, else the first
+    partial one (a wrong method, answered 405).
+    """
+    partial = None
+    for route in getattr(getattr(scope.get("app"), "router", None), "routes", ()):
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return str(getattr(route, "path", "unmatched"))
+        if match == Match.PARTIAL and partial is None:
+            partial = str(getattr(route, "path", "unmatched"))
+    return partial or "unmatched"
+
+
 class MetricsMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from routes)."""
 
     def __init__(self, app: Any, metrics: RouterMetrics) -> None:
         self.app = app
         self.metrics = metrics
+        # Route labels by what routing reads: matching costs microseconds per route.
+        # Bounded, since clients choose the paths; past the bound, labels are computed.
+        self._routes: dict[tuple[str, str, str, str], str] = {}
+
+    def _route(self, scope: Any) -> str:
+        key = (scope["type"], scope.get("method", ""), scope.get("root_path", ""), scope["path"])
+        route = self._routes.get(key)
+        if route is None:
+            route = _route_of(scope)
+            if len(self._routes) < _ROUTE_CACHE:
+                self._routes[key] = route
+        return route
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, status = time.perf_counter(), 500
+        route, method = self._route(scope), scope["method"]
+        self.metrics.accepted.labels(route, method).inc()
+        # Without a response start the app raised, and the server answers 500.
+        started, status, responded, disconnected = time.perf_counter(), 500, False, False
+
+        async def receive_and_note() -> Any:
+            nonlocal disconnected
+            message = await receive()
+            if message["type"] == "http.disconnect" and not responded:
+                disconnected = True
+            return message
 
         async def send_and_record(message: Any) -> None:
-            nonlocal status
+            nonlocal status, responded
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, responded = message["status"], True
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_record)
+            await self.app(scope, receive_and_note, send_and_record)
         finally:
-            # The router stores the matched route in the (shared) scope.
-            path = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.observe(path, scope["method"], status, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.observe(route, method, status, elapsed, disconnected)
+
+    async def _websocket(self, scope: Any, receive: Any, send: Any) -> None:
+        route = self._route(scope)
+        self.metrics.ws_opened.labels(route).inc()
+        accepted, result = False, WS_ERROR
+
+        async def send_and_note(message: Any) -> None:
+            nonlocal accepted
+            if message["type"] == "websocket.accept":
+                accepted = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+            result = WS_CLOSED if accepted else WS_REFUSED
+        finally:
+            self.metrics.ws_closed.labels(route, result).inc()
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """What a ``/metrics`` scrape says about requests in and answers out."""
+
+    accepted: int
+    answered: dict[str, int]  # by outcome
+    websockets_opened: int = 0
+    websockets_closed: dict[str, int] = field(default_factory=dict)  # by outcome
+
+    @property
+    def unanswered(self) -> int:
+        """Requests in flight at the scrape, or lost: 0 once the clients are done."""
+        return self.accepted - sum(self.answered.values())
+
+    @property
+    def websockets_open(self) -> int:
+        return self.websockets_opened - sum(self.websockets_closed.values())
+
+
+def read_accounting(text: str, skip_routes: Collection[str] = ("/metrics",)) -> Accounting:
+    """Parse a ``/metrics`` scrape into an ``Accounting``.
+
+    ``/metrics`` itself is left out by default: the scrape that wrote ``text`` was
+    accepted but not yet answered while it rendered.
+    """
+    accepted = opened = 0
+    answered: dict[str, int] = {}
+    closed: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total") or sample.labels.get("route") in skip_routes:
+                continue
+            value = int(sample.value)
+            if family.name == "dpserve_requests_accepted":
+                accepted += value
+            elif family.name == "dpserve_requests_answered":
+                key = sample.labels["outcome"]
+                answered[key] = answered.get(key, 0) + value
+            elif family.name == "dpserve_websockets_opened":
+                opened += value
+            elif family.name == "dpserve_websockets_closed":
+                key = sample.labels["outcome"]
+                closed[key] = closed.get(key, 0) + value
+    return Accounting(accepted, answered, opened, closed)

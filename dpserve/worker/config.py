@@ -7,8 +7,8 @@ derived from it: the argparse of ``dpserve worker`` and ``dpserve serve``
 (``WorkerConfig.from_args``), the ``dpserve worker`` flags that ``serve`` and the
 operator pass on (``worker_flags``), and the CRD's defaults that mirror the
 worker's (``default``). A gang option is shared by every replica of a set (``serve``
-takes it too); the others say where one replica runs (model, port, bind, replica,
-first GPU). Stdlib only: the operator and the CLI import it, never torch.
+takes it too); the others say where one replica runs (model, port, bind, endpoint
+file, replica, first GPU). Stdlib only: the operator and the CLI import it, never torch.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ def port_number(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class Flag:
     """How a ``WorkerConfig`` field is spelled on the ``dpserve worker`` command line."""
@@ -62,6 +69,15 @@ class WorkerConfig:
     port: int = field(metadata=_flag("ZMQ port the driver binds", port_number, gang=False))
     bind: str = field(
         default="127.0.0.1", metadata=_flag("address the driver binds (0.0.0.0: all)", gang=False)
+    )
+    # None: the port is fixed (a pod declares it), so a taken one fails the start.
+    endpoint_file: Path | None = field(
+        default=None,
+        metadata=_flag(
+            "write the endpoint bound here; a taken --port then settles on a free one",
+            Path,
+            gang=False,
+        ),
     )
     replica: int = field(
         default=0, metadata=_flag("replica index reported in replies", int, gang=False)
@@ -93,6 +109,14 @@ class WorkerConfig:
     )
     drain_timeout_s: float = field(
         default=300.0, metadata=_flag("seconds to finish work", float, name="--drain-timeout")
+    )
+    hang_timeout_s: float = field(  # a stopped or frozen rank: the whole gang goes
+        default=10.0,
+        metadata=_flag(
+            "seconds a rank may miss its heartbeat before the gang is killed",
+            seconds,
+            name="--hang-timeout",
+        ),
     )
     max_sessions: int = field(default=8, metadata=_flag("realtime sessions held", positive))
     max_session_mb: float = field(default=256.0, metadata=_flag("state per session", float))

@@ -1,8 +1,9 @@
 """The supervisor of one replica: starts its gang of ranks and keeps it all-or-nothing.
 
-A rank that dies takes the whole gang down with a non-zero exit, so a replica is
-never half alive. SIGTERM (or Ctrl-C) asks the driver to drain: it stops taking
-requests, finishes the queued ones and relays STOP, and every rank exits 0.
+A rank that dies, or stops sending heartbeats (stopped, frozen: ``heartbeat``), takes
+the whole gang down with a non-zero exit, so a replica is never half alive. SIGTERM
+(or Ctrl-C) asks the driver to drain: it stops taking requests, finishes the queued
+ones and relays STOP, and every rank exits 0.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from dpserve.worker.config import WorkerConfig, gang_first_gpu, gpu_problem
+from dpserve.worker.heartbeat import HangCheck, Heartbeats
 from dpserve.worker.rank import RankArgs, rank_main
 from dpserve.worker.splittable import layout_problem
 
@@ -85,10 +87,11 @@ def run_gang(cfg: WorkerConfig) -> int:
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="dpserve-gang-")
     store = os.path.join(store_dir, "store")
+    beats = Heartbeats(ctx, cfg.gang_size)
     procs = [
         ctx.Process(
             target=rank_main,
-            args=(RankArgs(cfg, rank, store),),
+            args=(RankArgs(cfg, rank, store, beats),),
             name=f"dpserve-r{cfg.replica}-rank{rank}",
         )
         for rank in range(cfg.gang_size)
@@ -110,23 +113,35 @@ def run_gang(cfg: WorkerConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        for proc in procs:
+        for rank, proc in enumerate(procs):
+            beats.started(rank)
             proc.start()
         log.info("replica %d: started %d ranks", cfg.replica, len(procs))
-        return _watch(procs, stop_at)
+        return _watch(procs, stop_at, HangCheck(beats, cfg.hang_timeout_s, time.monotonic()))
     finally:
         _kill(procs)
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _watch(procs: Sequence[BaseProcess], stop_at: list[float]) -> int:
-    """Poll the ranks: any failure kills the gang; all clean exits end it with 0."""
+def _watch(procs: Sequence[BaseProcess], stop_at: list[float], hangs: HangCheck) -> int:
+    """Poll the ranks: any failure or hang kills the gang; all clean exits end it with 0."""
     while True:
         codes = [proc.exitcode for proc in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
             log.error("rank %d exited with %s: stopping the whole gang", rank, code)
+            _kill(procs)
+            return 1
+        hung = hangs.hung([r for r, c in enumerate(codes) if c is None], time.monotonic())
+        if hung is not None:
+            rank, silent = hung
+            log.error(
+                "rank %d (%s) sent no heartbeat for %.1fs: stopping the whole gang",
+                rank,
+                _state(procs[rank].pid),
+                silent,
+            )
             _kill(procs)
             return 1
         if all(c == 0 for c in codes):
@@ -141,3 +156,14 @@ def _watch(procs: Sequence[BaseProcess], stop_at: list[float]) -> int:
             _kill(procs)
             return 1
         time.sleep(_POLL_S)
+
+
+def _state(pid: int | None) -> str:
+    """What Linux says a process is doing, for the log: "stopped" names a SIGSTOP."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    names = {"T": "stopped", "t": "stopped by a tracer", "D": "in an uninterruptible wait"}
+    return names.get(letter, f"state {letter}")

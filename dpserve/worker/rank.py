@@ -2,18 +2,22 @@
 
 The driver (first rank) owns the ingress and relays one command per loop turn to
 the whole gang with a broadcast over the gang's CPU group; every rank executes
-it; only the driver replies. When idle the driver relays a tick, so a dead or
-hung rank shows within one tick interval and idle collectives never time out.
+it; only the driver replies. When idle the driver relays a tick, so a dead rank
+shows within one tick interval and idle collectives never time out (a stopped one
+does not, a broadcast waits for no receiver: the supervisor's heartbeats find it).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpserve import protocol as p
@@ -23,6 +27,7 @@ from dpserve.proc import die_with_parent
 from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_command
 from dpserve.worker.commands import encode_command as _encode
 from dpserve.worker.config import WorkerConfig
+from dpserve.worker.heartbeat import Heartbeats
 
 if TYPE_CHECKING:
     from dpserve.worker.executor import Executor
@@ -37,14 +42,21 @@ class RankArgs:
     config: WorkerConfig
     rank: int
     store_path: str
+    heartbeats: Heartbeats
 
 
 def rank_main(args: RankArgs) -> None:
     """Process entry point (multiprocessing spawn target)."""
     die_with_parent()
-    if os.getppid() == 1:  # the supervisor died before we could ask
+    parent = mp.parent_process()
+    # Reparented: the supervisor died before we could ask. (Not "parent is PID 1":
+    # in a container the supervisor is PID 1.)
+    if parent is None or os.getppid() != parent.pid:
         sys.exit(1)
     cfg = args.config
+    # First of all: loading the model takes long, and the supervisor counts silence.
+    args.heartbeats.beat_forever(args.rank, cfg.hang_timeout_s)
+    _thread_lock_for_progress_bars()
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s replica{cfg.replica}/rank{args.rank} %(levelname)s %(message)s",
@@ -66,6 +78,20 @@ def rank_main(args: RankArgs) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """Give tqdm (diffusers' progress bars) a thread lock before any bar exists.
+
+    Its default lock holds a multiprocessing semaphore, which only the
+    interpreter's finalization unlinks: a rank leaves by ``os._exit``, so each one
+    left a semaphore behind, and the resource tracker warned about it when the
+    worker stopped. A rank's bars never share a terminal line with another process,
+    so a thread lock is all they need.
+    """
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
@@ -223,16 +249,29 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         cfg.max_queue,
         cfg.stall_s,
         cfg.max_sessions,
+        settle=cfg.endpoint_file is not None,  # only a caller that reads it back may move it
     )
+    if not ingress.endpoint.endswith(f":{cfg.port}"):
+        taken = "replica %d: port %d is taken; bound %s instead"
+        log.warning(taken, cfg.replica, cfg.port, ingress.endpoint)
     ingress.start()
+    if cfg.endpoint_file is not None:
+        _write_atomically(cfg.endpoint_file, ingress.endpoint + "\n")
     log.info(
         "replica %d ready: %s on %s (gang of %d)",
         cfg.replica,
         describe(cfg.parallel),
-        cfg.endpoint,
+        ingress.endpoint,
         cfg.gang_size,
     )
     return ingress
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader polling ``path`` sees nothing or all of ``text``, never a part."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def _next_command(
@@ -279,13 +318,17 @@ def _loop(
             continue
         status.busy = True
         if command.generate is not None:
-            frames = executor.generate(command.id, command.generate, queue_s)
+            # The driver's ingress says, at each denoising step, whether the work goes on.
+            halt = ingress.halt if ingress is not None else None
+            frames = executor.generate(command.id, command.generate, queue_s, halt)
         elif command.session is not None:
             frames = executor.session(command.id, command.session, command.blobs)
         else:
             assert command.control is not None
             frames = executor.control(command.id, command.control, cfg.replica)
         status.busy = False
+        if ingress is not None:
+            ingress.finished()
         if identity or ingress is None:  # the driver's own expiries are not served requests
             status.served += 1
         if ingress is not None and frames and identity:  # the driver's own commands get none

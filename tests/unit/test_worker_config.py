@@ -18,13 +18,14 @@ from dpserve.worker.config import Flag, WorkerConfig, worker_flags
 FIELDS = {f.name: f for f in dataclasses.fields(WorkerConfig)}
 FLAGS: dict[str, Flag] = {n: f.metadata["flag"] for n, f in FIELDS.items() if "flag" in f.metadata}
 GANG = {n for n, flag in FLAGS.items() if flag.gang}
-PER_REPLICA = {"model", "port", "bind", "replica", "first_gpu"}
+PER_REPLICA = {"model", "port", "bind", "endpoint_file", "replica", "first_gpu"}
 
 # Every flag field set away from its default (and valid together), for the round trip.
 ODD = WorkerConfig(
     model=Path("/m/flux"),
     port=6000,
     bind="0.0.0.0",
+    endpoint_file=Path("/run/dpserve/endpoint"),
     replica=3,
     first_gpu=4,
     tp=2,
@@ -40,6 +41,7 @@ ODD = WorkerConfig(
     max_steps=7,
     max_sequence_length=77,
     drain_timeout_s=12.5,
+    hang_timeout_s=4.5,
     max_sessions=2,
     max_session_mb=64.5,
     session_idle_timeout_s=9.0,
@@ -72,7 +74,7 @@ def test_every_gang_option_is_a_flag_of_worker_and_serve_with_its_default(comman
     if command == "worker":
         assert set(FLAGS) <= set(actions)
     else:  # serve picks these per replica; its own --model and --port (HTTP) are no gang's
-        assert not {"bind", "replica", "first_gpu"} & set(actions)
+        assert not (PER_REPLICA - {"model", "port"}) & set(actions)
 
 
 def test_worker_requires_model_and_port_and_defaults_the_rest() -> None:
