@@ -61,7 +61,6 @@ class RouterSettings:
     output_dir: Path | None = None
     public_url: str = "http://127.0.0.1:8000"
     served_model_name: str | None = None
-    disconnect_poll_s: float = 0.25
 
 
 @dataclass
@@ -113,22 +112,30 @@ async def _json_body(request: Request, limit: int, required: bool) -> Any:
     return body
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float) -> T:
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``, cancelling it when the client goes away: a request waiting for a
     slot leaves the router's queue, and one a replica has is cancelled there (the
-    replica drops it at its next denoising step, which frees it for the next request)."""
+    replica drops it at its next denoising step, which frees it for the next request).
+
+    The body has been read, so the server's next message is the disconnect: waiting
+    on it costs nothing per request, where polling cost CPU for every one in flight.
+    """
     task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise BadBody(499, "client closed the request")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise BadBody(499, "client closed the request")
     finally:
-        if not task.done():
-            task.cancel()
+        for pending in (task, gone):
+            if not pending.done():
+                pending.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
@@ -206,9 +213,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def generate(request: Request) -> JSONResponse:
         body = await _json_body(request, settings.max_body_bytes, required=True)
         params, fmt = parse_image_request(body, _limits(pool()), store is not None)
-        done = await _unless_disconnected(
-            request, service().generate(params), settings.disconnect_poll_s
-        )
+        done = await _unless_disconnected(request, service().generate(params))
         urls = None
         if fmt == "url" and store is not None:
             urls = [store.save(img, params.output_format) for img in done.images]

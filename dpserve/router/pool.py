@@ -196,7 +196,7 @@ class ReplicaPool:
             ping: p.PingResult = reply.body_as(p.PingResult)
             held = parse_doc(ping.control) if ping.control is not None else None
         except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError, ValueError) as exc:
-            self._missed(replica, f"ping failed: {exc or type(exc).__name__}")
+            self._missed(replica, f"ping failed: {str(exc) or type(exc).__name__}")
             return
         replica.answering, replica.last_seen, replica.status = True, time.monotonic(), ping.status
         replica.missed_pings = 0

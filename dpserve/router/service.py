@@ -94,7 +94,7 @@ class RouterService:
             result: p.GenerateResult = reply.body_as(p.GenerateResult)
             images = [reply.blobs[m.blob] for m in result.images]
         except (ReplicaLost, TimeoutError) as exc:
-            self.pool.mark_failed(replica, f"request failed: {exc or type(exc).__name__}")
+            self.pool.mark_failed(replica, f"request failed: {str(exc) or type(exc).__name__}")
             raise
         except p.ProtocolError as exc:
             raise p.RequestError(

@@ -170,7 +170,7 @@ def test_a_client_that_leaves_before_its_answer_is_counted_disconnected() -> Non
 
     async def scenario() -> tuple[Accounting, Accounting, list[Any]]:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        async with _router(endpoint, ready=False, disconnect_poll_s=0.02) as (http, app):
+        async with _router(endpoint, ready=False) as (http, app):
             body, gone, sent = json.dumps(BODY).encode(), asyncio.Event(), []
             messages = [{"type": "http.request", "body": body, "more_body": False}]
 
