@@ -25,9 +25,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model
+from bench.common import cached_lora, cached_model
 from dpserve.local import free_port
-from dpserve.worker.tiny_model import build_tiny_lora
 
 
 def _replicas(http: httpx.Client) -> list[dict[str, object]]:
@@ -64,9 +63,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=500)
     args = parser.parse_args()
     model = cached_model("tiny")
-    lora = model.parent / "tiny-lora-seed0"
-    if not lora.is_dir():
-        build_tiny_lora(lora, model, seed=0)
+    lora = cached_lora(model)
     port = free_port()
     cmd = [sys.executable, "-m", "dpserve", "serve", "--model", str(model), "--dp-size", "2"]
     cmd += ["--port", str(port), "--scheduler-port", str(free_port())]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import psutil
 
 from dpserve.local import WorkerProcess
@@ -24,6 +26,30 @@ def cached_model(variant: str, seed: int = 0) -> Path:
     if not (path / "model_index.json").is_file():
         build_tiny_pipeline(path, variant=variant, seed=seed)
     return path
+
+
+def cached_lora(model: Path, seed: int = 0) -> Path:
+    from dpserve.worker.tiny_model import build_tiny_lora
+
+    path = model.parent / f"{model.name}-lora-seed{seed}"
+    if not path.is_dir():
+        build_tiny_lora(path, model, seed=seed)
+    return path
+
+
+def wait_ready(
+    url: str, timeout_s: float = 60, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Until the router at ``url`` answers /ready with 200 (or ``proc`` exits)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        try:
+            if httpx.get(f"{url}/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"router {url} not ready")
 
 
 def rank_processes(worker: WorkerProcess) -> list[psutil.Process]:

@@ -36,10 +36,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model
+from bench.common import cached_lora, cached_model
 from dpserve.local import free_port
 from dpserve.router.metrics import read_accounting
-from dpserve.worker.tiny_model import build_tiny_lora
 
 REQUEST = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 4}
 ROUTE = "/v1/images/generations"
@@ -152,9 +151,7 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=8.0)
     args = parser.parse_args()
     model = cached_model("tiny")
-    lora = model.parent / "tiny-lora-seed0"
-    if not lora.is_dir():
-        build_tiny_lora(lora, model, seed=0)
+    lora = cached_lora(model)
     serve = Serve(model, lora)
     load = Load(serve.url, args.clients)
     threads = load.run()

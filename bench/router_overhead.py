@@ -21,6 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import wait_ready
 from dpserve.client import ReplicaClient
 from dpserve.local import free_port
 
@@ -29,18 +30,6 @@ BODY = {"prompt": "x", "size": "64x64", "num_inference_steps": 1, "seed": 1}
 
 def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
-
-
-def _wait_ready(url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("router not ready")
 
 
 def latency(url: str, endpoint: str, n: int) -> tuple[list[float], list[float]]:
@@ -106,7 +95,7 @@ def main() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        _wait_ready(url)
+        wait_ready(url)
         routed, direct = latency(url, endpoint, args.requests)
         started = time.perf_counter()
         ok, errors = asyncio.run(load(url, args.clients, args.duration))

@@ -47,7 +47,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import timed_round
+from bench.common import timed_round, wait_ready
 from dpserve.local import free_port
 from dpserve.router.metrics import Accounting, read_accounting
 
@@ -139,18 +139,6 @@ def client_process(
 # ------------------------------------------------------------ the router side
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("router not ready")
-
-
 def _warm_up(pid: int, url: str, fds: int, requests: int, timeout_s: float = 300) -> None:
     """Until the router holds ``fds`` descriptors (every client loop has its connection)
     and has taken ``requests`` requests: its allocator has seen the load."""
@@ -221,7 +209,7 @@ def soak(args: argparse.Namespace, log_dir: Path) -> str:
         for n in shares
     ]
     try:
-        _wait_ready(url, router)
+        wait_ready(url, proc=router)
         time.sleep(1.0)  # one more ping round: every driver serves
         fds_idle_before = open_fds(router.pid)
         for client in clients:

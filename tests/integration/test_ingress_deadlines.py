@@ -4,28 +4,15 @@ deadlines and cancels take generations out of the queue, and tell the running on
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import msgspec
 import pytest
 
 from dpserve import protocol as p
 from dpserve.client import ReplicaClient, ReplicaTimeout
-from dpserve.worker.commands import GangStatus
 from dpserve.worker.ingress import Ingress
-from tests.workers import free_port
 
 BODY = {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}
-
-
-@pytest.fixture()
-def ingress() -> Iterator[Ingress]:
-    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, p.Limits(), GangStatus(), 8, 120.0, 2)
-    front.start()
-    try:
-        yield front
-    finally:
-        front.close()
 
 
 def _client(ingress: Ingress) -> ReplicaClient:

@@ -3,29 +3,14 @@ that must not wait behind the gang's queue."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.client import ReplicaClient
-from dpserve.worker.commands import GangStatus
 from dpserve.worker.ingress import Ingress
-from tests.workers import free_port
 
 PARAMS = rt.SessionParams(prompt="a kite", width=64, height=64)
-
-
-@pytest.fixture()
-def ingress() -> Iterator[Ingress]:
-    status = GangStatus()
-    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, p.Limits(), status, 8, 120.0, 2)
-    front.start()
-    try:
-        yield front
-    finally:
-        front.close()
 
 
 def _client(ingress: Ingress) -> ReplicaClient:
