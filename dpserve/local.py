@@ -4,8 +4,8 @@
 ``r``'s driver binds ``scheduler_port + r``, or a free port when that one is taken
 (the worker reports the endpoint it bound, and the router dials that one, as SGLang
 settles its scheduler ports); a replica that dies is started again on the same
-endpoint (as a pod's restart policy would), and the router replays the control log
-to it before it takes traffic.
+endpoint (as a pod's restart policy would), and the router brings it to the desired
+control state before it takes traffic.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class Unsynced:
 
 
 @dataclass(frozen=True)
-class ControlState:
+class SyncReports:
     """What the routers say in the control-state ConfigMap: replicas out of sync, by
     endpoint (``tcp://podIP:port``). ``problem`` says why it could not be read."""
 
@@ -64,17 +64,17 @@ class ControlState:
     problem: str | None = None
 
 
-def parse_control_state(configmap: Mapping[str, Any] | None) -> ControlState:
+def parse_control_state(configmap: Mapping[str, Any] | None) -> SyncReports:
     """Never raises: the routers write this, and a bad write must not stop the operator."""
     raw = ((configmap or {}).get("data") or {}).get(b.OUT_OF_SYNC_KEY)
     if not raw:
-        return ControlState()
+        return SyncReports()
     try:
         doc = json.loads(raw)
     except ValueError as exc:
-        return ControlState(problem=f"{b.OUT_OF_SYNC_KEY!r} is not JSON: {exc}")
+        return SyncReports(problem=f"{b.OUT_OF_SYNC_KEY!r} is not JSON: {exc}")
     if not isinstance(doc, dict):
-        return ControlState(problem=f"{b.OUT_OF_SYNC_KEY!r} is not a JSON object")
+        return SyncReports(problem=f"{b.OUT_OF_SYNC_KEY!r} is not a JSON object")
     out: dict[str, Unsynced] = {}
     for endpoint, entry in doc.items():
         entry = entry if isinstance(entry, dict) else {}
@@ -85,7 +85,7 @@ def parse_control_state(configmap: Mapping[str, Any] | None) -> ControlState:
             since=float(since) if _plausible_time(since) else None,
             router=str(router) if router else None,
         )
-    return ControlState(out_of_sync=out)
+    return SyncReports(out_of_sync=out)
 
 
 def _plausible_time(value: Any) -> TypeGuard[float]:
@@ -155,7 +155,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
     )
 
 
-def _unsynced(facts: PodFacts, port: int, state: ControlState) -> Unsynced | None:
+def _unsynced(facts: PodFacts, port: int, state: SyncReports) -> Unsynced | None:
     # Routers follow Ready pods only; an entry for another pod is stale.
     if not facts.view.ready or not facts.ip or not state.out_of_sync:
         return None
@@ -196,7 +196,7 @@ def compute_status(
     pods: list[dict[str, Any]],
     previous: dict[str, Any],
     router: Mapping[str, Any] | None = None,
-    control: ControlState | None = None,
+    control: SyncReports | None = None,
 ) -> dict[str, Any]:
     """The status subresource, as the schema declares it.
 
@@ -205,7 +205,7 @@ def compute_status(
     pod is Ready and no router reports it out of sync: only then does it serve.
     """
     spec, current = svc.spec, b.spec_hash(svc.spec)
-    control = control or ControlState()
+    control = control or SyncReports()
     facts = sorted((pod_facts(p) for p in pods), key=lambda f: f.view.index)
     lag = {f.view.index: u for f in facts if (u := _unsynced(f, spec.schedulerPort, control))}
     desired = [f for f in facts if f.view.index < spec.replicas and not f.view.deleting]
