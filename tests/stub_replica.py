@@ -41,6 +41,8 @@ class StubReplica:
     calls: list[str] = field(default_factory=list)  # control ops received, in order
     generated: int = 0
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set: answers nothing
+    late_pings: int = 0  # answer this many pings late (by late_ping_s): a lagging network
+    late_ping_s: float = 1.0
 
     def __post_init__(self) -> None:
         self.sock = bind_router(self.ctx, "tcp://127.0.0.1:0")
@@ -65,6 +67,12 @@ class StubReplica:
             if self.stopped.is_set():
                 continue  # a SIGSTOPped process: nothing is read, nothing answered
             message = p.decode(frames)
+            if message.kind == p.PING and self.late_pings:
+                self.late_pings -= 1
+                late = asyncio.create_task(self._late(identity, message))
+                self._generating.add(late)
+                late.add_done_callback(self._generating.discard)
+                continue
             if message.kind == p.GENERATE:
                 task = asyncio.create_task(self._generate(identity, message))
                 self._generating.add(task)
@@ -75,6 +83,10 @@ class StubReplica:
             except p.RequestError as exc:
                 reply = p.encode_error(message.id, exc)
             await self.sock.send_multipart([identity, *reply])
+
+    async def _late(self, identity: bytes, message: p.Message) -> None:
+        await asyncio.sleep(self.late_ping_s)
+        await self.sock.send_multipart([identity, *self._answer(message)])
 
     async def _generate(self, identity: bytes, message: p.Message) -> None:
         await asyncio.sleep(self.generate_s)

@@ -38,8 +38,9 @@ class PoolSettings:
     ping_interval_s: float = 1.0
     ping_timeout_s: float = 2.0
     # Pings are answered by the driver's ingress thread even mid-generation, so this
-    # many missed in a row means a stopped or hung process: its in-flight requests
-    # are failed then (and retried elsewhere), not at the request timeout.
+    # many missed in a row means a stopped or hung process: it leaves rotation and
+    # its in-flight requests are failed then (and retried elsewhere), not at the
+    # request timeout. Fewer is more likely the router's own lag.
     abandon_after_missed_pings: int = 2
     control_timeout_s: float = 300.0
     sync_backoff_max_s: float = 30.0
@@ -195,8 +196,12 @@ class ReplicaPool:
             reply = await replica.conn.request(p.PING, None, self.settings.ping_timeout_s)
             ping: p.PingResult = reply.body_as(p.PingResult)
             held = parse_doc(ping.control) if ping.control is not None else None
-        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError, ValueError) as exc:
-            self._missed(replica, f"ping failed: {str(exc) or type(exc).__name__}")
+        except TimeoutError:
+            self._missed(replica, f"ping timed out after {self.settings.ping_timeout_s:g}s")
+            return
+        except (ReplicaLost, p.RequestError, p.ProtocolError, ValueError) as exc:
+            replica.missed_pings += 1
+            self._down(replica, f"ping failed: {str(exc) or type(exc).__name__}")
             return
         replica.answering, replica.last_seen, replica.status = True, time.monotonic(), ping.status
         replica.missed_pings = 0
@@ -218,10 +223,16 @@ class ReplicaPool:
         self._settle(replica)
 
     def _missed(self, replica: Replica, reason: str) -> None:
+        """One missed ping is as likely this router's own lag (a busy event loop) as the
+        replica's; missing several in a row means a stopped or hung driver."""
         replica.missed_pings += 1
-        self._down(replica, reason)
-        if replica.missed_pings == self.settings.abandon_after_missed_pings:
-            # Stopped or hung: what it holds is answered elsewhere (the service retries).
+        replica.last_error = reason
+        if (
+            replica.missed_pings == self.settings.abandon_after_missed_pings
+            or not replica.answering
+        ):
+            self._down(replica, reason)
+            # What it holds is answered elsewhere (the service retries it).
             replica.conn.abandon(f"{replica.endpoint} missed {replica.missed_pings} pings")
 
     def _down(self, replica: Replica, reason: str) -> None:

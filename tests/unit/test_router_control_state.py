@@ -233,6 +233,30 @@ def test_a_stopped_driver_fails_its_requests_over_within_the_ping_deadline() -> 
     _run(scenario)
 
 
+def test_one_late_ping_keeps_a_replica_in_rotation() -> None:
+    """A single timeout is as likely the router's own lag; two in a row take it out."""
+
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        stubs = await _stubs(ctx, 1)
+        settings = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.3)
+        async with _router(stubs, settings=settings) as router:
+            replica = router.pool.members()[0]
+            seen_down = False
+            stubs[0].late_pings, stubs[0].late_ping_s = 1, 0.5
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                seen_down |= not replica.serving
+                await asyncio.sleep(0.01)
+            assert not seen_down and replica.missed_pings == 0
+            assert "timed out" in str(replica.last_error)
+            stubs[0].late_pings = 2
+            await _until(lambda: not replica.serving)
+            await _until(lambda: replica.serving)
+        await _close(stubs)
+
+    _run(scenario)
+
+
 def test_one_replica_stopped_does_not_delay_another_replicas_health() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         stubs = await _stubs(ctx, 2)
