@@ -86,6 +86,15 @@ def _taken(port: int) -> bool:
     return False
 
 
+def assert_all_answered(http: httpx.Client) -> dict[str, int]:
+    """The router's books balance: every request it took got one answer; by outcome."""
+    from dpserve.router.metrics import read_accounting
+
+    books = read_accounting(http.get("/metrics").text)
+    assert books.unanswered == 0, books
+    return books.answered
+
+
 class RouterProcess:
     """`dpserve router` over given replica endpoints, ready once /ready answers 200."""
 

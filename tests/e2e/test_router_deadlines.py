@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import RouterProcess
+from tests.servers import RouterProcess, assert_all_answered
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -53,6 +53,7 @@ def test_a_client_that_leaves_mid_render_frees_the_replica(
         freed = time.monotonic() - start
         assert quick.status_code == 200, quick.text
         assert _replica_state(router) == ("serving", 0)  # a cancel is no replica failure
+        assert assert_all_answered(router.http)["disconnected"] == 1
     print(
         f"\n[router, client left at {leave_s:.2f}s] next request done {freed:.2f}s after the "
         f"first was sent; full render {full_render_s:.2f}s: ratio {freed / full_render_s:.2f}"
@@ -73,6 +74,7 @@ def test_the_request_timeout_reaches_the_replica_as_its_deadline(
         freed = time.monotonic() - start
         assert quick.status_code == 200, quick.text
         assert _replica_state(router) == ("serving", 0)
+        assert assert_all_answered(router.http)["server_error"] >= 1  # the 504
     print(
         f"\n[router, --request-timeout 1] 504 after {answered:.2f}s, next request done "
         f"{freed:.2f}s after the first was sent; the full render of a third of its steps "

@@ -14,8 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from dpserve.router.metrics import read_accounting
-from tests.servers import ServeProcess
+from tests.servers import ServeProcess, assert_all_answered
 
 pytestmark = pytest.mark.e2e
 
@@ -191,11 +190,6 @@ class _Load:
         return [replica for replica, _, _ in self.served]
 
 
-def _answered_everything(serve: ServeProcess) -> None:
-    books = read_accounting(serve.http.get("/metrics").text)
-    assert books.unanswered == 0, books  # every request it took got one answer
-
-
 def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora: Path) -> None:
     dp2.http.post("/v1/set_lora", json={"lora_nickname": "k", "lora_path": str(tiny_lora)})
     with _Load(dp2) as load:
@@ -213,7 +207,7 @@ def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora:
         time.sleep(2)
     assert load.failures == []
     assert load.replicas().count("1") >= 1 and load.replicas().count("0") >= 1
-    _answered_everything(dp2)
+    assert_all_answered(dp2.http)
     listed = dp2.http.get("/v1/list_loras").json()
     assert listed["consistent"] is True
     assert "k" in [x["nickname"] for x in listed["result"]["loaded"]]
@@ -245,7 +239,7 @@ def test_stopped_driver_costs_seconds_not_requests(dp2: ServeProcess) -> None:
     held = [end - start for _, start, end in load.served if start <= stopped <= end]
     assert held and max(held) < 10, held
     assert load.replicas()[-6:].count("0") >= 2
-    _answered_everything(dp2)
+    assert_all_answered(dp2.http)
 
 
 def test_serve_with_sequence_and_tensor_parallel_replicas(tiny4_model: Path) -> None:
