@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from dpserve.router.app import RouterSettings
 
 log = logging.getLogger("dpserve.serve")
+# A replica that ran this long before it exited starts again after the shortest
+# backoff, as a pod's restart backoff resets after it ran cleanly for a while.
+_HEALTHY_RUN_S = 120.0
 
 
 def free_port() -> int:
@@ -196,10 +199,13 @@ class LocalReplicas:
 
     def _watch(self) -> None:
         backoff = dict.fromkeys(range(len(self.workers)), 1.0)
+        started = dict.fromkeys(range(len(self.workers)), time.monotonic())
         while not self._stopping.wait(0.5):
             for r, worker in enumerate(self.workers):
                 if worker.proc.poll() is None or self._stopping.is_set():
                     continue
+                if time.monotonic() - started[r] > _HEALTHY_RUN_S:
+                    backoff[r] = 1.0  # it ran fine for a while: not a crash loop
                 log.warning(
                     "replica %d exited with %s; restarting it on %s in %.0fs",
                     r,
@@ -210,6 +216,7 @@ class LocalReplicas:
                 if self._stopping.wait(backoff[r]):
                     return
                 worker.restart()
+                started[r] = time.monotonic()
                 backoff[r] = min(backoff[r] * 2, 30.0)
 
     def stop(self, timeout_s: float = 60.0) -> None:
