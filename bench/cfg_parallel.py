@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model, median, rank_processes, timed_round
+from bench.common import cached_model, median, rank_processes, timed_round, true_cfg_request
 from dpserve.local import WorkerProcess
 
 # Flux pads prompts to 512 T5 tokens by default; at 128 px that would make the
@@ -32,15 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model = cached_model(args.variant)
-    request = {
-        "prompt": "a watercolor lighthouse at dusk",
-        "negative_prompt": "blurry, low quality",
-        "true_cfg_scale": 4.0,
-        "width": args.size,
-        "height": args.size,
-        "num_inference_steps": args.steps,
-        "seed": 1234,
-    }
+    request = true_cfg_request(args.size, args.steps)
     with (
         WorkerProcess(model, "--cfg", "1", *TOKENS) as one,
         WorkerProcess(model, "--cfg", "2", *TOKENS) as two,

@@ -28,6 +28,19 @@ def cached_model(variant: str, seed: int = 0) -> Path:
     return path
 
 
+def true_cfg_request(size: int, steps: int) -> dict[str, object]:
+    """The benchmarks' request with true CFG (two guidance branches a step), fixed seed."""
+    return {
+        "prompt": "a watercolor lighthouse at dusk",
+        "negative_prompt": "blurry, low quality",
+        "true_cfg_scale": 4.0,
+        "width": size,
+        "height": size,
+        "num_inference_steps": steps,
+        "seed": 1234,
+    }
+
+
 def cached_lora(model: Path, seed: int = 0) -> Path:
     from dpserve.worker.tiny_model import build_tiny_lora
 

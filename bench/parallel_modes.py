@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model, median, rank_processes, timed_round
+from bench.common import cached_model, median, rank_processes, timed_round, true_cfg_request
 from dpserve.local import WorkerProcess
 
 LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -120,15 +120,7 @@ def main() -> None:
     model = args.model or cached_model(args.variant)
     worker_args: tuple[str, ...] = ("--max-sequence-length", str(args.max_sequence_length))
     worker_args += ("--device", args.device, "--dtype", args.dtype, "--threads-per-rank", "1")
-    request = {
-        "prompt": "a watercolor lighthouse at dusk",
-        "negative_prompt": "blurry, low quality",
-        "true_cfg_scale": 4.0,
-        "width": args.size,
-        "height": args.size,
-        "num_inference_steps": args.steps,
-        "seed": 1234,
-    }
+    request = true_cfg_request(args.size, args.steps)
     # Without true CFG a cfg2 gang has no second branch: its CFG ranks split the tokens.
     plain = {k: v for k, v in request.items() if k not in ("negative_prompt", "true_cfg_scale")}
     plain_times: dict[str, list[float]] = {name: [] for name in PLAIN_LAYOUTS}

@@ -23,15 +23,11 @@ import msgspec
 
 from dpserve.protocol import (
     INVALID_REQUEST,
-    MUTATING_OPS,
-    SYNC_STATE,
     UNAVAILABLE,
     FieldError,
     RequestError,
 )
 
-# The ops a client asks for, each a change to the state.
-STATE_OPS: Final = MUTATING_OPS - {SYNC_STATE}
 LORA_TARGETS: Final = ("all", "transformer")
 
 
@@ -94,14 +90,14 @@ def bad(field_name: str, message: str, code: str = INVALID_REQUEST) -> RequestEr
     return RequestError(code, f"{field_name} {message}", [FieldError(field_name, message)])
 
 
-def text(args: Mapping[str, Any], name: str) -> str | None:
+def _text(args: Mapping[str, Any], name: str) -> str | None:
     value = args.get(name)
     if value is not None and not isinstance(value, str):
         raise bad(name, "must be a string")
     return value
 
 
-def number(args: Mapping[str, Any], name: str, default: float) -> float:
+def _number(args: Mapping[str, Any], name: str, default: float) -> float:
     value = args.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad(name, "must be a number")
@@ -144,7 +140,7 @@ def reduce(state: ControlState, op: str, args: Mapping[str, Any], revision: int)
         return msgspec.structs.replace(state, released=False)
     _resident(state)
     if op == "update_weights_from_disk":
-        path = text(args, "model_path")
+        path = _text(args, "model_path")
         if not path:
             raise bad("model_path", "is required")
         modules = names(args.get("modules", ["transformer"]), "modules")
@@ -159,7 +155,7 @@ def reduce(state: ControlState, op: str, args: Mapping[str, Any], revision: int)
             raise bad("lora_nickname", "no active adapter to merge; call set_lora first")
         if state.merged is not None:
             raise bad("lora_nickname", "adapters are already merged")
-        return msgspec.structs.replace(state, merged=number(args, "strength", 1.0))
+        return msgspec.structs.replace(state, merged=_number(args, "strength", 1.0))
     if op == "unmerge_lora_weights":
         if state.merged is None:
             raise bad("lora_nickname", "no merged adapters to unmerge")

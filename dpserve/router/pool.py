@@ -318,34 +318,45 @@ class ReplicaPool:
             backoff = min(2 * backoff, self.settings.sync_backoff_max_s)
         self._settle(replica)
 
+    async def ask(self, replica: Replica, request: p.ControlRequest) -> ReplicaOutcome:
+        """One control op on one replica, as its part of a fan-out; a replica lost on the
+        way leaves rotation."""
+        if not replica.answering:
+            return ReplicaOutcome(replica.name, skipped=f"down: {replica.last_error}")
+        try:
+            reply = await replica.conn.request(p.CONTROL, request, self.settings.control_timeout_s)
+            body: p.ControlResult = reply.body_as(p.ControlResult)
+        except p.RequestError as exc:
+            return ReplicaOutcome(replica.name, error=exc.body())
+        except (ReplicaLost, TimeoutError) as exc:
+            self.mark_failed(replica, f"control op failed: {str(exc) or 'timed out'}")
+            error = p.ErrorBody(code=p.UNAVAILABLE, message=str(exc) or "timed out")
+            return ReplicaOutcome(replica.name, error=error)
+        except p.ProtocolError as exc:
+            return ReplicaOutcome(
+                replica.name, error=p.ErrorBody(code=p.INTERNAL, message=str(exc))
+            )
+        return ReplicaOutcome(replica.name, result=body.result)
+
     async def apply(
         self, replica: Replica, doc: StateDoc, op: str, args: dict[str, Any]
     ) -> ReplicaOutcome:
         """Send ``doc`` (made by ``op``) to one replica; record what it holds after."""
-        if not replica.answering:
-            return ReplicaOutcome(replica.name, skipped=f"down: {replica.last_error}")
         request = p.ControlRequest(op=op, args=args, state=doc.to_builtins())
         async with replica.control:
+            outcome = await self.ask(replica, request)
+        if outcome.result is not None:
             try:
-                reply = await replica.conn.request(
-                    p.CONTROL, request, self.settings.control_timeout_s
-                )
-                body: p.ControlResult = reply.body_as(p.ControlResult)
-                replica.held = parse_doc(body.result["state"])
-            except p.RequestError as exc:
-                replica.sync_error = f"cannot reach control state version {doc.version}: {exc}"
-                return ReplicaOutcome(replica.name, error=exc.body())
-            except (ReplicaLost, TimeoutError) as exc:
-                self.mark_failed(replica, f"control op failed: {exc or 'timed out'}")
-                error = p.ErrorBody(code=p.UNAVAILABLE, message=str(exc) or "timed out")
-                return ReplicaOutcome(replica.name, error=error)
-            except (p.ProtocolError, KeyError, ValueError) as exc:
-                replica.sync_error = f"unreadable control answer: {exc}"
-                return ReplicaOutcome(
-                    replica.name, error=p.ErrorBody(code=p.INTERNAL, message=str(exc))
-                )
-        replica.sync_error = None
-        return ReplicaOutcome(replica.name, result=body.result)
+                replica.held = parse_doc(outcome.result["state"])
+            except (KeyError, ValueError) as exc:
+                error = p.ErrorBody(code=p.INTERNAL, message=f"unreadable control answer: {exc}")
+                outcome = ReplicaOutcome(replica.name, error=error)
+        if outcome.error is not None:
+            reason = f"cannot reach control state version {doc.version}: {outcome.error.message}"
+            replica.sync_error = reason
+        elif outcome.skipped is None:
+            replica.sync_error = None
+        return outcome
 
     def state_changed(self) -> None:
         """The desired state moved (an op finished): every replica is judged again."""

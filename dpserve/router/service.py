@@ -116,7 +116,8 @@ class RouterService:
             raise p.RequestError(p.UNSUPPORTED, "sync_state is internal to the router")
         if op not in p.MUTATING_OPS:
             replicas = self.pool.members()
-            outcomes = await asyncio.gather(*(self._read(r, op, args) for r in replicas))
+            request = p.ControlRequest(op=op, args=args)
+            outcomes = await asyncio.gather(*(self.pool.ask(r, request) for r in replicas))
             return merge_fanout(op, outcomes, read_only=True)
         outcomes, summary = await self._change(op, args)
         answer = merge_fanout(op, outcomes, read_only=False)
@@ -179,23 +180,6 @@ class RouterService:
             "out_of_rotation_until_synced": behind if taken else [],
         }
         return outcomes, summary
-
-    async def _read(self, replica: Replica, op: str, args: dict[str, Any]) -> ReplicaOutcome:
-        if not replica.answering:
-            return ReplicaOutcome(replica.name, skipped=f"down: {replica.last_error}")
-        request = p.ControlRequest(op=op, args=args)
-        try:
-            reply = await replica.conn.request(
-                p.CONTROL, request, self.pool.settings.control_timeout_s
-            )
-        except p.RequestError as exc:
-            return ReplicaOutcome(replica.name, error=exc.body())
-        except (ReplicaLost, TimeoutError) as exc:
-            self.pool.mark_failed(replica, f"control op failed: {exc}")
-            error = p.ErrorBody(code=p.UNAVAILABLE, message=str(exc) or "timed out")
-            return ReplicaOutcome(replica.name, error=error)
-        body: p.ControlResult = reply.body_as(p.ControlResult)
-        return ReplicaOutcome(replica.name, result=body.result)
 
 
 def _retrieve(task: asyncio.Task[Generated]) -> None:
