@@ -93,6 +93,7 @@ class Serve:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dpserve", "serve", "--model", str(model), "--dp-size", "2"]
         cmd += ["--cfg", "2", "--port", str(self.port), "--scheduler-port", str(free_port())]
+        cmd += ["--allow-path", str(lora.parent)]  # set_lora loads only from allowed folders
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.http = httpx.Client(base_url=self.url, timeout=300)
         self.wait(lambda: self.serving() == 2, 600)

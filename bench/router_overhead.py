@@ -3,18 +3,28 @@
 Backend: bench/stub_driver.py, a real ZMQ driver that answers instantly with a
 fixed PNG. Part 1 alternates sequential requests through the router (HTTP) and
 straight to the driver (ZMQ) and reports the added p50/p99. Part 2 holds 1000
-concurrent HTTP clients on the router for --duration seconds. Last line:
-``added_p50_ms=<x> added_p99_ms=<y> errors=<n> rps=<r>``.
+concurrent HTTP clients on the router for --duration seconds.
+
+Three modes side by side, each its own stub and router: "open" (plaintext wire,
+no API keys), "curve" (a CURVE wire key on the driver, the router and the direct
+client) and "locked" (CURVE and an API key on every HTTP request). Part 1
+interleaves the modes request by request, so each sees the same machine; the
+direct path gets the same wire as its router, so "added" is the router's own cost
+in that mode. Part 2 loads one mode at a time, the modes taking turns. Last line:
+``open: added_p50_ms=<x> added_p99_ms=<y> errors=<n> rps=<r> | curve: ... | locked: ...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -24,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import wait_ready
 from dpserve.client import ReplicaClient
 from dpserve.local import free_port
+from dpserve.wire import WireKey
 
 BODY = {"prompt": "x", "size": "64x64", "num_inference_steps": 1, "seed": 1}
 
@@ -32,23 +43,55 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-def latency(url: str, endpoint: str, n: int) -> tuple[list[float], list[float]]:
-    routed, direct = [], []
-    with httpx.Client(base_url=url, timeout=30) as http, ReplicaClient(endpoint) as zmq_client:
-        for _ in range(50):  # warm both paths
-            http.post("/v1/images/generations", json=BODY)
-            zmq_client.generate(**BODY)
-        for _ in range(n):
-            start = time.perf_counter()
-            http.post("/v1/images/generations", json=BODY).raise_for_status()
-            routed.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            zmq_client.generate(**BODY)
-            direct.append(time.perf_counter() - start)
-    return routed, direct
+@dataclass
+class Stack:
+    """One mode's stub driver and router, and how a client reaches them."""
+
+    name: str
+    url: str
+    endpoint: str
+    key: WireKey | None
+    headers: dict[str, str]
+    procs: tuple[subprocess.Popen[bytes], ...]
+    routed: list[float] = field(default_factory=list)
+    direct: list[float] = field(default_factory=list)
+    ok: int = 0
+    errors: int = 0
+    loaded_s: float = 0.0
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=30)
 
 
-async def load(url: str, clients: int, duration_s: float) -> tuple[int, int]:
+def latency(stacks: list[Stack], n: int) -> None:
+    """Sequential requests through each router and straight to each driver, the modes
+    interleaved request by request, so each sees the same machine."""
+    with contextlib.ExitStack() as hold:
+        pairs = [
+            (
+                hold.enter_context(httpx.Client(base_url=s.url, timeout=30, headers=s.headers)),
+                hold.enter_context(ReplicaClient(s.endpoint, key=s.key)),
+            )
+            for s in stacks
+        ]
+        for i in range(50 + n):  # the first 50 warm every path
+            for stack, (http, zmq_client) in zip(stacks, pairs, strict=True):
+                start = time.perf_counter()
+                http.post("/v1/images/generations", json=BODY).raise_for_status()
+                routed = time.perf_counter() - start
+                start = time.perf_counter()
+                zmq_client.generate(**BODY)
+                if i >= 50:
+                    stack.routed.append(routed)
+                    stack.direct.append(time.perf_counter() - start)
+
+
+async def load(
+    url: str, clients: int, duration_s: float, headers: dict[str, str]
+) -> tuple[int, int]:
     """``clients`` concurrent request loops for ``duration_s``; returns (ok, errors).
 
     aiohttp, not httpx, on this side: httpx's pool costs grow with 1000
@@ -60,7 +103,8 @@ async def load(url: str, clients: int, duration_s: float) -> tuple[int, int]:
     stop_at = time.monotonic() + duration_s
     connector = aiohttp.TCPConnector(limit=clients)
     timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as http:
+    session = aiohttp.ClientSession(url, connector=connector, timeout=timeout, headers=headers)
+    async with session as http:
 
         async def one_client() -> None:
             nonlocal ok, errors
@@ -79,39 +123,101 @@ async def load(url: str, clients: int, duration_s: float) -> tuple[int, int]:
     return ok, errors
 
 
+@dataclass(frozen=True)
+class Figures:
+    added_p50_ms: float
+    added_p99_ms: float
+    errors: int
+    rps: float
+
+    def line(self) -> str:
+        return (
+            f"added_p50_ms={self.added_p50_ms:.2f} added_p99_ms={self.added_p99_ms:.2f} "
+            f"errors={self.errors} rps={self.rps:.0f}"
+        )
+
+
+API_KEY = "bench-api-key-0123456789abcdef"
+# name: (CURVE wire, API key)
+MODES = {"open": (False, False), "curve": (True, False), "locked": (True, True)}
+
+
+def start(name: str, args: argparse.Namespace, scratch: Path) -> Stack:
+    here = Path(__file__).resolve().parent
+    curve, api_key = MODES[name]
+    zmq_port, http_port = free_port(), free_port()
+    endpoint, url = f"tcp://127.0.0.1:{zmq_port}", f"http://127.0.0.1:{http_port}"
+    key = WireKey.generate() if curve else None
+    wire: list[str] = []
+    if key is not None:
+        key.write(scratch / f"{name}.key")
+        wire = ["--wire-key-file", str(scratch / f"{name}.key")]
+    auth = ["--api-key", API_KEY] if api_key else []
+    headers = {"Authorization": f"Bearer {API_KEY}"} if api_key else {}
+    stub = subprocess.Popen(
+        [sys.executable, str(here / "stub_driver.py"), "--port", str(zmq_port), *wire]
+    )
+    router = subprocess.Popen(
+        [sys.executable, "-m", "dpserve", "router", "--worker", endpoint, "--port", str(http_port),
+         "--max-inflight-per-replica", "4096", "--max-waiting", "8192", "--request-timeout", "60",
+         "--max-connections", str(args.clients + 16), *wire, *auth],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    stack = Stack(name, url, endpoint, key, headers, (router, stub))
+    try:
+        wait_ready(url, proc=router)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def load_rounds(stacks: list[Stack], args: argparse.Namespace) -> None:
+    """The load part: one mode at a time (the others idle), in ``--rounds`` turns, so
+    a slower minute of a shared machine falls on every mode alike."""
+    for _ in range(args.rounds):
+        for stack in stacks:
+            started = time.perf_counter()
+            turn_s = args.duration / args.rounds
+            ok, errors = asyncio.run(load(stack.url, args.clients, turn_s, stack.headers))
+            stack.loaded_s += time.perf_counter() - started
+            stack.ok, stack.errors = stack.ok + ok, stack.errors + errors
+
+
+def figures(stack: Stack, args: argparse.Namespace) -> Figures:
+    for path, values in (("direct", stack.direct), ("router", stack.routed)):
+        p50_ms, p99_ms = _percentile(values, 50) * 1000, _percentile(values, 99) * 1000
+        print(f"{stack.name} {path} p50={p50_ms:.2f}ms p99={p99_ms:.2f}ms")
+    shape = f"{args.clients} clients x {args.duration:.0f}s in {args.rounds} turns"
+    print(f"{stack.name} load: {shape}: {stack.ok} ok, {stack.errors} errors")
+    routed, direct = stack.routed, stack.direct
+    return Figures(
+        added_p50_ms=(_percentile(routed, 50) - _percentile(direct, 50)) * 1000,
+        added_p99_ms=(_percentile(routed, 99) - _percentile(direct, 99)) * 1000,
+        errors=stack.errors,
+        rps=stack.ok / stack.loaded_s,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=1000)
-    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--duration", type=float, default=30.0, help="load seconds per mode")
+    parser.add_argument("--rounds", type=int, default=3, help="turns the load is split in")
     args = parser.parse_args()
-    here = Path(__file__).resolve().parent
-    zmq_port, http_port = free_port(), free_port()
-    endpoint, url = f"tcp://127.0.0.1:{zmq_port}", f"http://127.0.0.1:{http_port}"
-    stub = subprocess.Popen([sys.executable, str(here / "stub_driver.py"), "--port", str(zmq_port)])
-    router = subprocess.Popen(
-        [sys.executable, "-m", "dpserve", "router", "--worker", endpoint, "--port", str(http_port),
-         "--max-inflight-per-replica", "4096", "--max-waiting", "8192", "--request-timeout", "60"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_ready(url)
-        routed, direct = latency(url, endpoint, args.requests)
-        started = time.perf_counter()
-        ok, errors = asyncio.run(load(url, args.clients, args.duration))
-        rps = ok / (time.perf_counter() - started)
-    finally:
-        router.terminate()
-        stub.terminate()
-        router.wait(timeout=30)
-        stub.wait(timeout=30)
-    p50 = (_percentile(routed, 50) - _percentile(direct, 50)) * 1000
-    p99 = (_percentile(routed, 99) - _percentile(direct, 99)) * 1000
-    for name, values in (("direct", direct), ("router", routed)):
-        p50_ms, p99_ms = _percentile(values, 50) * 1000, _percentile(values, 99) * 1000
-        print(f"{name} p50={p50_ms:.2f}ms p99={p99_ms:.2f}ms")
-    print(f"load: {args.clients} clients x {args.duration:.0f}s: {ok} ok, {errors} errors")
-    print(f"added_p50_ms={p50:.2f} added_p99_ms={p99:.2f} errors={errors} rps={rps:.0f}")
+    with tempfile.TemporaryDirectory(prefix="dpserve-bench-") as scratch:
+        stacks: list[Stack] = []
+        try:
+            for name in MODES:
+                stacks.append(start(name, args, Path(scratch)))
+            latency(stacks, args.requests)
+            load_rounds(stacks, args)
+            results = {stack.name: figures(stack, args) for stack in stacks}
+        finally:
+            for stack in stacks:
+                stack.stop()
+    print(" | ".join(f"{name}: {f.line()}" for name, f in results.items()))
 
 
 if __name__ == "__main__":

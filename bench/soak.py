@@ -193,6 +193,7 @@ def soak(args: argparse.Namespace, log_dir: Path) -> str:
     cmd = [sys.executable, "-m", "dpserve", "router", "--port", str(http_port)]
     cmd += ["--max-inflight-per-replica", str(args.max_inflight_per_replica)]
     cmd += ["--max-waiting", str(args.max_waiting), "--request-timeout", str(args.timeout)]
+    cmd += ["--max-connections", str(args.clients + 16)]  # the clients and the scrapes
     for endpoint in endpoints:
         cmd += ["--worker", endpoint]
     router_log = (log_dir / "router.log").open("wb")

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import io
 import uuid
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -20,6 +21,7 @@ from PIL import Image
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc
 from dpserve.transport import bind_router
+from dpserve.wire import Gatekeeper, WireKey
 
 
 def _png() -> bytes:
@@ -28,9 +30,11 @@ def _png() -> bytes:
     return buf.getvalue()
 
 
-async def serve(port: int, replica: int) -> None:
+async def serve(port: int, replica: int, key: WireKey | None = None) -> None:
     ctx = zmq.asyncio.Context()
-    sock = bind_router(ctx, f"tcp://127.0.0.1:{port}")
+    # Held for the process's life, as a driver's ingress holds its own.
+    _gate = Gatekeeper(ctx, key) if key is not None else None
+    sock = bind_router(ctx, f"tcp://127.0.0.1:{port}", key=key)
     png, boot, served = _png(), uuid.uuid4().hex, 0
     held: dict[str, object] = StateDoc().to_builtins()
     info = {"model_path": "/stub", "size_factor": 16, "max_side": 2048, "max_steps": 100}
@@ -67,5 +71,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--replica", type=int, default=0)
+    parser.add_argument("--wire-key-file", type=Path, default=None, help="serve under CURVE")
     args = parser.parse_args()
-    asyncio.run(serve(args.port, args.replica))
+    key = None if args.wire_key_file is None else WireKey.load(args.wire_key_file)
+    asyncio.run(serve(args.port, args.replica, key))

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dpserve.layout import LayoutError
-from dpserve.worker.config import add_gang_args, add_worker_args, port_number, positive
+from dpserve.wire import WireKeyError
+from dpserve.worker.config import add_gang_args, add_worker_args, port_number, positive, seconds
 
 if TYPE_CHECKING:
     from dpserve.local import ReplicaSetConfig
     from dpserve.router.app import RouterSettings
+    from dpserve.wire import WireKey
 
 
 def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,6 +34,51 @@ def _add_router_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--output-dir", type=Path, default=None, help="enables response_format=url")
     r.add_argument("--public-url", default=None, help="base of image URLs (default: own address)")
     r.add_argument("--served-model-name", default=None, help="model id in /v1/models")
+    r.add_argument(
+        "--max-connections",
+        type=positive,
+        default=1000,
+        help="open HTTP connections (WebSockets too), then 503",
+    )
+    r.add_argument("--backlog", type=positive, default=2048, help="TCP accept queue length")
+    r.add_argument(
+        "--output-max-files", type=positive, default=1000, help="response_format=url files kept"
+    )
+    r.add_argument(
+        "--output-max-age", type=seconds, default=3600.0, help="seconds a url image is kept"
+    )
+    r.add_argument("--max-body", type=positive, default=1 << 20, help="body bytes, then 413")
+    r.add_argument(
+        "--body-timeout", type=seconds, default=30.0, help="seconds to receive a body, then 408"
+    )
+    keys = "Bearer key for %s routes (repeatable; visible in ps: prefer the file)"
+    files = "file of %s keys, one a line (blank lines and # comments skipped; repeatable)"
+    r.add_argument("--api-key", type=_key, action="append", default=[], help=keys % "inference")
+    r.add_argument("--admin-key", type=_key, action="append", default=[], help=keys % "all")
+    r.add_argument(
+        "--api-key-file", type=_key_file, action="append", default=[], help=files % "api"
+    )
+    r.add_argument(
+        "--admin-key-file", type=_key_file, action="append", default=[], help=files % "admin"
+    )
+
+
+def _key(value: str) -> str:
+    from dpserve.router.auth import check_key
+
+    try:
+        return check_key(value, "key")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None  # the message names no key
+
+
+def _key_file(value: str) -> tuple[str, ...]:
+    from dpserve.router.auth import load_key_file
+
+    try:
+        return load_key_file(Path(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,6 +91,12 @@ def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--control-state-configmap",
         help="kubernetes: ConfigMap holding the desired control state (the operator makes it)",
     )
+    r.add_argument(
+        "--wire-key-file",
+        type=Path,
+        default=None,
+        help="the replicas' wire key (z85 CURVE secret); without one the wire is plaintext",
+    )
     _add_router_args(r)
 
 
@@ -53,6 +106,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--dp-size", type=positive, default=1, help="number of replicas")
     s.add_argument(
         "--scheduler-port", type=port_number, default=5575, help="replica r binds this + r"
+    )
+    s.add_argument(
+        "--wire-key-file",
+        type=Path,
+        default=None,
+        help="wire key for the replicas and the router (default: a new one made at start)",
     )
     add_gang_args(s)
     _add_router_args(s)
@@ -69,6 +128,7 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     probe.add_argument("--port", type=port_number, required=True)
     probe.add_argument("--host", default="127.0.0.1")
     probe.add_argument("--timeout", type=float, default=3.0)
+    probe.add_argument("--wire-key-file", type=Path, default=None, help="the replica's wire key")
     probe.add_argument(
         "--live", action="store_true", help="liveness: answering and not stalled is enough"
     )
@@ -106,6 +166,7 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
         request_timeout_s=args.request_timeout,
         max_inflight=args.max_inflight_per_replica,
         max_queue=args.max_waiting,
+        wire_key=_wire_key(args.wire_key_file),
     )
     return RouterSettings(
         workers=tuple(workers),
@@ -113,7 +174,21 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
         output_dir=args.output_dir,
         public_url=args.public_url or f"http://{args.host}:{args.port}",
         served_model_name=args.served_model_name,
+        api_keys=(*args.api_key, *(k for keys in args.api_key_file for k in keys)),
+        admin_keys=(*args.admin_key, *(k for keys in args.admin_key_file for k in keys)),
+        body_timeout_s=args.body_timeout,
+        max_body_bytes=args.max_body,
+        max_connections=args.max_connections,
+        backlog=args.backlog,
+        output_max_files=args.output_max_files,
+        output_max_age_s=args.output_max_age,
     )
+
+
+def _wire_key(path: Path | None) -> WireKey | None:
+    from dpserve.wire import WireKey
+
+    return None if path is None else WireKey.load(path)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -132,7 +207,7 @@ def _router(args: argparse.Namespace) -> int:
         print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
         return 2
     app = create_app(settings)
-    uvicorn.Server(server_config(app, args.host, args.port)).run()
+    uvicorn.Server(server_config(app, args.host, args.port, settings)).run()
     return 0
 
 
@@ -152,7 +227,9 @@ def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConf
     )
     flags = tuple(worker_flags(gang_options(args)))
     model = model or default_model()
-    return ReplicaSetConfig(model, args.dp_size, args.scheduler_port, flags, layout.gang_size)
+    return ReplicaSetConfig(
+        model, args.dp_size, args.scheduler_port, flags, layout.gang_size, args.wire_key_file
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -188,10 +265,12 @@ def _probe(args: argparse.Namespace) -> int:
     from dpserve.layout import replica_endpoint
 
     try:
-        with ReplicaClient(replica_endpoint(args.host, args.port, 0)) as client:
+        endpoint = replica_endpoint(args.host, args.port, 0)
+        with ReplicaClient(endpoint, key=_wire_key(args.wire_key_file)) as client:
             ping = client.ping(timeout_s=args.timeout)
     except ReplicaTimeout as exc:
-        print(f"probe: {exc}", file=sys.stderr)
+        # A driver under a wire key answers nothing to a probe without it, and vice versa.
+        print(f"probe: {exc} (is --wire-key-file the driver's key?)", file=sys.stderr)
         return 1
     good = {"ok", "draining"} if args.live else {"ok"}
     if ping.status not in good:
@@ -208,6 +287,7 @@ def _worker(args: argparse.Namespace) -> int:
     if not (config.model / "model_index.json").is_file():
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)
         return 2
+    _wire_key(config.wire_key_file)  # a bad key file fails here, before any rank starts
     return run_gang(config)
 
 
@@ -239,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             return _probe(args)
         return _serve(args)
-    except LayoutError as exc:
+    except (LayoutError, WireKeyError) as exc:
         print(f"dpserve {args.command}: {exc}", file=sys.stderr)
         return 2
 

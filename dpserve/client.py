@@ -12,6 +12,7 @@ import zmq
 from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.transport import connect_dealer
+from dpserve.wire import WireKey
 
 
 class ReplicaTimeout(TimeoutError):
@@ -19,11 +20,13 @@ class ReplicaTimeout(TimeoutError):
 
 
 class ReplicaClient:
-    def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 60.0, key: WireKey | None = None) -> None:
+        """``key``: the service's wire key, for a driver that has one (a driver with a
+        key answers nothing without it; a driver without one, nothing with it)."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = connect_dealer(self._ctx, endpoint)
+        self._sock = connect_dealer(self._ctx, endpoint, key=key)
 
     def __enter__(self) -> ReplicaClient:
         return self

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.layout import replica_endpoint
 from dpserve.proc import die_with_parent
+from dpserve.wire import WireKey
 from dpserve.worker.config import worker_flags
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class WorkerProcess:
     are the real ones once ``wait_ready`` returns. A restart asks for that endpoint
     and no other, since its clients already dial it (taken: that start fails, and
     the next one tries again).
+
+    ``wire_key_file``: the service key the worker serves under; this object's own
+    clients (``wait_ready``, ``client``) hold it too.
     """
 
     def __init__(
@@ -68,9 +72,12 @@ class WorkerProcess:
         wait: bool = True,
         ready_timeout_s: float = 180.0,
         settle: bool = False,
+        wire_key_file: Path | None = None,
     ) -> None:
         self.model = model
         self.args = args
+        self.wire_key_file = wire_key_file
+        self.key = None if wire_key_file is None else WireKey.load(wire_key_file)
         self.port = port or free_port()
         self.endpoint = replica_endpoint("127.0.0.1", self.port, 0)
         # Where the worker reports its endpoint (removed at exit, read or not).
@@ -84,7 +91,12 @@ class WorkerProcess:
         return None if self._report is None else Path(self._report.name) / "endpoint"
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        where = {"model": self.model, "port": self.port, "endpoint_file": self._endpoint_file}
+        where = {
+            "model": self.model,
+            "port": self.port,
+            "endpoint_file": self._endpoint_file,
+            "wire_key_file": self.wire_key_file,
+        }
         cmd = [sys.executable, "-m", "dpserve", "worker", *worker_flags(where), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(cmd, env=env, preexec_fn=_worker_preexec)
@@ -96,7 +108,7 @@ class WorkerProcess:
         deadline = time.monotonic() + timeout_s
         if self._report is not None:
             self._settle(deadline)
-        with ReplicaClient(self.endpoint) as client:
+        with ReplicaClient(self.endpoint, key=self.key) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"worker exited with {self.proc.returncode} during start-up")
@@ -127,7 +139,7 @@ class WorkerProcess:
         self.endpoint = replica_endpoint("127.0.0.1", self.port, 0)
 
     def client(self, timeout_s: float = 120.0) -> ReplicaClient:
-        return ReplicaClient(self.endpoint, timeout_s=timeout_s)
+        return ReplicaClient(self.endpoint, timeout_s=timeout_s, key=self.key)
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM: the replica drains and exits; returns its exit code."""
@@ -162,6 +174,7 @@ class ReplicaSetConfig:
     scheduler_port: int = 5575
     worker_args: tuple[str, ...] = ()  # the gang options every replica shares, as flags
     gang_size: int = 1
+    wire_key_file: Path | None = None  # the service key every replica serves under
 
     def replica_args(self, replica: int) -> tuple[str, ...]:
         """Replica r's worker flags: its index, and its own block of GPUs (as the
@@ -187,7 +200,14 @@ class LocalReplicas:
         for r in range(self.config.dp_size):
             port = self.config.scheduler_port + r
             args = self.config.replica_args(r)
-            worker = WorkerProcess(self.config.model, *args, port=port, wait=False, settle=True)
+            worker = WorkerProcess(
+                self.config.model,
+                *args,
+                port=port,
+                wait=False,
+                settle=True,
+                wire_key_file=self.config.wire_key_file,
+            )
             self.workers.append(worker)
         try:
             for worker in self.workers:  # they start in parallel; wait for each in turn
@@ -268,11 +288,20 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
             announcer.cancel()
 
     _unwind_on_signals()
+    keys = tempfile.TemporaryDirectory(prefix="dpserve-wire-")  # mode 0700: this user's
+    key_file = replicas.wire_key_file
+    if key_file is None:
+        # A fresh key for this run: only this process's router can reach its replicas.
+        key_file = Path(keys.name) / "wire.key"
+        WireKey.generate().write(key_file)
+        replicas = dataclasses.replace(replicas, wire_key_file=key_file)
+    pool = dataclasses.replace(settings.pool, wire_key=WireKey.load(key_file))
+    settings = dataclasses.replace(settings, pool=pool)
     local = LocalReplicas(replicas)
     try:
         local.start()
         settings = dataclasses.replace(settings, workers=tuple(local.endpoints), public_url=url)
-        server = uvicorn.Server(server_config(create_app(settings), host, port))
+        server = uvicorn.Server(server_config(create_app(settings), host, port, settings))
         asyncio.run(run(server, local.endpoints))
     except _Stopped:
         pass  # asked to stop: what follows is the stop
@@ -282,6 +311,7 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         local.stop()
+        keys.cleanup()
     return 0
 
 

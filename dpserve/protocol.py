@@ -75,6 +75,16 @@ MAX_SEED: Final = 2**63 - 1
 MAX_PROMPT_CHARS: Final = 10_000
 OUTPUT_FORMATS: Final = ("png", "jpeg", "webp")
 _MSGPACK_EMPTY_MAP: Final = b"\x80"
+# Frame size caps (zmq.MAXMSGSIZE, per frame): a peer that sends a bigger frame is
+# disconnected by libzmq before the frame is buffered whole. A request's biggest
+# legitimate frame is a realtime session's first frame (realtime.MAX_FIRST_FRAME_BYTES,
+# 8 MiB); headers hold prompts (MAX_PROMPT_CHARS, at most 40 KB of UTF-8) and control
+# states (names and paths): kilobytes. Twice the first frame leaves headroom.
+MAX_REQUEST_FRAME_BYTES: Final = 16 << 20
+# A reply's biggest frame is one image. Uncompressed 8-bit RGB (a PNG of noise is
+# barely bigger) takes 3 * side**2 bytes: 12 MiB at the default max_side 2048, 48 MiB
+# at 4096. 64 MiB covers a worker's --max-side up to 4096 with room to spare.
+MAX_REPLY_FRAME_BYTES: Final = 64 << 20
 
 
 class ProtocolError(Exception):
@@ -135,7 +145,7 @@ class Message:
     def body_as(self, type_: type[Any]) -> Any:
         try:
             return msgspec.msgpack.decode(self.body, type=type_)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise ProtocolError(f"invalid {self.kind} body: {exc}", self.id) from exc
 
 
@@ -485,7 +495,7 @@ def decode(frames: Sequence[bytes]) -> Message:
         raise ProtocolError("empty message")
     try:
         header = msgspec.msgpack.decode(frames[0], type=Header)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise ProtocolError(f"unreadable header: {exc}", _salvage_id(frames[0])) from exc
     if header.v != PROTOCOL_VERSION:
         raise ProtocolError(

@@ -31,6 +31,7 @@ from dpserve.protocol import (
     invalid_fields,
     parse_size,
 )
+from dpserve.untrusted import MAX_DEPTH, too_deep
 
 # Actions of a SESSION message.
 OPEN: Final = "open"
@@ -161,14 +162,21 @@ _INIT_FIELDS: Final = frozenset(
 )
 
 
+_TOO_DEEP: Final = f"a message may nest maps and arrays at most {MAX_DEPTH} levels deep"
+
+
 def decode_client(raw: bytes | str) -> dict[str, Any]:
     """One client message: a msgpack map with a string ``type``."""
     if isinstance(raw, str):
         raise RequestError(INVALID_REQUEST, "messages must be binary msgpack, not text")
     try:
         message = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError as exc:
+    except msgspec.DecodeError as exc:  # invalid UTF-8 (lone surrogates too) included
         raise RequestError(INVALID_REQUEST, f"message is not valid msgpack: {exc}") from None
+    except RecursionError:  # msgspec's own limit, far past ours
+        raise RequestError(INVALID_REQUEST, _TOO_DEEP) from None
+    if too_deep(message):
+        raise RequestError(INVALID_REQUEST, _TOO_DEEP)
     if not isinstance(message, dict):
         raise RequestError(INVALID_REQUEST, "a message must be a msgpack map")
     kind = message.get("type")

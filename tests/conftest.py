@@ -43,6 +43,13 @@ def tiny_lora(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="session")
+def allow_tmp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Worker flags that let control ops load from this run's temporary folders, where
+    the fixtures build models and LoRAs (a worker allows only its model folder)."""
+    return ("--allow-path", str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(scope="session")
 def control_plane() -> Iterator[ControlPlane]:
     """One real control plane (etcd, apiserver, controller-manager, scheduler) per run."""
     from tests.cluster.controlplane import ControlPlane, build_binaries

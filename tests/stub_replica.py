@@ -22,6 +22,7 @@ from PIL import Image
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc, answer, parse_doc, reduce
 from dpserve.transport import bind_router
+from dpserve.wire import Gatekeeper, WireKey
 
 
 def _png() -> bytes:
@@ -43,9 +44,15 @@ class StubReplica:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set: answers nothing
     late_pings: int = 0  # answer this many pings late (by late_ping_s): a lagging network
     late_ping_s: float = 1.0
+    checksum_s: float = 0.0  # how long get_weights_checksum takes (it hashes the model)
+    key: WireKey | None = None  # a CURVE server of this key, as a driver given one
 
     def __post_init__(self) -> None:
-        self.sock = bind_router(self.ctx, "tcp://127.0.0.1:0")
+        # A gatekeeper is one per context: a secured stub has a context of its own.
+        self._own_ctx = zmq.asyncio.Context() if self.key is not None else None
+        ctx = self._own_ctx or self.ctx
+        self.gate = Gatekeeper(ctx, self.key) if self.key is not None else None
+        self.sock = bind_router(ctx, "tcp://127.0.0.1:0", key=self.key)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._generating: set[asyncio.Task[None]] = set()
         self._task = asyncio.create_task(self._serve())
@@ -60,6 +67,10 @@ class StubReplica:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self.sock.close(linger=0)
+        if self.gate is not None:
+            self.gate.close()
+        if self._own_ctx is not None:
+            self._own_ctx.term()
 
     async def _serve(self) -> None:
         while True:
@@ -73,6 +84,14 @@ class StubReplica:
                 self._generating.add(late)
                 late.add_done_callback(self._generating.discard)
                 continue
+            if message.kind == p.CONTROL and self.checksum_s:
+                request = message.body_as(p.ControlRequest)
+                if request.op == "get_weights_checksum":
+                    self.calls.append(request.op)
+                    task = asyncio.create_task(self._checksum(identity, message))
+                    self._generating.add(task)
+                    task.add_done_callback(self._generating.discard)
+                    continue
             if message.kind == p.GENERATE:
                 task = asyncio.create_task(self._generate(identity, message))
                 self._generating.add(task)
@@ -87,6 +106,12 @@ class StubReplica:
     async def _late(self, identity: bytes, message: p.Message) -> None:
         await asyncio.sleep(self.late_ping_s)
         await self.sock.send_multipart([identity, *self._answer(message)])
+
+    async def _checksum(self, identity: bytes, message: p.Message) -> None:
+        await asyncio.sleep(self.checksum_s)
+        result = {"checksums": {"transformer": self.held.state.digest()}}
+        reply = p.ControlResult(op="get_weights_checksum", replica=self.replica, result=result)
+        await self.sock.send_multipart([identity, *p.encode(p.RESULT, message.id, reply)])
 
     async def _generate(self, identity: bytes, message: p.Message) -> None:
         await asyncio.sleep(self.generate_s)

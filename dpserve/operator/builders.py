@@ -25,6 +25,23 @@ OUT_OF_SYNC_KEY: Final = "replicas"
 EVENT_SOURCE: Final = "dpserve-operator"
 # Seconds a worker gets, beyond the longest request, to drain after SIGTERM.
 DRAIN_MARGIN_S: Final = 30
+# The images' user (Dockerfile: USER 10001:10001), spelled out in the pods so the
+# restricted Pod Security Standard's runAsNonRoot holds whatever image is named.
+IMAGE_UID: Final = 10001
+# The service's wire key (a Secret the operator makes) and the router's API keys (a
+# Secret the user makes), mounted read-only where the processes read them.
+WIRE_DIR: Final = "/etc/dpserve/wire"
+WIRE_KEY: Final = "wire.key"
+WIRE_KEY_FILE: Final = f"{WIRE_DIR}/{WIRE_KEY}"
+AUTH_DIR: Final = "/etc/dpserve/auth"
+API_KEYS: Final = "api-keys"
+ADMIN_KEYS: Final = "admin-keys"
+# The root filesystem is read-only: every write goes to an emptyDir here, and the
+# caches torch, diffusers, Hugging Face and Triton keep in $HOME are pointed at it.
+SCRATCH: Final = "/tmp"
+# Bumped when the operator changes replica pods in a way old ones lack (2: wire key,
+# pod-IP bind, restricted security): the spec hash changes, so they are rolled.
+POD_SHAPE: Final = 2
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,10 @@ def control_state_name(svc: Svc) -> str:
     return f"{svc.name}-control-state"
 
 
+def wire_secret_name(svc: Svc) -> str:
+    return f"{svc.name}-wire"
+
+
 def labels(svc: Svc, component: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "dpserve",
@@ -133,10 +154,12 @@ def spec_hash(spec: s.DiffusionServiceSpec) -> str:
     """Hash of everything that shapes a replica pod; a change means a rolling replace.
 
     Replica count, router and update strategy are left out: changing them must
-    not restart the model servers.
+    not restart the model servers. ``POD_SHAPE`` is in: an operator whose pods differ
+    (the wire key, the restricted security context) replaces the older ones.
     """
     relevant = spec.model_dump(mode="json", exclude={"replicas", "router", "updateStrategy"})
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+    keyed = {"spec": relevant, "shape": POD_SHAPE}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def worker_options(svc: Svc, index: int) -> dict[str, Any]:
@@ -146,7 +169,8 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
     return {
         "model": spec.model.path,
         "port": spec.schedulerPort,
-        "bind": "0.0.0.0",
+        # The pod's own address, not every interface; the kubelet expands $(POD_IP).
+        "bind": "$(POD_IP)",
         "replica": index,
         "tp": par.tp,
         "sp": par.sp,
@@ -164,7 +188,16 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
 
 
 def worker_args(svc: Svc, index: int) -> list[str]:
-    return ["worker", *worker_flags(worker_options(svc, index))]
+    # Weight and LoRA loads are confined to the model's mount path (the volume, or the
+    # image's models folder when the model is baked in): nothing else on the pod's disk.
+    return [
+        "worker",
+        *worker_flags(worker_options(svc, index)),
+        "--wire-key-file",
+        WIRE_KEY_FILE,
+        "--allow-path",
+        svc.spec.model.mountPath,
+    ]
 
 
 def _resources(spec: s.DiffusionServiceSpec) -> dict[str, Any]:
@@ -176,11 +209,76 @@ def _resources(spec: s.DiffusionServiceSpec) -> dict[str, Any]:
     return resources
 
 
+def probe_command(port: int, *extra: str) -> list[str]:
+    """A real ping through the driver with a deadline, not a TCP check: a hung gang
+    keeps its port open (DESIGN.md, known traps).
+
+    The driver binds the pod IP only, and a kubelet expands no ``$(POD_IP)`` in a probe
+    (only env values it knows statically), so a shell inside the container reads it.
+    """
+    flags = f"--port {port} --timeout 3 --wire-key-file {WIRE_KEY_FILE}"
+    return ["sh", "-c", " ".join(['exec dpserve probe --host "$POD_IP"', flags, *extra])]
+
+
 def _probe(port: int, *extra: str) -> dict[str, Any]:
-    # A real ping through the driver with a deadline, not a TCP check: a hung gang
-    # keeps its port open (DESIGN.md, known traps).
-    command = ["dpserve", "probe", "--port", str(port), "--timeout", "3", *extra]
-    return {"exec": {"command": command}, "timeoutSeconds": 5}
+    return {"exec": {"command": probe_command(port, *extra)}, "timeoutSeconds": 5}
+
+
+def pod_security() -> dict[str, Any]:
+    """Pod-level part of the restricted Pod Security Standard: the image's user, never
+    root; the runtime's default seccomp profile. fsGroup owns the mounted Secrets,
+    which are readable by owner and group only."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": IMAGE_UID,
+        "runAsGroup": IMAGE_UID,
+        "fsGroup": IMAGE_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> dict[str, Any]:
+    """Container-level part: no privilege escalation, no capabilities, read-only root."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def scratch_env() -> list[dict[str, Any]]:
+    """Where the libraries write, all in the scratch emptyDir (the root is read-only).
+
+    USER too: ``getpass.getuser()`` (kopf's identity, torch's default cache names)
+    fails for a uid without a passwd entry, as a ``runAsUser`` other than the image's has.
+    """
+    cache = f"{SCRATCH}/.cache"
+    return [
+        {"name": "USER", "value": "dpserve"},
+        {"name": "HOME", "value": SCRATCH},
+        {"name": "XDG_CACHE_HOME", "value": cache},
+        {"name": "HF_HOME", "value": f"{cache}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{cache}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{cache}/torchinductor"},
+        {"name": "MPLCONFIGDIR", "value": f"{cache}/matplotlib"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+    ]
+
+
+def _secret_volume(name: str, secret: str) -> dict[str, Any]:
+    # 0440: the pod's user reads it through fsGroup; nobody else in the pod does.
+    return {"name": name, "secret": {"secretName": secret, "defaultMode": 0o440}}
+
+
+def _wire_volume(svc: Svc) -> tuple[dict[str, Any], dict[str, Any]]:
+    return (
+        _secret_volume("wire", wire_secret_name(svc)),
+        {"name": "wire", "mountPath": WIRE_DIR, "readOnly": True},
+    )
+
+
+def _scratch_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"name": "scratch", "emptyDir": {}}, {"name": "scratch", "mountPath": SCRATCH}
 
 
 def _volumes(spec: s.DiffusionServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -208,10 +306,14 @@ def _volumes(spec: s.DiffusionServiceSpec) -> tuple[list[dict[str, Any]], list[d
 def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
     spec = svc.spec
     volumes, mounts = _volumes(spec)
+    for volume, mount in (_wire_volume(svc), _scratch_volume()):
+        volumes.append(volume)
+        mounts.append(mount)
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        *(e.model_dump(exclude_none=True) for e in spec.env or []),
+        *scratch_env(),
+        *(e.model_dump(exclude_none=True) for e in spec.env or []),  # the user's win
     ]
     container: dict[str, Any] = {
         "name": "worker",
@@ -234,6 +336,7 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
             "periodSeconds": 15,
             "failureThreshold": 4,
         },
+        "securityContext": container_security(),
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -242,7 +345,9 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
         "hostname": replica_pod_name(svc, index),
         "subdomain": headless_name(svc),
         "terminationGracePeriodSeconds": spec.router.requestTimeoutSeconds + DRAIN_MARGIN_S,
-        "securityContext": {"runAsNonRoot": True},
+        "securityContext": pod_security(),
+        # Workers never call the Kubernetes API: no token to steal from a replica.
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         **images.secrets(),
     }
@@ -295,11 +400,52 @@ def build_control_state(svc: Svc) -> dict[str, Any]:
     }
 
 
+def build_wire_secret(svc: Svc, secret_key: bytes) -> dict[str, Any]:
+    """The service's wire key (z85 CURVE secret key), shared by its router and replicas.
+
+    Created once and never read back: the operator needs no get on Secrets, so its
+    RBAC can deny reading the Secrets it did not create. ``secret_key`` comes from
+    ``WireKey.generate()``; the builder stays a function of its inputs.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(svc, wire_secret_name(svc), "wire"),
+        "type": "Opaque",
+        "stringData": {WIRE_KEY: secret_key.decode()},
+    }
+
+
+def build_network_policy(svc: Svc) -> dict[str, Any]:
+    """Replica pods admit traffic only from the same service's router pods, on the ZMQ
+    port (a gang's ranks talk inside the pod; exec probes run inside it too)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(svc, headless_name(svc), "replica"),
+        "spec": {
+            "podSelector": {"matchLabels": selector(svc, "replica")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": selector(svc, "router")}}],
+                    "ports": [{"protocol": "TCP", "port": svc.spec.schedulerPort}],
+                }
+            ],
+        },
+    }
+
+
 # ------------------------------------------------------------ router
 
 
 def router_args(svc: Svc) -> list[str]:
     r = svc.spec.router
+    auth = (
+        ["--api-key-file", f"{AUTH_DIR}/{API_KEYS}", "--admin-key-file", f"{AUTH_DIR}/{ADMIN_KEYS}"]
+        if r.auth
+        else []
+    )
     return [
         "router",
         "--discovery", "kubernetes",
@@ -312,11 +458,20 @@ def router_args(svc: Svc) -> list[str]:
         "--max-inflight-per-replica", str(r.maxInflightPerReplica),
         "--max-waiting", str(r.maxWaiting),
         "--served-model-name", svc.name,
+        "--wire-key-file", WIRE_KEY_FILE,
+        *auth,
     ]  # fmt: skip
 
 
 def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
     r = svc.spec.router
+    wire_volume, wire_mount = _wire_volume(svc)
+    scratch_volume, scratch_mount = _scratch_volume()
+    scratch_volume["emptyDir"] = {"sizeLimit": "64Mi"}
+    volumes, mounts = [wire_volume, scratch_volume], [wire_mount, scratch_mount]
+    if r.auth:
+        volumes.append(_secret_volume("auth", r.auth.secretName))
+        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
     container = {
         "name": "router",
         "image": r.image or images.router,
@@ -327,18 +482,17 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 10},
         "resources": r.resources or {"requests": {"cpu": "100m", "memory": "128Mi"}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "env": scratch_env(),
+        "volumeMounts": mounts,
+        "securityContext": container_security(),
     }
     template = {
         "metadata": {"labels": labels(svc, "router")},
         "spec": {
-            "serviceAccountName": router_name(svc),
+            "serviceAccountName": router_name(svc),  # it reads EndpointSlices: a token
             "containers": [container],
-            "securityContext": {"runAsNonRoot": True},
+            "volumes": volumes,
+            "securityContext": pod_security(),
             "enableServiceLinks": False,
             **images.secrets(),
         },
@@ -403,9 +557,11 @@ def build_router_rbac(svc: Svc) -> list[dict[str, Any]]:
 
 
 def build_children(svc: Svc, images: Images) -> list[dict[str, Any]]:
-    """Every child except the replica pods (those are planned one by one)."""
+    """Every child except the replica pods (planned one by one) and the wire Secret
+    (its content is random, made once: ``build_wire_secret``)."""
     return [
         build_headless_service(svc),
+        build_network_policy(svc),
         build_control_state(svc),
         *build_router_rbac(svc),
         build_router_deployment(svc, images),

@@ -28,6 +28,7 @@ from dpserve.operator import spec as s
 from dpserve.operator.kube import Kube, load_config
 from dpserve.operator.plan import Note, plan, why_create, why_delete
 from dpserve.operator.status import compute_status, known_indices, parse_control_state, pod_facts
+from dpserve.wire import WireKey
 
 log = logging.getLogger(__name__)
 ANNOTATION_PREFIX = "dpserve.dev"
@@ -41,9 +42,10 @@ RETRY_S = 5.0  # after an unexpected API error (kopf's default would wait a minu
 class Runtime:
     """What the handlers share, created at start-up (kopf's memo holds it)."""
 
-    def __init__(self, kube: Kube, images: b.Images) -> None:
+    def __init__(self, kube: Kube, images: b.Images, allow_host_path: bool = False) -> None:
         self.kube = kube
         self.images = images
+        self.allow_host_path = allow_host_path
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         # A reconcile waiting for the lock will read the newest state anyway, so
         # events arriving meanwhile need not queue another one behind it.
@@ -66,6 +68,11 @@ def images_from_env() -> b.Images:
     )
 
 
+def allow_host_path_from_env() -> bool:
+    """The chart's ``allowHostPathModels`` (off unless the value says true)."""
+    return os.environ.get("DPSERVE_ALLOW_HOSTPATH_MODELS", "false").strip().lower() == "true"
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's own bookkeeping goes to annotations: the structural schema would
@@ -81,14 +88,19 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.client_timeout = 330
     for resource in ("pods", ("apps", "deployments"), "configmaps"):
         settings.watching.label_selectors[resource] = MANAGED
+    # Namespaced: the namespaces are named exactly and the CRD exists before the
+    # operator (Helm installs crds/ first), so kopf needs no cluster-scoped watch of
+    # namespaces or CRDs, and the chart grants nothing outside the watched namespaces.
+    if memo.get("namespaces"):
+        settings.scanning.disabled = True
     load_config()
-    memo.runtime = Runtime(Kube(), images_from_env())
+    memo.runtime = Runtime(Kube(), images_from_env(), allow_host_path_from_env())
     memo.drift = asyncio.create_task(drift_loop(memo.runtime, list(memo.get("namespaces", []))))
 
 
-def _check_beyond_crd(spec: s.DiffusionServiceSpec) -> None:
+def _check_beyond_crd(spec: s.DiffusionServiceSpec, allow_host_path: bool) -> None:
     """Rules the apiserver may not have enforced; a violation is reported, never crashes."""
-    found = s.problems(spec)
+    found = s.problems(spec, allow_host_path)
     if found:
         raise InvalidSpec("; ".join(found))
     par = spec.parallelism
@@ -128,13 +140,16 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
         return  # owner references take the children with it
     try:
         svc = b.Svc.from_object(obj)
-        _check_beyond_crd(svc.spec)
+        _check_beyond_crd(svc.spec, runtime.allow_host_path)
     except (ValidationError, LayoutError, InvalidSpec) as exc:
         await _report_invalid(kube, obj, str(exc))
         return
     children = b.build_children(svc, runtime.images)
     digest = hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
     if drift or runtime.applied.get((namespace, name)) != digest:
+        # The wire key first: pods mount it. A fresh key each time, kept only when the
+        # Secret is new (409 otherwise): the operator never reads a Secret.
+        await kube.create_if_absent(b.build_wire_secret(svc, WireKey.generate().secret))
         for child in children:
             if child["kind"] == "ConfigMap":
                 await kube.create_if_absent(child)

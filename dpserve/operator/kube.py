@@ -1,8 +1,13 @@
 """The operator's only door to the Kubernetes API.
 
 Every method declares the (API group, resource, verb) it needs with ``@uses``;
-the chart's ClusterRole is checked against the union of those declarations plus
-what kopf itself needs, so the role grants exactly what the code does.
+the chart's roles are checked against the union of those declarations plus
+what kopf itself needs, so the role grants exactly what the code does
+(tests/chart/test_chart.py), and a real apiserver answers SubjectAccessReviews
+with exactly that (tests/cluster/test_rbac.py).
+
+Secrets are created, never read: the wire Secret is create-only (409 means it is
+there), so the operator holds no get, list or watch on any Secret.
 """
 
 from __future__ import annotations
@@ -25,17 +30,15 @@ FIELD_MANAGER: Final = "dpserve-operator"
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
 
 # What kopf needs beside our own calls: watch the CRs, keep its annotations on
-# them, post events, discover the CRD, and watch what the event handlers follow.
+# them, post events, and watch what the event handlers follow. Namespaces are never
+# listed: cluster-wide kopf watches all of them at once, and a namespaced operator
+# names its namespaces exactly (kopf's scanning is off then, see handlers.configure).
 KOPF_RULES: Final = frozenset(
     {
         (s.GROUP, s.PLURAL, "list"),
         (s.GROUP, s.PLURAL, "watch"),
         (s.GROUP, s.PLURAL, "patch"),
         ("", "events", "create"),
-        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
-        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
-        ("", "namespaces", "list"),
-        ("", "namespaces", "watch"),
         *(
             (group, resource, verb)
             for group, resource in (
@@ -45,6 +48,16 @@ KOPF_RULES: Final = frozenset(
             )
             for verb in ("list", "watch")
         ),
+    }
+)
+
+
+# Cluster-wide only: kopf watches the CRDs to notice resources appearing later. A
+# namespaced operator turns that scanning off, so it needs nothing cluster-scoped.
+KOPF_CLUSTER_RULES: Final = frozenset(
+    {
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     }
 )
 
@@ -59,11 +72,12 @@ def uses(*rules: Rule) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return mark
 
 
-def required_rules() -> set[Rule]:
+def required_rules(cluster_wide: bool = True) -> set[Rule]:
     """Every permission the operator needs: its own calls, kopf's, and the router's.
 
     The router's role is created by the operator, and RBAC lets a subject grant
-    only permissions it holds itself.
+    only permissions it holds itself. ``cluster_wide=False``: what a namespaced
+    operator needs in each namespace it watches (and nothing beyond them).
     """
     own = {rule for fn in vars(Kube).values() for rule in getattr(fn, "rbac", ())}
     granted = {
@@ -73,7 +87,7 @@ def required_rules() -> set[Rule]:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    return own | set(KOPF_RULES) | granted
+    return own | set(KOPF_RULES) | granted | (set(KOPF_CLUSTER_RULES) if cluster_wide else set())
 
 
 def load_config() -> None:
@@ -169,6 +183,7 @@ class Kube:
                 ("rbac.authorization.k8s.io", "roles"),
                 ("rbac.authorization.k8s.io", "rolebindings"),
                 ("apps", "deployments"),
+                ("networking.k8s.io", "networkpolicies"),
             )
             # An apply that creates the object is authorized as a create too.
             for verb in ("patch", "create")
@@ -200,9 +215,10 @@ class Kube:
         events = self._resource("v1", "Event")
         await self._run(events.create, body=event, namespace=event["metadata"]["namespace"])
 
-    @uses(("", "configmaps", "create"))
+    @uses(("", "configmaps", "create"), ("", "secrets", "create"))
     async def create_if_absent(self, obj: dict[str, Any]) -> None:
-        """For objects whose content others own after birth (the control state)."""
+        """For objects made once and never read back: the control state (the routers own
+        its content) and the wire Secret (create-only: no read access is needed)."""
         resource = self._resource(obj["apiVersion"], obj["kind"])
         try:
             await self._run(resource.create, body=obj, namespace=obj["metadata"]["namespace"])

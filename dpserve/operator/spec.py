@@ -89,7 +89,11 @@ class ModelSource(_Model):
         "is given; baked into the image otherwise)",
     )
     volume: ModelVolume | None = Field(None, description="where the model comes from")
-    mountPath: str = Field("/models", description="where the volume is mounted")
+    mountPath: str = Field(
+        "/models",
+        description="where the volume is mounted; the only folder weight and LoRA loads "
+        "may read from (the worker's --allow-path)",
+    )
 
 
 class Parallelism(_Model):
@@ -122,6 +126,17 @@ class ServiceSpec(_Model):
     port: int = Field(80, ge=1, le=65535)
 
 
+class RouterAuth(_Model):
+    """API keys the router demands (docs/kubernetes.md, API keys)."""
+
+    secretName: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Secret in the service's namespace with keys api-keys and admin-keys "
+        "(one key per line); mounted into the router pods",
+    )
+
+
 class RouterSpec(_Model):
     replicas: int = Field(1, ge=0, le=100)
     service: ServiceSpec = Field(default_factory=ServiceSpec, json_schema_extra={"default": {}})
@@ -130,6 +145,9 @@ class RouterSpec(_Model):
     maxInflightPerReplica: int = Field(2, ge=1, le=1024)
     maxWaiting: int = Field(256, ge=1, le=100000)
     resources: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
+    auth: RouterAuth | None = Field(
+        None, description="API keys; without it the router serves anyone who reaches it"
+    )
 
 
 class UpdateStrategy(_Model):
@@ -239,12 +257,20 @@ class DiffusionServiceStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list)
 
 
-def problems(spec: DiffusionServiceSpec) -> list[str]:
+HOST_PATH_REFUSED = (
+    "model.volume.hostPath is not allowed by this operator (chart value "
+    "allowHostPathModels is false; the restricted Pod Security Standard forbids hostPath "
+    "volumes too): put the model on a persistentVolumeClaim"
+)
+
+
+def problems(spec: DiffusionServiceSpec, allow_host_path: bool = False) -> list[str]:
     """What is wrong with a spec that the apiserver admitted anyway.
 
     The CEL rules are mirrored here because Helm never upgrades a CRD: a cluster
-    may run an older CRD without them. The model path rules are the operator's
-    own (they need no cluster-side check to be reported in status).
+    may run an older CRD without them. The model path rules and the hostPath
+    policy are the operator's own (they need no cluster-side check to be reported
+    in status).
     """
     found = []
     if spec.role != "monolithic" and spec.replicas > 1:
@@ -257,6 +283,8 @@ def problems(spec: DiffusionServiceSpec) -> list[str]:
     volume = spec.model.volume
     if volume is not None and (volume.persistentVolumeClaim is None) == (volume.hostPath is None):
         found.append("model.volume needs exactly one of persistentVolumeClaim or hostPath")
+    if volume is not None and volume.hostPath is not None and not allow_host_path:
+        found.append(HOST_PATH_REFUSED)
     if spec.updateStrategy.maxUnavailable == 0 and spec.updateStrategy.maxSurge == 0:
         found.append("updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress")
     if not spec.model.path.startswith("/"):

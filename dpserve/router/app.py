@@ -8,7 +8,6 @@ error shape with a message that says what to fix.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -25,6 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.layout import ParallelConfig, describe
+from dpserve.router import schemas
+from dpserve.router.auth import AuthMiddleware, Keys, document_security
+from dpserve.router.bodies import BadBody, parse_object, read_body
 from dpserve.router.desired import DesiredState
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import error_body, image_response, parse_image_request
@@ -61,6 +63,17 @@ class RouterSettings:
     output_dir: Path | None = None
     public_url: str = "http://127.0.0.1:8000"
     served_model_name: str | None = None
+    # Bearer keys (docs/router.md, "Security"): none configured, every route is open.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)  # also work on inference routes
+    body_timeout_s: float = 30.0  # a body not fully read by then is refused (408)
+    # The HTTP server's edges (docs/router.md, "Limits"): connections (WebSockets
+    # included) past max_connections get 503 at once; the kernel queues backlog more.
+    max_connections: int = 1000
+    backlog: int = 2048
+    # response_format=url files: the oldest go past either bound (docs/router.md).
+    output_max_files: int = 1000
+    output_max_age_s: float = 3600.0
 
 
 @dataclass
@@ -72,12 +85,6 @@ class _Running:
     sessions: SessionRouter | None = None
 
 
-class BadBody(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def _error(status: int, message: str, fields: list[p.FieldError] | None = None) -> JSONResponse:
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(error_body(status, message, fields), status_code=status, headers=headers)
@@ -87,29 +94,10 @@ def _fanout(answer: FanoutAnswer) -> JSONResponse:
     return JSONResponse(answer.body, status_code=answer.status)
 
 
-async def _json_body(request: Request, limit: int, required: bool) -> Any:
-    """The parsed JSON body, read no further than ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadBody(413, f"request body is larger than {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadBody(413, f"request body is larger than {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        if required:
-            raise BadBody(400, "the request needs a JSON object body")
-        return {}
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadBody(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadBody(400, "the request body must be a JSON object")
-    return body
+async def _json_body(request: Request, settings: RouterSettings, required: bool) -> Any:
+    """The parsed JSON object body (dpserve/router/bodies.py says what is refused)."""
+    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    return parse_object(raw, request.headers.get("content-type"), required)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -140,11 +128,23 @@ async def _disconnect(request: Request) -> None:
 
 def create_app(settings: RouterSettings) -> FastAPI:
     metrics = RouterMetrics()
-    store = OutputStore(settings.output_dir, settings.public_url) if settings.output_dir else None
+    store = (
+        OutputStore(
+            settings.output_dir,
+            settings.public_url,
+            settings.output_max_files,
+            settings.output_max_age_s,
+        )
+        if settings.output_dir
+        else None
+    )
     running = _Running()
+
+    keys = Keys.of(settings.api_keys, settings.admin_keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _warn_about_keys(keys)
         k8s = settings.kubernetes
         if k8s is None:
             pool = ReplicaPool(settings.pool)
@@ -201,17 +201,31 @@ def create_app(settings: RouterSettings) -> FastAPI:
             message = f"{request.method} is not allowed on {request.url.path}"
         return _error(exc.status_code, message)
 
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        # Still a bug (the server logs the traceback), but answered in the error shape
+        # rather than as plain text, and without the exception's words (paths, state).
+        return _error(500, "internal error in the router; it is logged there")
+
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(422, f"invalid request: {exc.errors()}")
 
+    # Outermost last: metrics count the refusals too.
+    app.add_middleware(AuthMiddleware, keys=keys)
+    if keys.enabled:
+        plain_openapi = app.openapi
+        app.openapi = lambda: document_security(plain_openapi())  # type: ignore[method-assign]
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     # ------------------------------------------------------------ generation
 
-    @app.post("/v1/images/generations")
+    @app.post(
+        "/v1/images/generations",
+        openapi_extra=schemas.request_body(schemas.ImageGenerationRequest, required=True),
+    )
     async def generate(request: Request) -> JSONResponse:
-        body = await _json_body(request, settings.max_body_bytes, required=True)
+        body = await _json_body(request, settings, required=True)
         params, fmt = parse_image_request(body, _limits(pool()), store is not None)
         done = await _unless_disconnected(request, service().generate(params))
         urls = None
@@ -266,7 +280,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             # Each rank's weight bytes per module (a serving replica's; the same layout
             # everywhere): tensor parallel's split and the encoders' placement show here.
             "rank_weights": info.get("rank_weights"),
-            "router": {k: v for k, v in asdict(settings).items() if k != "output_dir"},
+            "router": _shown_settings(settings),
             "control_state": _control_state(pool()),
             "replica_states": [pool().snapshot(r) for r in replicas],
         }
@@ -274,14 +288,14 @@ def create_app(settings: RouterSettings) -> FastAPI:
     # ------------------------------------------------------------ control fan-out
 
     async def fan_out(op: str, request: Request) -> JSONResponse:
-        body = await _json_body(request, settings.max_body_bytes, required=False)
+        body = await _json_body(request, settings, required=False)
         return _fanout(await service().control(op, body))
 
-    def control_route(path: str, op: str, methods: list[str]) -> None:
+    def control_route(path: str, op: str, methods: list[str], extra: dict[str, Any]) -> None:
         async def handler(request: Request) -> JSONResponse:
             return await fan_out(op, request)
 
-        app.add_api_route(path, handler, methods=methods, name=op)
+        app.add_api_route(path, handler, methods=methods, name=op, openapi_extra=extra)
 
     for path, op in (
         ("/update_weights_from_disk", "update_weights_from_disk"),
@@ -290,13 +304,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
         ("/v1/set_lora", "set_lora"),
         ("/v1/merge_lora_weights", "merge_lora_weights"),
         ("/v1/unmerge_lora_weights", "unmerge_lora_weights"),
-    ):
-        control_route(path, op, ["POST"])
-    for path, op in (
         ("/v1/list_loras", "list_loras"),
         ("/get_weights_checksum", "get_weights_checksum"),
     ):
-        control_route(path, op, ["GET", "POST"])
+        control_route(path, op, ["POST"], schemas.control_body(op))
+        if op in p.READ_ONLY_OPS:  # also a GET (its body, if any, is read the same way)
+            control_route(path, op, ["GET"], {})
 
     # ------------------------------------------------------------ health
 
@@ -337,15 +350,24 @@ def create_app(settings: RouterSettings) -> FastAPI:
     return app
 
 
-def server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+def server_config(app: FastAPI, host: str, port: int, settings: RouterSettings) -> uvicorn.Config:
     """How the router is served. Frames are PNG or JPEG already: WebSocket
-    compression would only spend CPU on both ends of every frame."""
+    compression would only spend CPU on both ends of every frame.
+
+    uvicorn's ``limit_concurrency`` counts open connections (idle keep-alive ones and
+    WebSockets too) and running requests: past it a new request gets 503 at once,
+    so a flood costs the router a few bytes per connection, not its memory or its
+    file descriptors (which the replicas' sockets need as well). uvicorn counts the
+    new connection itself, hence the + 1: ``max_connections`` are served.
+    """
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         ws_per_message_deflate=False,
         ws_max_size=rt.MAX_MESSAGE_BYTES,
+        limit_concurrency=settings.max_connections + 1,
+        backlog=settings.backlog,
     )
 
 
@@ -381,6 +403,26 @@ def _layout(info: dict[str, Any], replicas: int) -> str | None:
     """The deployment's layout: each replica's gang, with dp = the number of replicas."""
     gang = info.get("parallel")
     return describe(ParallelConfig(**gang, dp=max(replicas, 1))) if gang else None
+
+
+def _shown_settings(settings: RouterSettings) -> dict[str, Any]:
+    """The settings /server_info shows: no path of this host, no secret."""
+    hidden = {"output_dir", "api_keys", "admin_keys"}
+    shown = {k: v for k, v in asdict(settings).items() if k not in hidden}
+    shown["auth"] = {"api_keys": len(settings.api_keys), "admin_keys": len(settings.admin_keys)}
+    shown["pool"]["wire_key"] = "curve" if settings.pool.wire_key is not None else None
+    return shown
+
+
+def _warn_about_keys(keys: Keys) -> None:
+    if not keys.enabled:
+        log.warning(
+            "NO API KEYS: anyone who reaches this router can generate, swap the weights "
+            "(update_weights_from_disk), change LoRAs and release GPU memory. Start it with "
+            "--api-key/--admin-key (or --api-key-file/--admin-key-file)."
+        )
+    elif not keys.admin:
+        log.warning("no admin key is configured: control routes answer 403 to every caller")
 
 
 def _model_name(pool: ReplicaPool, settings: RouterSettings) -> str:

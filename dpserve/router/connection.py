@@ -20,8 +20,17 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dpserve import protocol as p
 from dpserve.transport import connect_dealer
+from dpserve.wire import WireKey
 
 log = logging.getLogger(__name__)
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
 
 
 class ReplicaLost(ConnectionError):
@@ -29,10 +38,12 @@ class ReplicaLost(ConnectionError):
 
 
 class ReplicaConnection:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, key: WireKey | None = None) -> None:
         self.endpoint = endpoint
-        self._sock = connect_dealer(ctx, endpoint, immediate=True)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock = connect_dealer(ctx, endpoint, immediate=True, key=key)
+        self._monitor = self._sock.get_monitor_socket(_WATCHED)
+        self._refused = False  # the last handshake failed (logged once, until one succeeds)
+        self._dropped = False  # between a drop and the next handshake: sends would be lost
         self._pending: dict[str, asyncio.Future[p.Message]] = {}
         self._tasks = [
             asyncio.create_task(self._read(), name=f"reader {endpoint}"),
@@ -66,6 +77,8 @@ class ReplicaConnection:
         self._pending[request_id] = future
         try:
             try:
+                if self._dropped:
+                    raise zmq.Again
                 await self._sock.send_multipart(
                     p.encode(kind, request_id, body, blobs or [], timeout_ms), flags=zmq.NOBLOCK
                 )
@@ -130,9 +143,32 @@ class ReplicaConnection:
     async def _watch(self) -> None:
         while True:
             event = await recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED and self._pending:
-                log.warning("%s disconnected with %d in flight", self.endpoint, len(self._pending))
-                self._fail_all(ReplicaLost(f"{self.endpoint} disconnected"))
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._dropped = True
+                if self._pending:
+                    n = len(self._pending)
+                    log.warning("%s disconnected with %d in flight", self.endpoint, n)
+                    self._fail_all(ReplicaLost(f"{self.endpoint} disconnected"))
+                await self._redial()
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._refused = self._dropped = False
+            elif event["event"] & _HANDSHAKE_FAILED and not self._refused:
+                # Otherwise the replica just looks down: say why, once per outage.
+                self._refused = True
+                log.warning(
+                    "%s refused the connection's handshake: the router and that replica "
+                    "do not share a wire key (--wire-key-file), or only one side has one",
+                    self.endpoint,
+                )
+
+    async def _redial(self) -> None:
+        """Dial again after a drop. libzmq redials by itself after most, but not after
+        a protocol error (a reply frame over the cap): it ends that connection for good,
+        and a send to its pipe, which lingers a moment, is lost (so none is made)."""
+        await asyncio.sleep(0.1)
+        with contextlib.suppress(zmq.ZMQError):  # already gone
+            self._sock.disconnect(self.endpoint)
+        self._sock.connect(self.endpoint)
 
     async def close(self) -> None:
         for task in self._tasks:

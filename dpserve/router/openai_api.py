@@ -59,9 +59,9 @@ def image_response(
 
 
 _ERROR_TYPES: Final = {
-    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
-    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
@@ -73,7 +73,9 @@ def error_body(
     """OpenAI's error shape, plus every bad field for clients that want them all."""
     error: dict[str, Any] = {
         "message": message,
-        "type": _ERROR_TYPES.get(status, "server_error"),
+        "type": _ERROR_TYPES.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        ),
         "param": fields[0].field if fields else None,
         "code": status,
     }

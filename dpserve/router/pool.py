@@ -28,6 +28,7 @@ from dpserve.control_state import StateDoc, parse_doc
 from dpserve.router.connection import ReplicaConnection, ReplicaLost
 from dpserve.router.desired import DesiredState, OutOfSync
 from dpserve.router.policies import ReplicaOutcome, RoundRobin
+from dpserve.wire import WireKey, plaintext_warning
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class PoolSettings:
     sync_backoff_max_s: float = 30.0
     max_inflight: int = 2  # per replica: one running, one queued keeps a gang busy
     max_queue: int = 256  # requests waiting for a slot, router-wide
+    # The service's wire key: the router is a CURVE client of every driver with it.
+    # None: plaintext (only for a wire nobody else can reach; warned at start).
+    wire_key: WireKey | None = None
 
 
 @dataclass
@@ -106,7 +110,8 @@ class ReplicaPool:
             if leaving is not None:  # back before it finished draining: keep it
                 self.replicas[endpoint] = leaving[0]
             else:
-                self.replicas[endpoint] = Replica(endpoint, ReplicaConnection(self.ctx, endpoint))
+                conn = ReplicaConnection(self.ctx, endpoint, self.settings.wire_key)
+                self.replicas[endpoint] = Replica(endpoint, conn)
                 log.info("replica %s added", endpoint)
             if self._started:
                 self._watch(self.replicas[endpoint])
@@ -144,6 +149,8 @@ class ReplicaPool:
     async def start(self) -> None:
         """Read the stored state and ask every replica once before anything serves, so
         the desired state is the newest anyone holds, not whichever replica answered first."""
+        if self.settings.wire_key is None:
+            plaintext_warning("the router")
         with contextlib.suppress(Exception):  # an unreachable store: the replicas tell us
             await self.desired.refresh()
         await self.check_all()

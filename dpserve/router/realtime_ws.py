@@ -4,9 +4,12 @@ The first valid ``init`` (or ``resume``) attaches the socket to a session on its
 owner replica. Then two tasks share the socket: a reader that takes prompt
 changes and step requests, and a stepper that asks the owner for frames and
 sends them as binary ``frame`` messages. A bad message gets an ``error`` and
-the socket stays usable. A client that closes (or goes away) releases the
-session on its owner; a router that restarts (close code 1012) leaves it for the
-client to ``resume`` through any router until the replica's idle timeout.
+the socket stays usable. A client that has not sent a valid ``init`` (or
+``resume``) within ``init_timeout_s`` of waiting is sent an ``init_timeout`` error
+and closed (4008): an open socket that says nothing holds a connection slot. A
+client that closes (or goes away) releases the session on its owner; a router
+that restarts (close code 1012) leaves it for the client to ``resume`` through
+any router until the replica's idle timeout.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ log = logging.getLogger(__name__)
 SERVICE_RESTART: Final = 1012  # RFC 6455: the server restarts; the client may come back
 SESSION_ENDED: Final = 1011  # the session ended on the server's side (its state was lost)
 SESSION_TAKEN: Final = 4009  # another connection resumed the session
+INIT_TIMEOUT: Final = 4008  # no init (or resume) in time: HTTP 408's twin
 
 
 @dataclass(frozen=True)
 class RealtimeSettings:
     send_timeout_s: float = 30.0  # a client that reads nothing for this long is gone
+    # Waiting for the client's init (or resume); time a replica spends opening the
+    # session is not counted, so a refused init leaves the client the rest.
+    init_timeout_s: float = 10.0
 
 
 @dataclass
@@ -105,8 +112,18 @@ class RealtimeConnection:
 
     async def _attach(self) -> _Drive:
         """Until a valid init or resume: bad ones get an error and another chance."""
+        left = self.settings.init_timeout_s
         while True:
-            message = await self._receive()
+            started = time.monotonic()
+            try:
+                async with asyncio.timeout(max(0.0, left)):
+                    message = await self._receive()
+            except TimeoutError:
+                waited = self.settings.init_timeout_s
+                why = f"no init (or resume) message within {waited:g}s; send init first"
+                await self._end(why, "init_timeout", INIT_TIMEOUT)
+                raise WebSocketDisconnect(INIT_TIMEOUT, why) from None
+            left -= time.monotonic() - started
             kind = message["type"]
             try:
                 if kind == "init":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -12,6 +13,7 @@ from typing import Any
 
 from dpserve import protocol as p
 from dpserve.control_state import reduce
+from dpserve.router.coalesce import Coalescer
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import FanoutAnswer, ReplicaOutcome, merge_fanout
 from dpserve.router.pool import Replica, ReplicaPool
@@ -24,6 +26,10 @@ _RETRIABLE = frozenset({p.UNAVAILABLE, p.OVERLOADED})
 # answer (its result, or deadline_exceeded from its next denoising step) before it
 # gives up on the replica. A step or an image decode can outlast the deadline a little.
 REPLY_GRACE_S = 5.0
+# Read-only ops that read the whole model on every replica: shared and bounded
+# (dpserve/router/coalesce.py), not one fan-out per caller.
+HEAVY_READS = frozenset({"get_weights_checksum"})
+HEAVY_READ_WAITERS = 8
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,9 @@ class Generated:
 
 
 class RouterService:
-    def __init__(self, pool: ReplicaPool) -> None:
+    def __init__(self, pool: ReplicaPool, heavy_read_waiters: int = HEAVY_READ_WAITERS) -> None:
         self.pool = pool
+        self.heavy_reads: Coalescer[FanoutAnswer] = Coalescer(heavy_read_waiters)
 
     # ------------------------------------------------------------ generation
 
@@ -114,14 +121,23 @@ class RouterService:
         p.parse_control(p.ControlRequest(op=op, args=args))
         if op == p.SYNC_STATE:
             raise p.RequestError(p.UNSUPPORTED, "sync_state is internal to the router")
+        if op in HEAVY_READS:
+            doc, changing = self.pool.desired.doc, self.pool.desired.ops.locked()
+            # Shared only within one control state, and never across a change in flight.
+            asked = json.dumps(args, sort_keys=True)
+            key = (op, asked, doc.key) if doc is not None and not changing else None
+            return await self.heavy_reads.run(key, lambda: self._read(op, args), op)
         if op not in p.MUTATING_OPS:
-            replicas = self.pool.members()
-            request = p.ControlRequest(op=op, args=args)
-            outcomes = await asyncio.gather(*(self.pool.ask(r, request) for r in replicas))
-            return merge_fanout(op, outcomes, read_only=True)
+            return await self._read(op, args)
         outcomes, summary = await self._change(op, args)
         answer = merge_fanout(op, outcomes, read_only=False)
         return FanoutAnswer(answer.status, {**answer.body, "control_state": summary})
+
+    async def _read(self, op: str, args: dict[str, Any]) -> FanoutAnswer:
+        replicas = self.pool.members()
+        request = p.ControlRequest(op=op, args=args)
+        outcomes = await asyncio.gather(*(self.pool.ask(r, request) for r in replicas))
+        return merge_fanout(op, outcomes, read_only=True)
 
     async def _change(
         self, op: str, args: dict[str, Any]

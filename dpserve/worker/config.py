@@ -56,6 +56,7 @@ class Flag:
     name: str | None = None  # default: --field-name
     choices: tuple[str, ...] | None = None
     gang: bool = True  # shared by every replica of a set; False: where one replica runs
+    many: bool = False  # repeatable: the field is a tuple, one flag per item
 
 
 def _flag(help: str, parse: Callable[[str], Any] = str, **kw: Any) -> dict[str, Flag]:
@@ -85,7 +86,28 @@ class WorkerConfig:
     first_gpu: int = field(  # the gang's ranks take GPUs first_gpu, first_gpu + 1, ...
         default=0, metadata=_flag("GPU of rank 0; rank k takes first-gpu + k", int, gang=False)
     )
+    # The service's CURVE key (dpserve.wire); None: a plaintext wire, warned at start.
+    # Not a gang option: ``serve`` makes its own key and hands each replica the file.
+    wire_key_file: Path | None = field(
+        default=None,
+        metadata=_flag(
+            "file holding the service's z85 CURVE secret key: only clients with it are served",
+            Path,
+            gang=False,
+        ),
+    )
     # The gang options, shared by every replica of a set.
+    # Where control ops may load weights and adapters from (dpserve.worker.paths).
+    allow_paths: tuple[Path, ...] = field(
+        default=(),
+        metadata=_flag(
+            "folder update_weights_from_disk and set_lora may load from (repeatable; "
+            "the model folder always is)",
+            Path,
+            name="--allow-path",
+            many=True,
+        ),
+    )
     tp: int = field(default=1, metadata=_flag("tensor-parallel degree", positive))
     sp: int = field(default=1, metadata=_flag("sequence-parallel degree", positive))
     # None: derived from --sp (pure Ulysses), as ParallelConfig does.
@@ -176,11 +198,26 @@ def _add(parser: argparse.ArgumentParser, gang_only: bool) -> None:
             kw["choices"] = flag.choices
         else:
             kw["metavar"] = name.removeprefix("--").replace("-", "_").upper()
+        if flag.many:
+            kw["action"] = _Append
         if f.default is dataclasses.MISSING:
             kw["required"] = True
         else:
             kw["default"] = f.default
         parser.add_argument(name, **kw)
+
+
+class _Append(argparse.Action):
+    """``action="append"`` onto a tuple default (argparse's own needs a list)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -211,8 +248,11 @@ def worker_flags(options: Mapping[str, object]) -> list[str]:
     out: list[str] = []
     for f, flag in _flags():
         value = options.get(f.name)
-        if value is not None:
-            out += [_name(f, flag), str(value)]
+        if value is None:
+            continue
+        items = value if flag.many and isinstance(value, tuple | list) else [value]
+        for item in items:  # a repeatable flag: once per item (none for an empty tuple)
+            out += [_name(f, flag), str(item)]
     return out
 
 

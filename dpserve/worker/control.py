@@ -55,10 +55,11 @@ class ControlOps:
         info: dict[str, Any],
         parallel: ModelParallel,
         relay: EncoderRelay | None = None,
+        allow_paths: tuple[Path, ...] = (),
     ) -> None:
         self.pipe = pipe
         self.parallel = parallel
-        self.applier = StateApplier(pipe, model_path, device, parallel, relay)
+        self.applier = StateApplier(pipe, model_path, device, parallel, relay, allow_paths)
         self.info = info  # static facts for model_info (layout, threads, ...)
         self._doc = StateDoc()  # the last document a router sent (its state: state())
         self._local_revision = 0  # for ops sent straight to this replica, not by a router

@@ -5,6 +5,11 @@ back on the device, modules reloaded (which drops adapters: they belonged to
 the old modules), adapters unmerged, unloaded, loaded, activated, merged, and
 weights released last. Only the steps whose part differs run, so applying the
 state a rank already holds does nothing.
+
+Every folder a state names is checked against the replica's allowed folders
+(dpserve.worker.paths) when it is loaded, and loaded from its resolved path and
+from safetensors only, whichever way the state arrived: an op sent straight to
+the replica, or a router's whole state.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dpserve.protocol import INTERNAL, RequestError
 from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.parallel.encoders import EncoderRelay, relayed
+from dpserve.worker.paths import AllowedPaths, refuse_pickles
 from dpserve.worker.pipeline import Pipeline
 from dpserve.worker.weights import WeightOffload, modules_of, own_storage
 
@@ -36,11 +42,14 @@ class StateApplier:
     device: torch.device
     parallel: ModelParallel
     relay: EncoderRelay | None = None
+    allow_paths: tuple[Path, ...] = ()  # besides boot_path (--allow-path)
+    allowed: AllowedPaths = field(init=False)
     loras: LoraAdapters = field(init=False)
     offload: WeightOffload = field(init=False)
     weights: dict[str, WeightSource] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.allowed = AllowedPaths.of(self.boot_path, self.allow_paths)
         self.loras = LoraAdapters(self.pipe, self.parallel)
         self.offload = WeightOffload(self.device)
 
@@ -87,7 +96,9 @@ class StateApplier:
         by_path: dict[Path, list[str]] = {}
         for name in sorted(changed):
             source = target.get(name)
-            by_path.setdefault(Path(source.path) if source else self.boot_path, []).append(name)
+            # The boot folder was given at start-up; any other is checked here.
+            path = self.allowed.folder(source.path, "model_path") if source else self.boot_path
+            by_path.setdefault(path, []).append(name)
         loaded: dict[str, torch.nn.Module] = {}
         for path, names in by_path.items():
             try:
@@ -106,8 +117,6 @@ class StateApplier:
         return cleared
 
     def _load_modules(self, path: Path, names: list[str]) -> dict[str, torch.nn.Module]:
-        if not path.is_dir():
-            raise bad("model_path", f"{str(path)!r} is not a folder")
         current = modules_of(self.pipe.components)
         unknown = [n for n in names if n not in current]
         if unknown:
@@ -118,9 +127,12 @@ class StateApplier:
                 raise bad("model_path", f"has no {name!r} subfolder")
             if relayed(current[name]):
                 continue  # the output rank holds (and reloads) this encoder
+            refuse_pickles(path / name, "model_path")
             cls: Any = type(current[name])
             dtype = next(current[name].parameters()).dtype
-            module = cls.from_pretrained(path, subfolder=name, dtype=dtype, local_files_only=True)
+            module = cls.from_pretrained(
+                path, subfolder=name, dtype=dtype, local_files_only=True, use_safetensors=True
+            )
             if name == "transformer":
                 self.parallel.prepare(module)  # this rank's piece, before it moves to the device
             loaded[name] = own_storage(module.to(self.device)).eval()
@@ -158,10 +170,10 @@ class StateApplier:
             actions.append(f"merged at {target.merged:g}")
 
     def _load_lora(self, nick: str, path: str) -> None:
-        if not Path(path).exists():
-            raise bad("lora_path", f"{path!r} does not exist")
+        folder = self.allowed.folder(path, "lora_path")
+        refuse_pickles(folder, "lora_path")
         try:
-            self.loras.load(nick, path)
+            self.loras.load(nick, path, folder)
         except Exception as exc:
             raise bad("lora_path", f"could not be loaded as a LoRA: {exc}") from exc
 

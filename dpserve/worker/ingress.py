@@ -30,6 +30,7 @@ import zmq
 from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.transport import bind_router, bound_endpoint, inproc_pair
+from dpserve.wire import Gatekeeper, WireKey, plaintext_warning
 from dpserve.worker.commands import GangCommand, GangStatus
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,10 @@ class Ingress:
         max_sessions: int,
         *,
         settle: bool = False,
+        key: WireKey | None = None,
     ) -> None:
+        """``key``: the service's wire key; the socket is then a CURVE server that
+        admits only clients holding it. None: a plaintext wire (warned loudly)."""
         self.replica = replica
         self.limits = limits
         self.status = status
@@ -137,10 +141,19 @@ class Ingress:
         self._stop = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._replies_in, self._replies_out = inproc_pair(self._ctx, f"replies-{id(self)}")
+        # The gatekeeper answers handshakes from before the first peer can connect.
+        self.gate = Gatekeeper(self._ctx, key) if key is not None else None
         # Bind here, on the caller's thread, so a taken port fails the start-up loudly
         # (or, asked to ``settle``, moves to a free one: the endpoint is what was bound).
-        self._sock = bind_router(self._ctx, endpoint, settle=settle)
+        try:
+            self._sock = bind_router(self._ctx, endpoint, settle=settle, key=key)
+        except zmq.ZMQError:
+            if self.gate is not None:
+                self.gate.close()
+            raise
         self.endpoint = bound_endpoint(self._sock)
+        if key is None:
+            plaintext_warning(f"replica {replica}'s driver on {self.endpoint}")
         self._thread = threading.Thread(target=self._run, name="dpserve-ingress", daemon=True)
 
     def start(self) -> None:
@@ -190,6 +203,8 @@ class Ingress:
         self._thread.join(timeout=5)
         for sock in (self._replies_out, self._replies_in, self._sock):
             sock.close()
+        if self.gate is not None:
+            self.gate.close()
         self._ctx.term()
 
     # ------------------------------------------------------------ ingress thread

@@ -10,6 +10,7 @@ unmerging restores that copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -33,15 +34,17 @@ class LoraAdapters:
     def merged(self) -> bool:
         return self.merged_strength is not None
 
-    def load(self, nickname: str, path: str) -> None:
+    def load(self, nickname: str, path: str, folder: Path) -> None:
+        """Load the adapter in ``folder`` (``path`` resolved and checked) as ``nickname``;
+        from safetensors only (diffusers never falls back to a pickle when told so)."""
         if nickname in self.loaded:
             self.unload(nickname)
         if self.parallel.sharded or relayed(getattr(self.pipe, "text_encoder", None)):
-            self._load_split(nickname, path)
+            self._load_split(nickname, str(folder))
         else:
-            self.pipe.load_lora_weights(path, adapter_name=nickname)
+            self.pipe.load_lora_weights(str(folder), adapter_name=nickname, use_safetensors=True)
         self.parallel.adapters_changed(self.pipe.transformer)
-        self.loaded[nickname] = path
+        self.loaded[nickname] = path  # as the state names it
 
     def unload(self, nickname: str) -> None:
         self.pipe.delete_adapters(nickname)
@@ -55,7 +58,7 @@ class LoraAdapters:
         only where the encoder is held (not a stand-in for the output rank's)."""
         pipe = self.pipe
         state, alphas, metadata = pipe.lora_state_dict(
-            path, return_alphas=True, return_lora_metadata=True
+            path, return_alphas=True, return_lora_metadata=True, use_safetensors=True
         )
         prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
         pipe.load_lora_into_transformer(

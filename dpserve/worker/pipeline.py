@@ -16,6 +16,7 @@ from PIL import Image
 from transformers.utils import logging as transformers_logging
 
 from dpserve.protocol import INVALID_REQUEST, UNSUPPORTED, FieldError, GenerateParams, RequestError
+from dpserve.worker.paths import pickle_problem
 from dpserve.worker.weights import modules_of, own_storage
 
 log = logging.getLogger(__name__)
@@ -66,14 +67,19 @@ def load_pipeline(
 
     ``prepare`` gets the transformer before it moves to the device (so a rank that
     keeps a shard of it never holds the whole on the device); the components named
-    in ``skip`` are not loaded at all.
+    in ``skip`` are not loaded at all. Weights load from safetensors only
+    (dpserve.worker.paths): a component that has only pickle checkpoints is refused.
     """
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+    for component in sorted(c for c in path.iterdir() if c.is_dir()):
+        problem = pickle_problem(component, "model")
+        if problem is not None:
+            raise ValueError(f"{component}: {problem.fields[0].message}")
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
     pipe = DiffusionPipeline.from_pretrained(
-        path, dtype=dtype, local_files_only=True, **(skip or {})
+        path, dtype=dtype, local_files_only=True, use_safetensors=True, **(skip or {})
     )
     pipe.set_progress_bar_config(disable=True)
     if isinstance(getattr(pipe, "transformer", None), torch.nn.Module):

@@ -174,7 +174,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     info["session_idle_timeout_s"] = cfg.session_idle_timeout_s
     text_tokens = info["max_sequence_length"]
     parallel.check_loaded(pipe, text_tokens)
-    ops = ControlOps(pipe, cfg.model, device, info, parallel, relay)
+    ops = ControlOps(pipe, cfg.model, device, info, parallel, relay, cfg.allow_paths)
     limits = SessionLimits(
         cfg.max_sessions, int(cfg.max_session_mb * (1 << 20)), cfg.session_idle_timeout_s
     )
@@ -232,6 +232,7 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
 
 
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
+    from dpserve.wire import WireKey
     from dpserve.worker.ingress import Ingress
 
     limits = p.Limits(
@@ -250,6 +251,7 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         cfg.stall_s,
         cfg.max_sessions,
         settle=cfg.endpoint_file is not None,  # only a caller that reads it back may move it
+        key=None if cfg.wire_key_file is None else WireKey.load(cfg.wire_key_file),
     )
     if not ingress.endpoint.endswith(f":{cfg.port}"):
         taken = "replica %d: port %d is taken; bound %s instead"

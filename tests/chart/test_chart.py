@@ -136,9 +136,8 @@ def test_renders_the_expected_objects(
     kinds = sorted(d["kind"] for d in default_docs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
     kinds = sorted(d["kind"] for d in override_docs)
-    namespaced = ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
-    # One more ClusterRole (the cluster-scoped part) and a RoleBinding per namespace.
-    assert kinds == sorted([*namespaced, "ClusterRole", "RoleBinding", "RoleBinding"])
+    # Namespaced mode: a Role and a RoleBinding per watched namespace, nothing cluster-wide.
+    assert kinds == sorted(["Deployment", "ServiceAccount", *["Role", "RoleBinding"] * 2])
 
 
 def test_the_crd_is_installed_from_crds(helm: Helm) -> None:
@@ -201,6 +200,7 @@ REJECTED = [
     pytest.param(["--set", "watchNamespaces=team-a"], "watchNamespaces", id="namespaces-string"),
     pytest.param(["--set", "watchNamespaces={Team_A}"], "watchNamespaces", id="namespace-name"),
     pytest.param(["--set", "rbac.create=maybe"], "create", id="rbac.create-string"),
+    pytest.param(["--set", "allowHostPathModels=yes"], "allowHostPathModels", id="hostpath-str"),
     pytest.param(["--set", "resources.requests=1"], "requests", id="resources-shape"),
     pytest.param(["--set", "unknownKey=1"], "unknownKey", id="unknown-top-level-key"),
     pytest.param(["--set", "image.operator.digest=x"], "digest", id="unknown-nested-key"),
@@ -279,7 +279,11 @@ def _under_documented(lines: list[str], i: int) -> bool:
 def granted(docs: list[dict[str, Any]]) -> dict[str | None, set[Grant]]:
     """What the operator's ServiceAccount may do, by namespace (None: cluster-wide)."""
     sa = only(docs, "ServiceAccount")["metadata"]
-    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+    roles = {
+        (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+        for d in docs
+        if d["kind"] in ("ClusterRole", "Role")
+    }
     out: dict[str | None, set[Grant]] = {}
     for binding in docs:
         if binding["kind"] not in ("ClusterRoleBinding", "RoleBinding"):
@@ -287,9 +291,9 @@ def granted(docs: list[dict[str, Any]]) -> dict[str | None, set[Grant]]:
         subjects = {(x["kind"], x["name"], x.get("namespace")) for x in binding["subjects"]}
         if ("ServiceAccount", sa["name"], sa["namespace"]) not in subjects:
             continue
-        assert binding["roleRef"]["kind"] == "ClusterRole"
-        role = roles[binding["roleRef"]["name"]]
         scope = binding["metadata"]["namespace"] if binding["kind"] == "RoleBinding" else None
+        ref = binding["roleRef"]
+        role = roles[(ref["kind"], scope if ref["kind"] == "Role" else None, ref["name"])]
         out.setdefault(scope, set()).update(rule_grants(role))
     return out
 
@@ -320,15 +324,29 @@ def test_cluster_role_grants_exactly_what_the_operator_needs(
     assert granted(default_docs) == {None: required_rules()}
 
 
-def test_namespaced_mode_grants_namespaced_objects_only_in_watched_namespaces(
+def test_namespaced_mode_grants_only_roles_in_the_watched_namespaces(
     override_docs: list[dict[str, Any]],
 ) -> None:
     grants = granted(override_docs)
-    assert set(grants) == {None, "team-a", "team-b"}
-    assert {g[:2] for g in grants[None]} == CLUSTER_SCOPED
+    assert set(grants) == {"team-a", "team-b"}  # nothing cluster-wide
+    assert not [d for d in override_docs if d["kind"].startswith("Cluster")]
     for namespace in ("team-a", "team-b"):
         assert not {g[:2] for g in grants[namespace]} & CLUSTER_SCOPED
-        assert grants[None] | grants[namespace] == required_rules()
+        assert grants[namespace] == required_rules(cluster_wide=False)
+
+
+def test_the_operator_can_read_no_secret() -> None:
+    # The wire Secret is create-only (409: present): no verb reads a Secret.
+    verbs = {
+        verb for group, resource, verb in required_rules() if (group, resource) == ("", "secrets")
+    }
+    assert verbs == {"create"}
+
+
+def test_host_path_models_are_off_unless_the_chart_allows_them(helm: Helm) -> None:
+    assert env_of(operator_container(render(helm)))["DPSERVE_ALLOW_HOSTPATH_MODELS"] == "false"
+    allowed = render(helm, "--set", "allowHostPathModels=true")
+    assert env_of(operator_container(allowed))["DPSERVE_ALLOW_HOSTPATH_MODELS"] == "true"
 
 
 def test_the_operator_holds_what_it_grants_the_router() -> None:
@@ -575,6 +593,13 @@ def test_gpu_example() -> None:
     assert spec.gpuResource == "nvidia.com/gpu"
     assert any(t.get("key") == "nvidia.com/gpu" for t in spec.tolerations or [])
     assert spec.resources and "requests" in spec.resources
+    assert spec.router.auth is not None
+    secret = yaml.safe_load((EXAMPLES / "router-api-keys.yaml").read_text())
+    assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", spec.router.auth.secretName)
+    # The keys the router pods read (builders.API_KEYS, ADMIN_KEYS), each a real key.
+    assert set(secret["stringData"]) == {"api-keys", "admin-keys"}
+    for lines in secret["stringData"].values():
+        assert [x for x in lines.splitlines() if x.strip() and not x.startswith("#")]
 
 
 # ------------------------------------------------------------------ Dockerfile

@@ -27,11 +27,20 @@ What it does, as a kubelet would, through the real apiserver:
 * ``run_processes=False``: pods get an address and are reported Running and Ready
   at once, nothing is started (for scale tests of a controller).
 
-Differences from a real kubelet, on purpose: the processes run as root on the
-host file system (no image root fs: writes outside volumes land on the host).
-``runAsNonRoot``, ``readOnlyRootFilesystem`` and capabilities are ignored, and so
-are ``runAsUser``/``runAsGroup`` unless ``run_as_user=True`` (the commands come
-from this machine's environment, e.g. a venv under a root-only ``/root``). No pid
+The security context is honoured where a process can show it (``run_as_user``,
+on by default): ``runAsUser``/``runAsGroup`` (the container's process and its exec
+probes), ``fsGroup`` and ``supplementalGroups`` (extra groups; Secret, ConfigMap and
+projected files are group-owned by ``fsGroup``), ``runAsNonRoot`` (a container that
+would run as root is refused, ``CreateContainerConfigError``: without an image there
+is no image user, so it needs a ``runAsUser``) and ``readOnlyRootFilesystem`` (the
+host's ``/`` is read-only in the container's mount namespace; volumes stay as they
+are). A non-root container still runs this machine's interpreter and repo: the
+launcher masks ancestors it could not traverse (a root-only ``/root`` holding pyenv)
+with a tmpfs that holds only the way down to them.
+
+Differences from a real kubelet, on purpose: the processes run on the host file
+system (no image root fs: writes outside volumes land on the host unless
+``readOnlyRootFilesystem``). Capabilities and seccomp are not applied. No pid
 namespace: a container is its process group, and at pod teardown everything left
 in the pod's network namespace is killed. No resource limits, no cluster DNS and
 no kube-proxy (Service IPs do not route; EndpointSlices hold real pod IPs). Not
@@ -335,6 +344,7 @@ class _Container:
     probes: dict[str, _Probe] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     warned_readiness: bool = False
+    user: tuple[int | None, int | None] = (None, None)  # (uid, gid) exec probes run as
 
     @property
     def name(self) -> str:
@@ -601,11 +611,19 @@ class _PodWorker:
             )
         mounts = self._mounts(c.spec, env)
         user: Json = {}
+        pod_security: Json = {}
         if self.k.run_as_user:
-            user = {
-                **(self.spec.get("securityContext") or {}),
-                **(c.spec.get("securityContext") or {}),
-            }
+            pod_security = self.spec.get("securityContext") or {}
+            user = {**pod_security, **(c.spec.get("securityContext") or {})}
+        if user.get("runAsNonRoot") and not user.get("runAsUser"):
+            # A kubelet checks the image's user; here there is no image, so root it is.
+            raise SetupError(
+                "CreateContainerConfigError",
+                f'container has runAsNonRoot and image will run as root (pod: "{self.name}", '
+                f"container: {c.name})",
+            )
+        groups = [g for g in (pod_security.get("fsGroup"),) if g is not None]
+        groups += list(pod_security.get("supplementalGroups") or [])
         launch = {
             "mounts": mounts,
             "hostname": self.hostname,
@@ -614,8 +632,11 @@ class _PodWorker:
             "env": env,
             "uid": user.get("runAsUser"),
             "gid": user.get("runAsGroup"),
+            "groups": groups,
+            "read_only_root": bool(user.get("readOnlyRootFilesystem")),
             "parent": os.getpid(),
         }
+        c.user = (user.get("runAsUser"), user.get("runAsGroup"))
         n = c.restart_count + (1 if c.run_id else 0)
         spec_path = self.dir / f"{c.name}-{n}.json"
         spec_path.write_text(json.dumps(launch))
@@ -1160,7 +1181,7 @@ class TestKubelet:
         heartbeat_s: float = 5.0,
         backoff_base_s: float = 1.0,
         backoff_max_s: float = 30.0,
-        run_as_user: bool = False,
+        run_as_user: bool = True,
     ) -> None:
         self.kubeconfig = Path(kubeconfig)
         self.node_name = node_name
@@ -1785,6 +1806,9 @@ class TestKubelet:
         return out
 
     def _make_volume(self, w: _PodWorker, v: Json, path: Path) -> _Volume:
+        security = (w.spec.get("securityContext") or {}) if self.run_as_user else {}
+        fs_group = security.get("fsGroup")
+
         def write(files: dict[str, bytes], mode: int) -> None:
             path.mkdir(parents=True, exist_ok=True)
             for rel, content in files.items():
@@ -1792,6 +1816,8 @@ class TestKubelet:
                 f.parent.mkdir(parents=True, exist_ok=True)
                 f.write_bytes(content)
                 f.chmod(mode)
+                if fs_group is not None:  # as a kubelet does: group-owned by fsGroup
+                    os.chown(f, -1, int(fs_group))
 
         if "emptyDir" in v:
             path.mkdir(parents=True, exist_ok=True)
@@ -1892,6 +1918,7 @@ class TestKubelet:
             proc = c.proc
             if proc is None or not _launched(proc.pid):
                 return False, "container not running yet"
+            uid, gid = c.user  # as the container's user, like a runtime's exec
             cmd = [
                 "nsenter",
                 "-t",
@@ -1899,6 +1926,8 @@ class TestKubelet:
                 "-n",
                 "-m",
                 "-u",
+                *(["-G", str(gid)] if gid is not None else []),
+                *(["-S", str(uid)] if uid is not None else []),
                 "--",
                 *spec["exec"].get("command", []),
             ]

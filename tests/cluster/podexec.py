@@ -8,10 +8,13 @@ SPEC is JSON written by ``tests/cluster/kubelet.py``::
     {"mounts": [{"type": "bind"|"tmpfs", "source": str, "target": str,
                  "readOnly": bool, "file": bool, "options": str}],
      "hostname": str, "cwd": str, "argv": [str, ...], "env": {str: str},
-     "uid": int|null, "gid": int|null, "parent": int (the kubelet's pid)}
+     "uid": int|null, "gid": int|null, "groups": [int, ...],
+     "read_only_root": bool, "parent": int (the kubelet's pid)}
 
 Mount targets outside other mounts must exist (the kubelet makes them);
-ones inside an earlier mount are made here. On success the process becomes
+ones inside an earlier mount are made here. ``read_only_root`` remounts ``/``
+read-only after the volumes are mounted (readOnlyRootFilesystem); they keep their
+own modes. On success the process becomes
 the container's command (same pid); on a set-up error it exits 128 with the reason
 on stderr, as a container runtime's start error would.
 """
@@ -34,6 +37,7 @@ MS_NODEV = 4
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
+_REPO = Path(__file__).resolve().parents[2]  # this checkout: pods run its code
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [
@@ -89,13 +93,47 @@ def apply_mounts(mounts: list[dict]) -> None:
             ) from None
 
 
+def _traversable(path: str, uid: int, gids: set[int]) -> bool:
+    st = os.stat(path)
+    if st.st_uid == uid:
+        return bool(st.st_mode & 0o100)
+    if st.st_gid in gids:
+        return bool(st.st_mode & 0o010)
+    return bool(st.st_mode & 0o001)
+
+
+def expose_host_tools(uid: int, gids: set[int]) -> None:
+    """Let a non-root container reach this machine's interpreter and repo.
+
+    Pods run the kubelet's own Python (a venv whose interpreter may live under a
+    root-only ``/root``). An ancestor the user cannot traverse is masked by a tmpfs
+    (in this mount namespace only) holding just the way down to the tool, which is
+    bind-mounted back: the user reaches the tools, and nothing else that was there.
+    """
+    tools = sorted({os.path.realpath(sys.base_prefix), sys.prefix, str(_REPO)})
+    masks: dict[str, list[str]] = {}
+    for tool in tools:
+        parts = Path(tool).parts
+        for i in range(2, len(parts) + 1):
+            ancestor = str(Path(*parts[:i]))
+            if not _traversable(ancestor, uid, gids):
+                masks.setdefault(ancestor, []).append(tool)
+                break
+    for mask, below in masks.items():
+        fds = {tool: os.open(tool, os.O_PATH | os.O_CLOEXEC) for tool in below}
+        _mount("tmpfs", mask, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+        for tool, fd in fds.items():
+            os.makedirs(tool, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", tool, None, MS_BIND | MS_REC, None)
+
+
 def keep_host_tools_visible(mounts: list[dict]) -> list[dict]:
     """Re-bind the venv and the repo over any volume that hides them.
 
     Pods run their commands from this machine's venv (images are ignored); a volume
     at, say, /tmp would hide a checkout living under /tmp, and the command with it.
     """
-    tools = {sys.prefix, str(Path(__file__).resolve().parents[2])}
+    tools = {sys.prefix, str(_REPO)}
     hidden = [
         t for t in sorted(tools)
         if any(t == m["target"] or t.startswith(m["target"].rstrip("/") + "/") for m in mounts)
@@ -116,13 +154,21 @@ def main(argv: list[str]) -> int:
         return 128  # the kubelet is already gone
     try:
         apply_mounts(keep_host_tools_visible(spec.get("mounts", [])))
+        uid, gid, groups = spec.get("uid"), spec.get("gid"), spec.get("groups") or []
+        if uid:
+            expose_host_tools(uid, {gid if gid is not None else 0, *groups})
+        if spec.get("read_only_root"):
+            # Last: only the root mount turns read-only; the volumes keep their modes
+            # (a bind made after this would copy the read-only flag).
+            _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
         if spec.get("hostname"):
             socket.sethostname(spec["hostname"])
-        if spec.get("gid") is not None:
-            os.setgroups([])
-            os.setgid(spec["gid"])
-        if spec.get("uid") is not None:
-            os.setuid(spec["uid"])
+        if gid is not None or groups:
+            os.setgroups(groups)
+        if gid is not None:
+            os.setgid(gid)
+        if uid is not None:
+            os.setuid(uid)
         os.chdir(spec.get("cwd") or "/")
     except OSError as e:
         print(f"podexec: container set-up failed: {e}", file=sys.stderr)

@@ -76,6 +76,60 @@ exec python -m http.server 9000 --bind 0.0.0.0
 """
 
 
+RESTRICTED = """
+import errno, os, pathlib, time
+print("ids", os.getuid(), os.getgid(), sorted(os.getgroups()), flush=True)
+try:
+    open("/dpserve-rootfs-write-test", "w")
+    print("root writable", flush=True)
+except OSError as e:
+    print("root", errno.errorcode[e.errno], flush=True)
+pathlib.Path("/tmp/scratch").write_text("x")
+print("tmp writable; secret", pathlib.Path("/secret/password").read_text(), flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def restricted_pods() -> list[dict[str, Any]]:
+    """What the restricted Pod Security Standard asks, honoured; and a root one refused."""
+    return [
+        pod_spec(
+            "restricted",
+            ["python", "-c", RESTRICTED],
+            automountServiceAccountToken=False,
+            securityContext={
+                "runAsNonRoot": True,
+                "runAsUser": 10001,
+                "runAsGroup": 10001,
+                "fsGroup": 10002,
+            },
+            volumes=[
+                {"name": "tmp", "emptyDir": {}},
+                # Readable through fsGroup only (group 10002, mode 0440).
+                {"name": "secret", "secret": {"secretName": "features", "defaultMode": 0o440}},
+            ],
+            container={
+                "securityContext": {"readOnlyRootFilesystem": True},
+                "volumeMounts": [
+                    {"name": "tmp", "mountPath": "/tmp"},
+                    {"name": "secret", "mountPath": "/secret", "readOnly": True},
+                ],
+                "readinessProbe": {
+                    "exec": {"command": ["sh", "-c", "test $(id -u) = 10001"]},
+                    "periodSeconds": 1,
+                },
+            },
+        ),
+        pod_spec(
+            "rootful",
+            ["sleep", "600"],
+            automountServiceAccountToken=False,
+            securityContext={"runAsNonRoot": True},
+        ),
+    ]
+
+
 def features_pod() -> list[dict[str, Any]]:
     """One pod using the rest of what the kubelet supports, and its ConfigMap and Secret."""
     sh = "test/shell"
@@ -131,7 +185,7 @@ def features_pod() -> list[dict[str, Any]]:
                     "name": "whoami",
                     "image": sh,
                     "command": ["sh", "-c", "id -u > /work/uid"],
-                    # Ignored by default: commands come from this machine (a root-only venv).
+                    # Honoured: the process runs as that user (and the probes too).
                     "securityContext": {"runAsUser": 65534, "runAsGroup": 65534},
                     "volumeMounts": [{"name": "work", "mountPath": "/work"}],
                 },
@@ -301,6 +355,7 @@ def cluster(
         )
     objects += [
         *features_pod(),
+        *restricted_pods(),
         pod_spec("crash", ["sh", "-c", "echo crashing; exit 1"]),
         pod_spec(
             "graceful",
@@ -449,7 +504,7 @@ def test_init_containers_volumes_env_and_probes(cluster: LocalCluster) -> None:
     pod = wait_for("features to be Ready", ready, cluster)
     log = cluster.kubelet.pod_log("features", NS, "main")
     lines = log.splitlines()
-    assert lines[:4] == ["init-ran", "in-subpath", "0", "from-configmap"], log
+    assert lines[:4] == ["init-ran", "in-subpath", "65534", "from-configmap"], log
     assert "env hello s3cr3t hello-world $(GREETING) hello-arg" in lines, log
     assert 'test="features"' in lines, log
     assert "hostname features cwd /work" in lines, log
@@ -462,6 +517,31 @@ def test_init_containers_volumes_env_and_probes(cluster: LocalCluster) -> None:
     (main,) = pod["status"]["containerStatuses"]
     assert main["started"] and main["ready"] and main["restartCount"] == 0
     assert httpx.get(f"http://{pod['status']['podIP']}:9000/init.txt").text == "init-ran\n"
+
+
+def test_security_context_user_groups_and_read_only_root_are_honoured(
+    cluster: LocalCluster,
+) -> None:
+    assert cluster.kubelet is not None
+
+    def ready() -> dict[str, Any] | None:
+        pod = get_pod(cluster, "restricted")
+        return pod if condition(pod or {}, "Ready").get("status") == "True" else None
+
+    wait_for("the restricted pod to be Ready (its probe runs as 10001)", ready, cluster)
+    log = cluster.kubelet.pod_log("restricted", NS, "main").splitlines()
+    assert log[:3] == ["ids 10001 10001 [10002]", "root EROFS", "tmp writable; secret s3cr3t"]
+    assert not Path("/dpserve-rootfs-write-test").exists()
+
+    def refused() -> dict[str, Any] | None:
+        statuses = ((get_pod(cluster, "rootful") or {}).get("status") or {}).get(
+            "containerStatuses"
+        ) or [{}]
+        waiting = statuses[0].get("state", {}).get("waiting") or {}
+        return waiting if waiting.get("reason") == "CreateContainerConfigError" else None
+
+    waiting = wait_for("runAsNonRoot without a user to be refused", refused, cluster)
+    assert "runAsNonRoot and image will run as root" in waiting["message"]
 
 
 def test_crashing_container_restarts_with_backoff(cluster: LocalCluster) -> None:

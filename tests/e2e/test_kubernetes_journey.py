@@ -4,12 +4,19 @@ Backends: ``--cluster local`` (default) runs on the real control plane of
 tests/cluster with the test kubelet (pods are local processes in their own
 network namespaces); ``--cluster kind`` uses a kind cluster and needs Docker.
 The steps are the same; only how the router is reached differs.
+
+Both namespaces (the operator's and the service's) enforce the "restricted" Pod
+Security Standard, so every pod the chart and the operator make must pass it; the
+test kubelet runs them as the user they name, on a read-only root (tests/cluster).
+The operator is installed namespaced (``watchNamespaces``): it works with a Role in
+the service's namespace and no cluster-wide permission at all.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +35,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
 REPO = Path(__file__).resolve().parents[2]
 NS = "journey"
 REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
+OPERATOR_NS = "dpserve-system"
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
+API_KEY, ADMIN_KEY = "journey-inference-key", "journey-admin-key"
 
 
 class Load:
@@ -69,20 +82,40 @@ class Load:
             t.join(timeout=180)
 
 
+def stage_models(root: Path, tiny_model: Path, tiny_lora: Path) -> Path:
+    """The image's /models: the model and a LoRA under the one folder workers may load
+    from (the model's mountPath), readable by the pods' user (10001), not only root."""
+    shutil.copytree(tiny_model, root / tiny_model.name)
+    shutil.copytree(tiny_lora, root / "loras" / tiny_lora.name)
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return root
+
+
+def restricted_namespace(backend: Backend, name: str) -> None:
+    backend.kubectl("create", "namespace", name)
+    backend.kubectl("label", "namespace", name, *(f"{k}={v}" for k, v in RESTRICTED.items()))
+
+
 @pytest.fixture(scope="module")
-def k8s(backend: Backend, tiny_model: Path, tiny_lora: Path) -> Iterator[Backend]:
-    backend.provide_files({"/models": tiny_model.parent, "/loras": tiny_lora.parent})
-    backend.helm("install", "dpserve", str(REPO / "charts/dpserve"),
-                 "-n", "dpserve-system", "--create-namespace", *backend.helm_values())  # fmt: skip
+def k8s(
+    backend: Backend, tiny_model: Path, tiny_lora: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Backend]:
+    models = stage_models(tmp_path_factory.mktemp("image-models"), tiny_model, tiny_lora)
+    backend.provide_files({"/models": models})
+    restricted_namespace(backend, OPERATOR_NS)
+    restricted_namespace(backend, NS)
+    # Namespaced: the operator holds a Role in NS and nothing cluster-wide.
+    backend.helm("install", "dpserve", str(REPO / "charts/dpserve"), "-n", OPERATOR_NS,
+                 f"--set=watchNamespaces={{{NS}}}", *backend.helm_values())  # fmt: skip
     eventually(
-        lambda: backend.pod_ready("dpserve-system", "app.kubernetes.io/name=dpserve"),
+        lambda: backend.pod_ready(OPERATOR_NS, "app.kubernetes.io/name=dpserve"),
         what="the operator pod",
     )
-    backend.kubectl("create", "namespace", NS)
     eventually(lambda: backend.kubectl("-n", NS, "get", "sa", "default", check=False)
                .returncode == 0, what="default service account")  # fmt: skip
     yield backend
-    backend.helm("uninstall", "dpserve", "-n", "dpserve-system", check=False)
+    backend.helm("uninstall", "dpserve", "-n", OPERATOR_NS, check=False)
 
 
 def status(k8s: Backend, name: str = "tiny") -> dict[str, Any]:
@@ -105,6 +138,28 @@ def image(response: httpx.Response) -> bytes:
     return base64.b64decode(response.json()["data"][0]["b64_json"])
 
 
+def test_the_operator_holds_no_cluster_wide_permission(k8s: Backend) -> None:
+    bindings = k8s.get("", "clusterrolebindings", "-l", "app.kubernetes.io/instance=dpserve")
+    assert bindings["items"] == []
+    (role,) = k8s.get(NS, "roles", "-l", "app.kubernetes.io/instance=dpserve")["items"]
+    assert role["metadata"]["name"] == "dpserve"
+
+
+def test_the_namespaces_enforce_the_restricted_standard(k8s: Backend) -> None:
+    """The proof below has teeth: a pod running as root is refused in both namespaces."""
+    rooted = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "rooted"},
+        "spec": {"containers": [{"name": "c", "image": "busybox", "command": ["sleep", "1"]}]},
+    }
+    for namespace in (NS, OPERATOR_NS):
+        refused = k8s.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(rooted),
+                              check=False)  # fmt: skip
+        assert refused.returncode != 0
+        assert 'violates PodSecurity "restricted:latest"' in refused.stderr, refused.stderr
+
+
 def test_journey(k8s: Backend, tiny_lora: Path) -> None:
     # 2. apply the example; the CR becomes Ready; kubectl shows the printer columns.
     k8s.kubectl("-n", NS, "apply", "-f", str(REPO / "examples/diffusionservice-cpu.yaml"))
@@ -116,6 +171,17 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
     assert httpx.post(f"{url}/v1/images/generations", json=REQUEST, timeout=120).status_code == 200
     header = k8s.kubectl("-n", NS, "get", "dsvc").stdout.splitlines()[0].split()
     assert header == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
+
+    # 2b. locked down: the wire key Secret and the NetworkPolicy exist (this network does
+    # not enforce policies: docs/kubernetes.md); replica pods hold no API token.
+    assert set(k8s.get(NS, "secret", "tiny-wire")["data"]) == {"wire.key"}
+    policy = k8s.get(NS, "networkpolicy", "tiny-replicas")["spec"]
+    admitted = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert admitted["app.kubernetes.io/component"] == "router"
+    assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 5575}]
+    for pod in replica_pods(k8s).values():
+        assert pod["spec"]["automountServiceAccountToken"] is False
+        assert pod["spec"]["securityContext"]["runAsUser"] == 10001
 
     # 3. through the router: both replicas serve, same seed ⇒ same bytes.
     eventually(lambda: serving(k8s) == ["0", "1"], 120, "router sees both replicas")
@@ -151,7 +217,7 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
         # 9. a control op reaches every replica, even with the control-state ConfigMap
         # gone (the state lives in the replicas too); one created later gets it first.
         k8s.kubectl("-n", NS, "delete", "configmap", "tiny-control-state")
-        body = {"lora_nickname": "style", "lora_path": "/loras/" + tiny_lora.name}
+        body = {"lora_nickname": "style", "lora_path": "/models/loras/" + tiny_lora.name}
         done = httpx.post(f"{url}/v1/set_lora", json=body, timeout=120)
         assert done.status_code == 200, done.text
         assert done.json()["control_state"]["replicas_holding"] == 1
@@ -189,6 +255,33 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
         time.sleep(2)
     assert load.failures == [], load.failures[:5]
     assert {"0", "1"} <= set(load.served)
+
+    # 10. API keys from a Secret named in the spec: the router rolls, then asks for them.
+    keys = {"api-keys": f"# journey\n{API_KEY}\n", "admin-keys": f"{ADMIN_KEY}\n"}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tiny-api-keys"},
+              "stringData": keys}  # fmt: skip
+    k8s.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(secret))
+    patch = {"spec": {"router": {"auth": {"secretName": "tiny-api-keys"}}}}
+    k8s.kubectl("-n", NS, "patch", "dsvc", "tiny", "--type=merge", "-p", json.dumps(patch))
+
+    def post(path: str, key: str | None, body: dict[str, Any]) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            url = k8s.router_url(NS, "tiny")
+            # A short connect timeout: the old router pod's address stops answering at once.
+            timeout = httpx.Timeout(120, connect=2)
+            return httpx.post(
+                f"{url}{path}", json=body, headers=headers, timeout=timeout
+            ).status_code
+        except (LookupError, httpx.HTTPError):
+            return 0  # the router is rolling
+
+    eventually(lambda: post("/v1/images/generations", None, REQUEST) == 401, 180, "keys asked")
+    assert post("/v1/images/generations", API_KEY, REQUEST) == 200
+    assert post("/v1/images/generations", ADMIN_KEY, REQUEST) == 200
+    lora = {"lora_nickname": "style", "lora_path": "/models/loras/" + tiny_lora.name}
+    assert post("/v1/set_lora", API_KEY, lora) == 403  # an inference key on a control route
+    assert post("/v1/set_lora", ADMIN_KEY, lora) == 200
 
 
 def test_crd_refuses_invalid_specs(k8s: Backend) -> None:
@@ -235,7 +328,10 @@ def test_more_gpus_than_the_node_has_is_degraded(k8s: Backend) -> None:
 
 def test_delete_collects_every_child(k8s: Backend) -> None:
     k8s.kubectl("-n", NS, "delete", "dsvc", "tiny", "--wait=false")
-    kinds = "pods,services,deployments,serviceaccounts,roles,rolebindings,configmaps"
+    kinds = (
+        "pods,services,deployments,serviceaccounts,roles,rolebindings,configmaps,"
+        "secrets,networkpolicies"
+    )
 
     def leftovers() -> list[str]:
         listed = k8s.get(NS, kinds, "-l", "app.kubernetes.io/instance=tiny")["items"]

@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from dpserve.worker.paths import REFUSED
 from tests.servers import ServeProcess, assert_all_answered
 
 pytestmark = pytest.mark.e2e
@@ -22,8 +23,8 @@ REQUEST = {"prompt": "a paper boat", "size": "64x64", "num_inference_steps": 3, 
 
 
 @pytest.fixture(scope="module")
-def dp2(tiny_model: Path) -> Iterator[ServeProcess]:
-    with ServeProcess(tiny_model, 2) as serve:
+def dp2(tiny_model: Path, allow_tmp: tuple[str, str]) -> Iterator[ServeProcess]:
+    with ServeProcess(tiny_model, 2, *allow_tmp) as serve:
         yield serve
 
 
@@ -51,8 +52,40 @@ def test_same_seed_same_bytes_on_both_replicas_and_dp1(dp2: ServeProcess, tiny_m
     assert replicas == {"0", "1"}  # round-robin: every replica serves, replica 1 included
     assert _image(first) == _image(second)
     assert first.json()["data"][0]["seed"] == 42
-    with ServeProcess(tiny_model, 1) as dp1:
-        assert _image(dp1.http.post("/v1/images/generations", json=REQUEST)) == _image(first)
+    # dp1 also runs with keys: `serve` passes them to its router (the same bytes, keyed).
+    keys = ("--api-key", API_KEY, "--admin-key", ADMIN_KEY)
+    with ServeProcess(tiny_model, 1, *keys) as dp1:
+        _keys_are_checked(dp1)
+        keyed = dp1.http.post("/v1/images/generations", json=REQUEST, headers=_bearer(API_KEY))
+        assert _image(keyed) == _image(first)
+
+
+API_KEY, ADMIN_KEY = "sk-e2e-inference", "sk-e2e-admin"
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _keys_are_checked(serve: ServeProcess) -> None:
+    """Over real HTTP (uvicorn): 401 without a key, 403 for an inference key on control
+    routes, and the realtime WebSocket refused at its upgrade."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    missing = serve.http.post("/v1/images/generations", json=REQUEST)
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert "Authorization: Bearer <key>" in missing.json()["error"]["message"]
+    assert serve.http.get("/v1/list_loras", headers=_bearer(API_KEY)).status_code == 403
+    assert serve.http.get("/v1/list_loras", headers=_bearer(ADMIN_KEY)).status_code == 200
+    info = serve.http.get("/server_info", headers=_bearer(ADMIN_KEY))
+    assert info.status_code == 200 and API_KEY not in info.text and ADMIN_KEY not in info.text
+    ws = f"ws://127.0.0.1:{serve.port}/v1/realtime_video/generate"
+    with pytest.raises(InvalidStatus) as refused, connect(ws):
+        pass
+    assert refused.value.response.status_code == 401
+    with connect(ws, additional_headers=_bearer(API_KEY)):
+        pass  # accepted
 
 
 def test_concurrent_pair_runs_on_both_replicas(dp2: ServeProcess) -> None:
@@ -85,9 +118,15 @@ def test_openai_client_works_unchanged(dp2: ServeProcess) -> None:
 
 def test_control_fan_out_reaches_every_replica(dp2: ServeProcess, tiny_lora: Path) -> None:
     base = _image(dp2.http.post("/v1/images/generations", json=REQUEST))
-    bad = dp2.http.post("/v1/set_lora", json={"lora_nickname": "s", "lora_path": "/missing"})
-    assert bad.status_code == 400
-    assert [r["ok"] for r in bad.json()["replicas"]] == [False, False]
+    # Missing or outside the allowed folders: one 400, the same words, nothing applied.
+    refusals = []
+    for path in ("/missing", "/etc", f"{tiny_lora}/../../.."):
+        bad = dp2.http.post("/v1/set_lora", json={"lora_nickname": "s", "lora_path": path})
+        assert bad.status_code == 400
+        assert [r["ok"] for r in bad.json()["replicas"]] == [False, False]
+        assert bad.json()["control_state"]["applied"] is False
+        refusals.append(bad.json()["message"].split(": ", 1)[1])
+    assert refusals == [f"lora_path {REFUSED}"] * 3
     ok = dp2.http.post("/v1/set_lora", json={"lora_nickname": "s", "lora_path": str(tiny_lora)})
     assert ok.status_code == 200, ok.text
     assert len(ok.json()["replicas"]) == 2
@@ -120,7 +159,7 @@ def test_bad_input_gets_4xx_and_the_router_stays_up(dp2: ServeProcess) -> None:
         post("/v1/images/generations", content=b"x" * (2 << 20)),
         post("/v1/no_such_route", json={}),
         dp2.http.get("/v1/images/generations"),
-        post("/v1/set_lora", content=b"[1,2]"),
+        post("/v1/set_lora", content=b"[1,2]", headers={"content-type": "application/json"}),
     ]
     statuses = [r.status_code for r in cases]
     assert statuses == [400, 400, 400, 400, 400, 400, 400, 413, 404, 405, 400]

@@ -30,8 +30,11 @@ LAYOUTS = {"cfg2": ("--cfg", "2"), "tp2": ("--tp", "2"), "ring2": ("--sp", "2", 
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def worker(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_model, *LAYOUTS[request.param], "--max-sequence-length", "64") as w:
+def worker(
+    request: pytest.FixtureRequest, tiny_model: Path, allow_tmp: tuple[str, str]
+) -> Iterator[WorkerProcess]:
+    args = (*LAYOUTS[request.param], "--max-sequence-length", "64", *allow_tmp)
+    with WorkerProcess(tiny_model, *args) as w:
         yield w
 
 

@@ -21,12 +21,13 @@ from dpserve.worker.weights import checksum, modules_of
 
 
 @pytest.fixture()
-def ops(tiny_model: Path) -> ControlOps:
+def ops(tiny_model: Path, tiny_lora: Path) -> ControlOps:
     torch.set_num_threads(1)
     layout = ParallelConfig()
     parallel = ModelParallel(rank_info(layout, 0), ParallelGroups(), layout)
     pipe = load_pipeline(tiny_model, torch.device("cpu"), torch.float32, parallel.prepare)
-    return ControlOps(pipe, tiny_model, torch.device("cpu"), {}, parallel)
+    allow = (tiny_lora.parent,)
+    return ControlOps(pipe, tiny_model, torch.device("cpu"), {}, parallel, allow_paths=allow)
 
 
 def _sums(ops: ControlOps) -> dict[str, str]:

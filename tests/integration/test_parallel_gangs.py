@@ -46,14 +46,16 @@ def _close(a: bytes, b: bytes) -> bool:
 
 
 @pytest.fixture(scope="module")
-def single(tiny_model: Path) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_model, *TOKENS) as w:
+def single(tiny_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
+    with WorkerProcess(tiny_model, *TOKENS, *allow_tmp) as w:
         yield w
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def split(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_model, *LAYOUTS[request.param], *TOKENS) as w:
+def split(
+    request: pytest.FixtureRequest, tiny_model: Path, allow_tmp: tuple[str, str]
+) -> Iterator[WorkerProcess]:
+    with WorkerProcess(tiny_model, *LAYOUTS[request.param], *TOKENS, *allow_tmp) as w:
         yield w
 
 

@@ -32,9 +32,9 @@ CFG_PARAMS = rt.SessionParams(
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model: Path) -> Iterator[WorkerProcess]:
+def worker(tiny_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
     args = ("--max-sessions", "3", "--session-idle-timeout", "3", "--max-session-mb", "0.01")
-    with WorkerProcess(tiny_model, *args) as proc:
+    with WorkerProcess(tiny_model, *args, *allow_tmp) as proc:
         yield proc
 
 

@@ -125,3 +125,50 @@ def test_crd_file_parses_as_yaml() -> None:
     assert yaml.safe_load(CHECKED_IN.read_text())["metadata"]["name"] == (
         "diffusionservices.dpserve.dev"
     )
+
+
+def test_host_path_models_are_refused_unless_the_operator_allows_them() -> None:
+    from dpserve.operator.spec import HOST_PATH_REFUSED, DiffusionServiceSpec, problems
+
+    on_host = DiffusionServiceSpec.model_validate(
+        {"model": {"path": "/models/m", "volume": {"hostPath": {"path": "/srv/m"}}}}
+    )
+    assert problems(on_host) == [HOST_PATH_REFUSED]
+    assert (
+        "persistentVolumeClaim" in HOST_PATH_REFUSED and "allowHostPathModels" in HOST_PATH_REFUSED
+    )
+    assert problems(on_host, allow_host_path=True) == []
+    on_pvc = DiffusionServiceSpec.model_validate(
+        {"model": {"path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "m"}}}}
+    )
+    assert problems(on_pvc) == []
+
+
+def test_router_auth_names_a_secret() -> None:
+    from pydantic import ValidationError
+
+    from dpserve.operator.spec import RouterSpec
+
+    assert RouterSpec.model_validate({"auth": {"secretName": "keys"}}).auth is not None
+    assert RouterSpec().auth is None
+    with pytest.raises(ValidationError):
+        RouterSpec.model_validate({"auth": {"secretName": ""}})
+
+
+def test_the_operator_reads_the_charts_host_path_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpserve.operator import handlers
+    from dpserve.operator.spec import HOST_PATH_REFUSED, DiffusionServiceSpec
+
+    on_host = DiffusionServiceSpec.model_validate(
+        {"model": {"path": "/models/m", "volume": {"hostPath": {"path": "/srv/m"}}}}
+    )
+    for value, allowed in ((None, False), ("false", False), ("true", True), ("True", True)):
+        if value is None:
+            monkeypatch.delenv("DPSERVE_ALLOW_HOSTPATH_MODELS", raising=False)
+        else:
+            monkeypatch.setenv("DPSERVE_ALLOW_HOSTPATH_MODELS", value)
+        assert handlers.allow_host_path_from_env() is allowed
+    with pytest.raises(handlers.InvalidSpec, match="allowHostPathModels"):
+        handlers._check_beyond_crd(on_host, allow_host_path=False)
+    handlers._check_beyond_crd(on_host, allow_host_path=True)
+    assert "hostPath" in HOST_PATH_REFUSED

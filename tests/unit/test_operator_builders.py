@@ -36,8 +36,36 @@ def labels(component: str) -> dict[str, str]:
 
 
 def probe(*extra: str) -> dict[str, Any]:
-    command = ["dpserve", "probe", "--port", "5575", "--timeout", "3", *extra]
+    script = (
+        'exec dpserve probe --host "$POD_IP" --port 5575 --timeout 3 '
+        "--wire-key-file /etc/dpserve/wire/wire.key"
+    )
+    command = ["sh", "-c", " ".join([script, *extra])]
     return {"exec": {"command": command}, "timeoutSeconds": 5}
+
+
+RESTRICTED_POD = {
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "runAsGroup": 10001,
+    "fsGroup": 10001,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+RESTRICTED_CONTAINER = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+SCRATCH_ENV = [
+    {"name": "USER", "value": "dpserve"},
+    {"name": "HOME", "value": "/tmp"},
+    {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+    {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
+    {"name": "TRITON_CACHE_DIR", "value": "/tmp/.cache/triton"},
+    {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/tmp/.cache/torchinductor"},
+    {"name": "MPLCONFIGDIR", "value": "/tmp/.cache/matplotlib"},
+    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+]
 
 
 def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
@@ -73,7 +101,7 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         "--port",
                         "5575",
                         "--bind",
-                        "0.0.0.0",
+                        "$(POD_IP)",
                         "--replica",
                         "2",
                         "--tp",
@@ -94,6 +122,10 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         "256",
                         "--session-idle-timeout",
                         "60",
+                        "--wire-key-file",
+                        "/etc/dpserve/wire/wire.key",
+                        "--allow-path",
+                        "/models",
                     ],
                     "env": [
                         {
@@ -104,7 +136,8 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                             "name": "POD_IP",
                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
                         },
-                        {"name": "HF_HOME", "value": "/tmp/hf"},
+                        *SCRATCH_ENV,
+                        {"name": "HF_HOME", "value": "/tmp/hf"},  # the user's, after ours: wins
                     ],
                     "ports": [{"name": "zmq", "containerPort": 5575, "protocol": "TCP"}],
                     "resources": {
@@ -114,6 +147,8 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                     "volumeMounts": [
                         {"name": "dshm", "mountPath": "/dev/shm"},
                         {"name": "model", "mountPath": "/models", "readOnly": True},
+                        {"name": "wire", "mountPath": "/etc/dpserve/wire", "readOnly": True},
+                        {"name": "scratch", "mountPath": "/tmp"},
                     ],
                     "terminationMessagePolicy": "FallbackToLogsOnError",
                     "startupProbe": {**probe(), "periodSeconds": 5, "failureThreshold": 360},
@@ -123,17 +158,21 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         "periodSeconds": 15,
                         "failureThreshold": 4,
                     },
+                    "securityContext": RESTRICTED_CONTAINER,
                 }
             ],
             "volumes": [
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                 {"name": "model", "persistentVolumeClaim": {"claimName": "m", "readOnly": True}},
+                {"name": "wire", "secret": {"secretName": "qwen-wire", "defaultMode": 0o440}},
+                {"name": "scratch", "emptyDir": {}},
             ],
             "restartPolicy": "Always",
             "hostname": "qwen-replica-2",
             "subdomain": "qwen-replicas",
             "terminationGracePeriodSeconds": 330,
-            "securityContext": {"runAsNonRoot": True},
+            "securityContext": RESTRICTED_POD,
+            "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "tolerations": [
                 {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -237,10 +276,13 @@ def test_router_rbac_reads_slices_and_only_its_own_configmap() -> None:
 
 def test_every_child_is_owned_and_labelled() -> None:
     children = [*b.build_children(svc(), IMAGES), b.build_replica_pod(svc(), 0, IMAGES)]
+    children.append(b.build_wire_secret(svc(), b"k" * 40))
     kinds = sorted(c["kind"] for c in children)
     assert kinds == sorted(
         [
             "Service",
+            "NetworkPolicy",
+            "Secret",
             "ConfigMap",
             "ServiceAccount",
             "Role",
@@ -295,3 +337,113 @@ def test_event_names_the_diffusionservice_and_lets_the_server_pick_its_name() ->
     }
     long = b.build_event(owner, "Warning", "SpecRefused", "x" * 5000, now)
     assert len(long["message"]) == 1000
+
+
+def test_a_model_baked_into_the_image_allows_its_mount_path_only() -> None:
+    args = b.build_replica_pod(svc(), 0, IMAGES)["spec"]["containers"][0]["args"]
+    assert args[args.index("--allow-path") + 1] == "/models" and args.count("--allow-path") == 1
+    assert args[args.index("--wire-key-file") + 1] == "/etc/dpserve/wire/wire.key"
+
+
+def test_wire_secret_holds_the_key_and_is_owned() -> None:
+    assert b.build_wire_secret(svc(), b"x" * 40) == {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "qwen-wire",
+            "namespace": "ml",
+            "labels": labels("wire"),
+            "ownerReferences": [OWNER],
+        },
+        "type": "Opaque",
+        "stringData": {"wire.key": "x" * 40},
+    }
+
+
+def test_network_policy_admits_only_the_routers_on_the_zmq_port() -> None:
+    replica = {k: v for k, v in labels("replica").items() if k != "app.kubernetes.io/managed-by"}
+    router = {k: v for k, v in labels("router").items() if k != "app.kubernetes.io/managed-by"}
+    assert b.build_network_policy(svc(schedulerPort=6000)) == {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": "qwen-replicas",
+            "namespace": "ml",
+            "labels": labels("replica"),
+            "ownerReferences": [OWNER],
+        },
+        "spec": {
+            "podSelector": {"matchLabels": replica},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": router}}],
+                    "ports": [{"protocol": "TCP", "port": 6000}],
+                }
+            ],
+        },
+    }
+    # The router Deployment's pods carry the labels the policy admits.
+    pod_labels = b.build_router_deployment(svc(), IMAGES)["spec"]["template"]["metadata"]
+    assert router.items() <= pod_labels["labels"].items()
+
+
+def test_router_pods_are_restricted_and_mount_the_wire_key() -> None:
+    pod = b.build_router_deployment(svc(), IMAGES)["spec"]["template"]["spec"]
+    assert pod["securityContext"] == RESTRICTED_POD
+    (container,) = pod["containers"]
+    assert container["securityContext"] == RESTRICTED_CONTAINER
+    assert container["env"] == SCRATCH_ENV
+    assert container["volumeMounts"] == [
+        {"name": "wire", "mountPath": "/etc/dpserve/wire", "readOnly": True},
+        {"name": "scratch", "mountPath": "/tmp"},
+    ]
+    assert pod["volumes"] == [
+        {"name": "wire", "secret": {"secretName": "qwen-wire", "defaultMode": 0o440}},
+        {"name": "scratch", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    args = container["args"]
+    assert args[args.index("--wire-key-file") + 1] == "/etc/dpserve/wire/wire.key"
+    assert "--api-key-file" not in args and "--admin-key-file" not in args
+
+
+def test_router_auth_mounts_the_users_secret_and_passes_the_key_files() -> None:
+    deployment = b.build_router_deployment(svc(router={"auth": {"secretName": "keys"}}), IMAGES)
+    pod = deployment["spec"]["template"]["spec"]
+    assert {"name": "auth", "secret": {"secretName": "keys", "defaultMode": 0o440}} in pod[
+        "volumes"
+    ]
+    (container,) = pod["containers"]
+    assert {"name": "auth", "mountPath": "/etc/dpserve/auth", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    args = container["args"]
+    assert args[args.index("--api-key-file") + 1] == "/etc/dpserve/auth/api-keys"
+    assert args[args.index("--admin-key-file") + 1] == "/etc/dpserve/auth/admin-keys"
+
+
+def test_router_worker_and_probe_args_parse_with_the_cli() -> None:
+    import argparse
+
+    from dpserve.cli import build_parser
+
+    s = svc(model={"path": "/models/qwen", "volume": {"persistentVolumeClaim": {"claimName": "m"}}})
+    parser = build_parser()
+    router = parser.parse_args(b.router_args(s))
+    assert str(router.wire_key_file) == "/etc/dpserve/wire/wire.key"
+    worker = parser.parse_args(b.worker_args(s, 0))
+    assert str(worker.wire_key_file) == "/etc/dpserve/wire/wire.key"
+    probe_script = b.probe_command(5575)[-1]
+    probe = parser.parse_args(probe_script.replace('"$POD_IP"', "10.0.0.1").split()[2:])
+    assert probe.host == "10.0.0.1" and str(probe.wire_key_file).endswith("wire.key")
+    # The key files are read while parsing (absent here): the flags exist, that is all.
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    flags = {o for a in sub.choices["router"]._actions for o in a.option_strings}
+    with_auth = b.router_args(svc(router={"auth": {"secretName": "keys"}}))
+    assert {a for a in with_auth if a.startswith("--")} <= flags
+
+
+def test_a_new_pod_shape_rolls_the_replicas(monkeypatch: Any) -> None:
+    before = b.spec_hash(svc().spec)
+    monkeypatch.setattr(b, "POD_SHAPE", b.POD_SHAPE + 1)
+    assert b.spec_hash(svc().spec) != before

@@ -33,6 +33,7 @@ from tests.workers import free_port
 
 STUB = Path(__file__).resolve().parents[2] / "bench" / "stub_driver.py"
 BODY = {"prompt": "x", "size": "64x64", "num_inference_steps": 1, "seed": 1}
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,9 @@ def test_every_accepted_request_is_answered_once_by_outcome(stub: str) -> None:
             statuses = [
                 (await http.post("/v1/images/generations", json=BODY)).status_code,
                 (await http.post("/v1/images/generations", json=BODY)).status_code,
-                (await http.post("/v1/images/generations", content=b"{nope")).status_code,
+                (
+                    await http.post("/v1/images/generations", content=b"{nope", headers=JSON)
+                ).status_code,
                 (await http.post("/v1/images/generations", content=b"x" * 4096)).status_code,
                 (await http.get("/v1/images/generations")).status_code,
                 (await http.get("/no/such/route")).status_code,

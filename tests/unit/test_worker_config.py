@@ -18,7 +18,7 @@ from dpserve.worker.config import Flag, WorkerConfig, worker_flags
 FIELDS = {f.name: f for f in dataclasses.fields(WorkerConfig)}
 FLAGS: dict[str, Flag] = {n: f.metadata["flag"] for n, f in FIELDS.items() if "flag" in f.metadata}
 GANG = {n for n, flag in FLAGS.items() if flag.gang}
-PER_REPLICA = {"model", "port", "bind", "endpoint_file", "replica", "first_gpu"}
+PER_REPLICA = {"model", "port", "bind", "endpoint_file", "replica", "first_gpu", "wire_key_file"}
 
 # Every flag field set away from its default (and valid together), for the round trip.
 ODD = WorkerConfig(
@@ -28,6 +28,8 @@ ODD = WorkerConfig(
     endpoint_file=Path("/run/dpserve/endpoint"),
     replica=3,
     first_gpu=4,
+    wire_key_file=Path("/etc/dpserve/wire/wire.key"),
+    allow_paths=(Path("/loras"), Path("/data/weights")),
     tp=2,
     sp=4,
     ulysses=2,
@@ -73,8 +75,9 @@ def test_every_gang_option_is_a_flag_of_worker_and_serve_with_its_default(comman
         assert action.type is FLAGS[name].parse, name
     if command == "worker":
         assert set(FLAGS) <= set(actions)
-    else:  # serve picks these per replica; its own --model and --port (HTTP) are no gang's
-        assert not (PER_REPLICA - {"model", "port"}) & set(actions)
+    else:  # serve picks these per replica; its own --model and --port (HTTP) are no gang's,
+        # nor its --wire-key-file (the key it hands its replicas and its router).
+        assert not (PER_REPLICA - {"model", "port", "wire_key_file"}) & set(actions)
 
 
 def test_worker_requires_model_and_port_and_defaults_the_rest() -> None:
@@ -103,7 +106,10 @@ def test_none_means_unset_and_unknown_names_are_errors() -> None:
 
 def test_serve_passes_its_gang_options_to_each_replica() -> None:
     args = build_parser().parse_args(
-        ["serve", "--dp-size", "2", "--cfg", "2", "--max-sessions", "3", "--dtype", "float16"]
+        [
+            *("serve", "--dp-size", "2", "--cfg", "2", "--max-sessions", "3"),
+            *("--dtype", "float16", "--allow-path", "/loras", "--allow-path", "/w"),
+        ]
     )
     replicas = _replica_set(args, Path("/m"))
     for r in range(2):
@@ -113,6 +119,7 @@ def test_serve_passes_its_gang_options_to_each_replica() -> None:
             port=5575 + r,
             replica=r,
             first_gpu=2 * r,  # its own block of a gang's two GPUs
+            allow_paths=(Path("/loras"), Path("/w")),
             cfg=2,
             max_sessions=3,
             dtype="float16",
@@ -134,9 +141,16 @@ def _operator_config(index: int = 0, **spec: Any) -> WorkerConfig:
 
 
 def test_a_default_spec_runs_default_workers() -> None:
-    # The CRD's defaults are the worker's: only where the pod runs differs.
+    # The CRD's defaults are the worker's: only where the pod runs differs (and the
+    # pod's address, wire key and model root, which only Kubernetes knows).
     assert _operator_config(2) == WorkerConfig(
-        model=Path("/models/qwen"), port=5575, bind="0.0.0.0", replica=2, device="cuda"
+        model=Path("/models/qwen"),
+        port=5575,
+        bind="$(POD_IP)",  # expanded by the kubelet
+        replica=2,
+        device="cuda",
+        wire_key_file=Path("/etc/dpserve/wire/wire.key"),
+        allow_paths=(Path("/models"),),
     )
 
 
@@ -154,7 +168,7 @@ def test_the_operator_passes_the_spec_to_the_worker() -> None:
     assert config == WorkerConfig(
         model=Path("/models/qwen"),
         port=6001,
-        bind="0.0.0.0",
+        bind="$(POD_IP)",
         replica=1,
         tp=2,
         sp=4,
@@ -168,4 +182,6 @@ def test_the_operator_passes_the_spec_to_the_worker() -> None:
         max_sessions=3,
         max_session_mb=512,
         session_idle_timeout_s=30,
+        wire_key_file=Path("/etc/dpserve/wire/wire.key"),
+        allow_paths=(Path("/models"),),
     )

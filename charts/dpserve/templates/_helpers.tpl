@@ -73,17 +73,20 @@ The tag falls back to image.tag, then to the chart's appVersion.
 
 {{/*
 The operator's permissions: exactly dpserve.operator.kube.required_rules(), one rule per
-(apiGroup, resource). tests/chart/test_chart.py compares the rendered ClusterRoles with
-that set, so a permission added to the code without the chart (or the other way round)
-fails the tests.
+(apiGroup, resource). tests/chart/test_chart.py compares the rendered roles with that
+set, so a permission added to the code without the chart (or the other way round)
+fails the tests; tests/cluster/test_rbac.py asks a real apiserver what they allow.
 
-Namespaced resources: bound cluster-wide, or per watched namespace in namespaced mode.
+Namespaced resources: bound cluster-wide, or in a Role per watched namespace.
 - dpserve.dev diffusionservices: kopf watches and annotates the CRs; the reconcile reads them.
 - diffusionservices/status: the reconcile writes status through the status subresource.
 - pods: replica pods are created, listed, watched and deleted by the operator itself.
-- services, serviceaccounts, deployments, roles, rolebindings: the headless and router
-  Services, the router's Deployment, ServiceAccount and Role(Binding), by server-side
-  apply (patch; an apply that creates the object is authorized as create too).
+- services, serviceaccounts, deployments, roles, rolebindings, networkpolicies: the
+  headless and router Services, the router's Deployment, ServiceAccount and
+  Role(Binding), the replicas' NetworkPolicy, by server-side apply (patch; an apply
+  that creates the object is authorized as create too).
+- secrets create only: the service's wire key, made once (409: it exists). No get,
+  list or watch: the operator cannot read any Secret, its own included.
 - deployments get/list/watch: Ready needs the router Deployment available.
 - configmaps create: the control state; get/list/watch: the operator reports the
   replicas the routers say are out of sync; update: the router's Role grants it, and
@@ -111,8 +114,14 @@ Namespaced resources: bound cluster-wide, or per watched namespace in namespaced
   resources: ["configmaps"]
   verbs: ["create", "get", "list", "update", "watch"]
 - apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+- apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["create", "get", "list", "patch", "watch"]
@@ -128,15 +137,12 @@ Namespaced resources: bound cluster-wide, or per watched namespace in namespaced
 {{- end }}
 
 {{/*
-Cluster-scoped resources, always bound cluster-wide: kopf discovers the CRD and, to
-follow namespaces, lists and watches them.
+Cluster-scoped, cluster-wide mode only: kopf watches the CRDs to notice resources that
+appear later. A namespaced operator turns that scanning off and needs none of it.
 */}}
 {{- define "dpserve.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
-  verbs: ["list", "watch"]
-- apiGroups: [""]
-  resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
 

@@ -1,0 +1,239 @@
+"""API keys: which routes need which key, and the ASGI middleware that asks for it.
+
+The policy is pure (``access``, ``Keys.verdict``); the middleware only reads the
+``Authorization`` header and answers a refusal in OpenAI's error shape. Keys are
+held as SHA-256 digests and compared with ``hmac.compare_digest``: the same work
+for every configured key whatever matched, and no length leak. Keys are never
+logged or echoed: refusals say how to send one, not what was sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from dpserve.router.openai_api import error_body
+
+OPEN, INFERENCE, ADMIN = "open", "inference", "admin"
+
+# Probes carry no key (a kubelet's httpGet takes no header from a Secret) and say if
+# the router serves; the docs and schema hold no secrets. /metrics is open so a
+# Prometheus scrape needs no Secret: it carries counts and the replicas' pod
+# addresses, which anyone who can list Endpoints sees anyway (docs/router.md).
+OPEN_PATHS: Final = frozenset(
+    {
+        "/livez",
+        "/ready",
+        "/health",
+        "/metrics",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+        "/openapi.json",
+    }
+)
+# A stored image's name holds 122 random bits (a UUID4): the URL is the capability, like a
+# presigned URL, so an image link opens in a browser (which sends no key).
+OPEN_PREFIXES: Final = ("/v1/images/files/",)
+# Control ops change or read the replicas' state; /server_info and
+# /health/replicas show the control state (LoRA and weight paths), the router's
+# settings and each replica's endpoint and errors.
+ADMIN_PATHS: Final = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/v1/set_lora",
+        "/v1/merge_lora_weights",
+        "/v1/unmerge_lora_weights",
+        "/v1/list_loras",
+        "/get_weights_checksum",
+        "/health/replicas",
+        "/server_info",
+    }
+)
+
+HOW_TO_SEND: Final = "send it as the header `Authorization: Bearer <key>`"
+
+
+def access(path: str) -> str:
+    """Which key a path needs; anything not listed (unknown paths too) needs one."""
+    if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+        return OPEN
+    return ADMIN if path in ADMIN_PATHS else INFERENCE
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    message: str
+
+
+def _digest(key: str | bytes) -> bytes:
+    raw = key.encode() if isinstance(key, str) else key
+    return hashlib.sha256(raw).digest()
+
+
+def _matches(presented: bytes, digests: tuple[bytes, ...]) -> bool:
+    """Compared with every key, without stopping at a match."""
+    found = False
+    for digest in digests:
+        found |= hmac.compare_digest(presented, digest)
+    return found
+
+
+@dataclass(frozen=True, repr=False)
+class Keys:
+    """The configured keys, as digests."""
+
+    api: tuple[bytes, ...] = ()
+    admin: tuple[bytes, ...] = ()
+
+    @classmethod
+    def of(cls, api: Iterable[str], admin: Iterable[str]) -> Keys:
+        return cls(tuple(_digest(k) for k in api), tuple(_digest(k) for k in admin))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api or self.admin)
+
+    def __repr__(self) -> str:
+        return f"Keys(api={len(self.api)}, admin={len(self.admin)})"
+
+    def verdict(self, path: str, authorization: bytes | None) -> Refusal | None:
+        """None: let the request through; else how to refuse it."""
+        needed = access(path)
+        if not self.enabled or needed == OPEN:
+            return None
+        if needed == ADMIN and not self.admin:
+            return Refusal(
+                403,
+                "no admin key is configured, so control routes are closed: "
+                "start the router with --admin-key or --admin-key-file",
+            )
+        token = bearer(authorization)
+        if token is None:
+            return Refusal(401, f"this route needs an API key: {HOW_TO_SEND}")
+        presented = _digest(token)
+        is_admin = _matches(presented, self.admin)
+        is_api = _matches(presented, self.api)
+        if needed == ADMIN and is_admin:
+            return None
+        if needed == INFERENCE and (is_admin or is_api):
+            return None
+        if needed == ADMIN and is_api:
+            return Refusal(403, "this key may only call inference routes; use an admin key")
+        return Refusal(401, f"the API key is not valid: {HOW_TO_SEND}")
+
+
+def bearer(authorization: bytes | None) -> bytes | None:
+    """The token of ``Bearer <token>`` (scheme case-insensitive), else None."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(b" ")
+    token = token.strip()
+    if scheme.lower() != b"bearer" or not token:
+        return None
+    return token
+
+
+def _header(scope: Any, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+class AuthMiddleware:
+    """Pure ASGI: refuses HTTP requests and WebSocket upgrades before the app sees them."""
+
+    def __init__(self, app: Any, keys: Keys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        refusal = self.keys.verdict(scope["path"], _header(scope, b"authorization"))
+        if refusal is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await _refuse_http(send, refusal)
+        else:
+            await _refuse_websocket(scope, send, refusal)
+
+
+def _refusal_response(refusal: Refusal) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps(error_body(refusal.status, refusal.message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if refusal.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    return headers, body
+
+
+async def _refuse_http(send: Any, refusal: Refusal) -> None:
+    headers, body = _refusal_response(refusal)
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _refuse_websocket(scope: Any, send: Any, refusal: Refusal) -> None:
+    """Never accepted: the upgrade gets the HTTP refusal where the server can send one
+    (ASGI's websocket.http.response extension, which uvicorn has), else close 1008."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        headers, body = _refusal_response(refusal)
+        start = {"type": "websocket.http.response.start", "status": refusal.status}
+        await send({**start, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+        return
+    await send({"type": "websocket.close", "code": 1008, "reason": refusal.message[:120]})
+
+
+def load_key_file(path: Path) -> tuple[str, ...]:
+    """One key per line; blank lines and ``#`` comments are skipped.
+
+    Raises ValueError with a message naming the file (never a key) when it cannot
+    be read or holds a key that no HTTP header can carry.
+    """
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read key file {path}: {exc}") from None
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        check_key(key, f"{path} line {number}")
+        keys.append(key)
+    return tuple(keys)
+
+
+def check_key(key: str, where: str) -> str:
+    """A key must be sendable as a Bearer token: printable ASCII, no spaces."""
+    if not key or not key.isascii() or not key.isprintable() or " " in key:
+        raise ValueError(f"{where}: an API key must be printable ASCII without spaces")
+    return key
+
+
+def document_security(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI schema with its Bearer scheme on every route that needs a key
+    (so /docs has an Authorize button), in place."""
+    components = schema.setdefault("components", {})
+    components.setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "an API key; control routes need an admin key",
+    }
+    for path, operations in schema.get("paths", {}).items():
+        if access(path) != OPEN:
+            for operation in operations.values():
+                if isinstance(operation, dict):
+                    operation["security"] = [{"bearer": []}]
+    return schema
