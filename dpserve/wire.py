@@ -156,11 +156,11 @@ class Gatekeeper:
         self._sock.close()
 
 
-def plaintext_warning(who: str) -> None:
+def plaintext_warning(who: str, risk: str) -> None:
     """The loud start-up line of a process whose wire has no key."""
     log.warning(
-        "WIRE IS NOT AUTHENTICATED: %s runs without a wire key, so anyone who can reach "
-        "its ZMQ port can run generations and control ops. Give --wire-key-file "
-        "(docs/protocol.md, Wire security).",
+        "WIRE IS NOT AUTHENTICATED: %s runs without a wire key, so %s. "
+        "Give --wire-key-file (docs/protocol.md, Wire security).",
         who,
+        risk,
     )

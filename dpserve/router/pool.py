@@ -150,7 +150,9 @@ class ReplicaPool:
         """Read the stored state and ask every replica once before anything serves, so
         the desired state is the newest anyone holds, not whichever replica answered first."""
         if self.settings.wire_key is None:
-            plaintext_warning("the router")
+            plaintext_warning(
+                "the router", "prompts and images cross the network in plaintext, unauthenticated"
+            )
         with contextlib.suppress(Exception):  # an unreachable store: the replicas tell us
             await self.desired.refresh()
         await self.check_all()

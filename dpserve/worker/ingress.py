@@ -153,7 +153,10 @@ class Ingress:
             raise
         self.endpoint = bound_endpoint(self._sock)
         if key is None:
-            plaintext_warning(f"replica {replica}'s driver on {self.endpoint}")
+            plaintext_warning(
+                f"replica {replica}'s driver on {self.endpoint}",
+                "anyone who can reach its port can run generations and control ops",
+            )
         self._thread = threading.Thread(target=self._run, name="dpserve-ingress", daemon=True)
 
     def start(self) -> None:
