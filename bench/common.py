@@ -106,3 +106,10 @@ def timed_round(procs: list[psutil.Process], call: Callable[[], T]) -> tuple[flo
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def connection_cap(clients: int) -> int:
+    """The router's --max-connections for a load of ``clients``: the limit counts every
+    open connection, and a load turn's closed ones still count until the server has
+    seen them go, so the next turn's clients arrive while the last turn's linger."""
+    return 2 * clients + 64

@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import wait_ready
+from bench.common import connection_cap, wait_ready
 from dpserve.client import ReplicaClient
 from dpserve.local import free_port
 from dpserve.wire import WireKey
@@ -160,7 +160,7 @@ def start(name: str, args: argparse.Namespace, scratch: Path) -> Stack:
     router = subprocess.Popen(
         [sys.executable, "-m", "dpserve", "router", "--worker", endpoint, "--port", str(http_port),
          "--max-inflight-per-replica", "4096", "--max-waiting", "8192", "--request-timeout", "60",
-         "--max-connections", str(args.clients + 16), *wire, *auth],
+         "--max-connections", str(connection_cap(args.clients)), *wire, *auth],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     stack = Stack(name, url, endpoint, key, headers, (router, stub))
