@@ -149,6 +149,50 @@ def _header(scope: Any, name: bytes) -> bytes | None:
     return None
 
 
+# Methods a browser sends cross-site only without side effects here (the GETs with a
+# body are read-only ops, and a browser cannot send a GET with a body).
+_SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+# What a browser says of a request another site made it send (Fetch Metadata).
+_FOREIGN_SITES: Final = frozenset({b"cross-site", b"same-site"})
+
+
+def cross_site(scope: Any) -> Refusal | None:
+    """A refusal for what a browser sends on another site's behalf, else None.
+
+    A page elsewhere can make a browser POST without a preflight when the body is
+    empty (``fetch(url, {method: "POST", mode: "no-cors"})``), and open a WebSocket to
+    any address: neither is stopped by JSON-only bodies, and without keys nothing else
+    stops them. Browsers say where such a request comes from (``Sec-Fetch-Site``, and
+    ``Origin`` on every POST and WebSocket); other clients send neither, so refusing a
+    foreign one costs no API client anything.
+    """
+    if scope["type"] == "http" and scope.get("method") in _SAFE_METHODS:
+        return None
+    if access(scope["path"]) == OPEN:
+        return None
+    site = _header(scope, b"sec-fetch-site")
+    if site is not None:  # the browser's own word, which no page can forge
+        foreign = site.lower() in _FOREIGN_SITES
+    else:  # an older browser: its Origin against the address it was sent to
+        origin, host = _header(scope, b"origin"), _header(scope, b"host")
+        foreign = origin is not None and _origin_host(origin) != (host or b"").lower()
+    if not foreign:
+        return None
+    return Refusal(
+        403,
+        "cross-site browser requests are refused (their Origin is not this router): "
+        "call the router from a server, a script, or a page it serves",
+    )
+
+
+def _origin_host(origin: bytes) -> bytes | None:
+    """``host[:port]`` of an Origin header; None for ``null`` (an opaque origin) or junk."""
+    scheme, sep, rest = origin.partition(b"://")
+    if not sep or scheme not in (b"http", b"https", b"ws", b"wss") or not rest:
+        return None
+    return rest.rstrip(b"/").lower()
+
+
 class AuthMiddleware:
     """Pure ASGI: refuses HTTP requests and WebSocket upgrades before the app sees them."""
 
@@ -160,7 +204,9 @@ class AuthMiddleware:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        refusal = self.keys.verdict(scope["path"], _header(scope, b"authorization"))
+        refusal = cross_site(scope) or self.keys.verdict(
+            scope["path"], _header(scope, b"authorization")
+        )
         if refusal is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":

@@ -284,6 +284,43 @@ def test_json_routes_refuse_other_content_types() -> None:
     _run(scenario)
 
 
+def test_cross_site_browser_requests_are_refused_even_without_keys() -> None:
+    """A bodiless no-cors POST and a WebSocket from another site pass JSON-only bodies:
+    the browser's own Sec-Fetch-Site (or, from an older one, its Origin) refuses them."""
+
+    async def scenario() -> None:
+        async with _router() as http:
+            post = "/release_memory_occupation"
+            for foreign in (
+                {"sec-fetch-site": "cross-site"},
+                {"sec-fetch-site": "same-site", "origin": "http://other.router"},
+                {"origin": "http://evil.example"},
+                {"origin": "null"},
+            ):
+                refused = await http.post(post, headers=foreign)
+                assert refused.status_code == 403, foreign
+                assert "cross-site" in refused.json()["error"]["message"]
+            # The router's own pages, API clients, and safe methods are let through.
+            for own in (
+                {"sec-fetch-site": "same-origin", "origin": "http://proxy.public"},
+                {"origin": "http://router"},
+                {},
+            ):
+                assert (await http.post(post, headers=own)).status_code == 200, own
+            assert (await http.get("/v1/models", headers={"origin": "http://x"})).status_code == 200
+            assert (
+                await http.get("/health", headers={"sec-fetch-site": "cross-site"})
+            ).status_code == 200
+
+    _run(scenario)
+    app = create_app(RouterSettings())
+    with TestClient(app) as client, pytest.raises(WebSocketDenialResponse) as caught:
+        headers = {"origin": "http://evil.example"}
+        with client.websocket_connect("/v1/realtime_video/generate", headers=headers):
+            pass
+    assert caught.value.status_code == 403
+
+
 def _nested(depth: int) -> str:
     return "[" * depth + "]" * depth
 
