@@ -28,7 +28,7 @@ lint: $(STAMP)
 # Every tier: unit, gang (multi-process worker gangs), e2e, and cluster (a real control
 # plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s).
 test: lint cluster-bins
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
 
 cluster-bins:
 	bash tests/cluster/build.sh >/dev/null
