@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,7 +39,7 @@ class WireKeyError(ValueError):
 
 @dataclass(frozen=True)
 class WireKey:
-    secret: bytes  # z85, 40 bytes
+    secret: bytes = field(repr=False)  # z85, 40 bytes; never in a log line
     public: bytes  # z85, derived from ``secret``
 
     @classmethod

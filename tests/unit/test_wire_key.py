@@ -75,3 +75,8 @@ def test_the_worker_flag_round_trips() -> None:
     config = WorkerConfig(model=Path("/m"), port=5000, wire_key_file=Path("/k/wire.key"))
     assert "--wire-key-file" in config.to_args()
     assert config.to_args()[config.to_args().index("--wire-key-file") + 1] == "/k/wire.key"
+
+
+def test_a_key_never_shows_its_secret_in_a_repr() -> None:
+    key = WireKey.generate()
+    assert key.secret.decode() not in repr(key) and key.public.decode() in repr(key)
