@@ -279,7 +279,8 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
-            print(_banner(url, replicas, endpoints), flush=True)
+            keyed = bool(settings.api_keys or settings.admin_keys)
+            print(_banner(url, replicas, endpoints, keyed), flush=True)
 
         announcer = asyncio.create_task(announce())
         try:
@@ -335,15 +336,18 @@ def _unwind_on_signals() -> None:
         signal.signal(sig, unwind)
 
 
-def _banner(url: str, replicas: ReplicaSetConfig, endpoints: list[str]) -> str:
+def _banner(url: str, replicas: ReplicaSetConfig, endpoints: list[str], keyed: bool) -> str:
+    # With keys, the commands say which key goes where, never the key itself.
+    api = " -H 'Authorization: Bearer <your --api-key>'" if keyed else ""
+    admin = " -H 'Authorization: Bearer <your --admin-key>'" if keyed else ""
     return (
         f"\ndpserve ready: {replicas.dp_size} replica(s) of {replicas.model} behind {url}\n"
         f"  drivers on {', '.join(endpoints)}\n"
         "  try:\n"
-        f"    curl -s {url}/v1/images/generations -H 'Content-Type: application/json' \\\n"
+        f"    curl -s {url}/v1/images/generations -H 'Content-Type: application/json'{api} \\\n"
         '      -d \'{"prompt": "a lighthouse at dusk", "size": "256x256", '
         '"num_inference_steps": 8, "seed": 1}\' | head -c 300; echo\n'
-        f"    curl -s {url}/health/replicas\n"
+        f"    curl -s {url}/health/replicas{admin}\n"
         f"  realtime sessions: {url.replace('http', 'ws', 1)}/v1/realtime_video/generate"
         " (docs/realtime.md)\n"
         "  Ctrl-C stops everything.\n"

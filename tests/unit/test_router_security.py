@@ -454,3 +454,14 @@ def test_a_crash_is_a_json_500_that_says_nothing_of_it() -> None:
     crashed = _run(scenario)
     assert crashed.status_code == 500 and crashed.json()["error"]["type"] == "server_error"
     assert "secret" not in crashed.text
+
+
+def test_serves_banner_says_where_keys_go_and_never_shows_one() -> None:
+    from dpserve.local import ReplicaSetConfig, _banner
+
+    replicas = ReplicaSetConfig(Path("/models/tiny"), 2, 5575, (), 1)
+    keyed = _banner("http://127.0.0.1:8000", replicas, ["tcp://127.0.0.1:5575"], keyed=True)
+    assert "Authorization: Bearer <your --api-key>" in keyed
+    assert "/health/replicas -H 'Authorization: Bearer <your --admin-key>'" in keyed
+    plain = _banner("http://127.0.0.1:8000", replicas, ["tcp://127.0.0.1:5575"], keyed=False)
+    assert "Authorization" not in plain
