@@ -80,6 +80,11 @@ class RouterService:
             except p.RequestError as exc:
                 if exc.code not in _RETRIABLE:
                     raise
+                if exc.code == p.UNAVAILABLE:
+                    # It is shutting down (a roll, a scale-down): out of rotation now, so
+                    # the retry waits for another replica instead of asking it again
+                    # before its next ping says "draining".
+                    self.pool.mark_failed(replica, str(exc))
                 last = exc
             except (ReplicaLost, TimeoutError) as exc:
                 last = exc
