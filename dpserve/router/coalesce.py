@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from dpserve import protocol as p
 
@@ -44,7 +44,7 @@ class Coalescer(Generic[T]):
             task = self._runs.get(key) if key is not None else None
             if task is None:
                 task = asyncio.create_task(self._in_turn(make))
-                task.add_done_callback(_retrieve)
+                task.add_done_callback(retrieve)
                 if key is not None:
                     self._runs[key] = task
                     task.add_done_callback(lambda done: self._forget(key, done))
@@ -62,7 +62,7 @@ class Coalescer(Generic[T]):
             del self._runs[key]
 
 
-def _retrieve(task: asyncio.Task[T]) -> None:
-    """Mark a fan-out's failure as seen: every caller may have left before it ended."""
+def retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a task's failure as seen: whoever awaited it may have left before it ended."""
     if not task.cancelled():
         task.exception()

@@ -13,7 +13,7 @@ from typing import Any
 
 from dpserve import protocol as p
 from dpserve.control_state import reduce
-from dpserve.router.coalesce import Coalescer
+from dpserve.router.coalesce import Coalescer, retrieve
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import FanoutAnswer, ReplicaOutcome, merge_fanout
 from dpserve.router.pool import Replica, ReplicaPool
@@ -68,7 +68,7 @@ class RouterService:
             # to cancel, answers at its next denoising step, and the slot is free.
             request_id = uuid.uuid4().hex
             call = asyncio.create_task(self._call(replica, params, request_id, deadline))
-            call.add_done_callback(_retrieve)
+            call.add_done_callback(retrieve)
             try:
                 return await asyncio.shield(call)
             except asyncio.CancelledError:
@@ -201,9 +201,3 @@ class RouterService:
             "out_of_rotation_until_synced": behind if taken else [],
         }
         return outcomes, summary
-
-
-def _retrieve(task: asyncio.Task[Generated]) -> None:
-    """Mark a call's failure as seen: its caller may have left before it ended."""
-    if not task.cancelled():
-        task.exception()
