@@ -1,6 +1,5 @@
-# syntax=docker/dockerfile:1.7
-#
-# One Dockerfile, three images (docs/kubernetes.md):
+# One Dockerfile, three images (docs/images.md, docs/kubernetes.md). Build with BuildKit
+# (Docker 20.10+ with DOCKER_BUILDKIT=1, or buildx):
 #
 #   docker build --target operator -t dpserve-operator:0.1.0 .
 #   docker build --target router   -t dpserve-router:0.1.0 .
@@ -11,9 +10,19 @@
 #     --build-arg BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
-# The operator and router images install only their extras (`.[operator]`, `.[router]`):
-# no torch, no diffusers. Every image runs as the numeric user 10001, so Kubernetes can
-# verify `runAsNonRoot`, and has `dpserve` as its entrypoint.
+# `make images` (images/build.sh) builds all three on a machine without a container
+# registry: it makes a Debian bookworm base locally (images/base.sh: debootstrap, with
+# python3 and python3-venv) and passes it as PYTHON_IMAGE and BASE; it hands the
+# machine's pip config and CA bundle to pip as build secrets (ids pip-conf and
+# pip-cert, read by images/pip-run.sh), which no layer keeps; and where the PyTorch
+# index does not answer it sets TORCH_INDEX_URL empty, meaning pip's configured index.
+#
+# The operator and router images install only their extras' requirements: no torch,
+# no diffusers. Every image runs as the numeric user 10001, so Kubernetes can verify
+# `runAsNonRoot`, and has `dpserve` as its entrypoint. Third-party packages go into
+# layers that depend only on each extra's requirement list (images/requirements.py
+# reads it from pyproject.toml); the dpserve wheel follows with --no-deps, so a code
+# change rebuilds a small layer and never the one with torch.
 
 # Slim Python for the wheel, the operator and the router (and the CPU worker).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -22,32 +31,27 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # and venv are installed with apt when the base lacks them).
 ARG BASE=python:3.11-slim-bookworm
 
-# ------------------------------------------------------------------ wheel
+# ------------------------------------------------------------------ build inputs
+# Each extra's requirements (the project's dependencies included), one file per extra
+# in /requirements. Rerun when pyproject.toml changes; the layers that install a list
+# are rebuilt only when that list's content changes.
+FROM ${PYTHON_IMAGE} AS requirements
+RUN --mount=type=bind,source=pyproject.toml,target=/src/pyproject.toml \
+    --mount=type=bind,source=images/requirements.py,target=/src/requirements.py \
+    python3 /src/requirements.py /src/pyproject.toml /requirements
+
 # The dpserve wheel (pure Python), built once and installed by every image.
 FROM ${PYTHON_IMAGE} AS wheel
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY dpserve ./dpserve
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip wheel --no-deps --wheel-dir /wheels .
+RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
+    --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=cache,target=/root/.cache/pip \
+    python3 -m venv /opt/build \
+    && sh /run/pip-run.sh /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels .
 
 # ------------------------------------------------------------------ operator and router
-# Virtual environments built apart from the final images, which copy only /opt/venv.
-FROM ${PYTHON_IMAGE} AS operator-build
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY --from=wheel /wheels /wheels
-RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m venv /opt/venv \
-    && /opt/venv/bin/pip install "$(ls /wheels/dpserve-*.whl)[operator]"
-
-FROM ${PYTHON_IMAGE} AS router-build
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY --from=wheel /wheels /wheels
-RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m venv /opt/venv \
-    && /opt/venv/bin/pip install "$(ls /wheels/dpserve-*.whl)[router]"
-
 # What the operator and router images share: the non-root user and the environment.
 FROM ${PYTHON_IMAGE} AS slim-runtime
 RUN groupadd --gid 10001 dpserve \
@@ -59,18 +63,38 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/dpserve
 WORKDIR /home/dpserve
 
+FROM slim-runtime AS operator-deps
+RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
+    --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=bind,from=requirements,source=/requirements/operator.txt,target=/run/requirements.txt \
+    --mount=type=cache,target=/root/.cache/pip \
+    python3 -m venv /opt/venv \
+    && sh /run/pip-run.sh /opt/venv/bin/pip install -r /run/requirements.txt
+
 # The operator: kopf and the Kubernetes client. The chart runs it with a read-only root
 # filesystem and an emptyDir at /tmp.
-FROM slim-runtime AS operator
-COPY --from=operator-build /opt/venv /opt/venv
+FROM operator-deps AS operator
+RUN --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=bind,from=wheel,source=/wheels,target=/run/wheels \
+    sh /run/pip-run.sh /opt/venv/bin/pip install --no-deps --no-cache-dir /run/wheels/dpserve-*.whl
 USER 10001:10001
 EXPOSE 8080
 ENTRYPOINT ["dpserve"]
 CMD ["operator", "--all-namespaces"]
 
+FROM slim-runtime AS router-deps
+RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
+    --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=bind,from=requirements,source=/requirements/router.txt,target=/run/requirements.txt \
+    --mount=type=cache,target=/root/.cache/pip \
+    python3 -m venv /opt/venv \
+    && sh /run/pip-run.sh /opt/venv/bin/pip install -r /run/requirements.txt
+
 # The router: FastAPI, uvicorn and the Kubernetes client (EndpointSlice discovery).
-FROM slim-runtime AS router
-COPY --from=router-build /opt/venv /opt/venv
+FROM router-deps AS router
+RUN --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=bind,from=wheel,source=/wheels,target=/run/wheels \
+    sh /run/pip-run.sh /opt/venv/bin/pip install --no-deps --no-cache-dir /run/wheels/dpserve-*.whl
 USER 10001:10001
 EXPOSE 8000
 ENTRYPOINT ["dpserve"]
@@ -97,28 +121,43 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     HF_HUB_DISABLE_TELEMETRY=1
 
-FROM worker-runtime AS worker-build
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first, from a PyTorch wheel index: the CPU index by default (the PyPI build is a
-# large CUDA build); https://download.pytorch.org/whl/cu128 (etc.) for CUDA. The worker
-# extra then finds torch satisfied and keeps it.
+# torch first, in a layer of its own that only these two arguments change: from a
+# PyTorch wheel index, the CPU one by default (PyPI's torch is a larger CUDA build);
+# https://download.pytorch.org/whl/cu128 (etc.) for CUDA; empty for pip's configured
+# index. The worker's other requirements then find torch satisfied and keep it.
+FROM worker-runtime AS worker-torch
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # A pip requirement, e.g. "torch==2.9.1" to pin the version.
 ARG TORCH_SPEC=torch
-COPY --from=wheel /wheels /wheels
-RUN --mount=type=cache,target=/root/.cache/pip \
+RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
+    --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=cache,target=/root/.cache/pip \
     python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --upgrade pip \
-    && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}" \
-    && /opt/venv/bin/pip install "$(ls /wheels/dpserve-*.whl)[worker]"
+    && sh /run/pip-run.sh /opt/venv/bin/pip install --upgrade pip \
+    && sh /run/pip-run.sh /opt/venv/bin/pip install \
+       ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+
+FROM worker-torch AS worker-deps
+RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
+    --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=bind,from=requirements,source=/requirements/worker.txt,target=/run/requirements.txt \
+    --mount=type=cache,target=/root/.cache/pip \
+    sh /run/pip-run.sh /opt/venv/bin/pip install -r /run/requirements.txt
 
 # The worker: one replica (a gang of ranks) per pod, started by the operator.
-FROM worker-runtime AS worker
-COPY --from=worker-build /opt/venv /opt/venv
-# The tiny test model (seeded random weights, a few MiB; nothing is downloaded), for the
-# CPU example and the kind end-to-end test: spec.model.path /models/tiny. Building it
-# here also proves the image can import torch and diffusers.
-RUN dpserve make-tiny-model /models/tiny && rm -rf /tmp/* /root/.cache
+FROM worker-deps AS worker
+RUN --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
+    --mount=type=bind,from=wheel,source=/wheels,target=/run/wheels \
+    sh /run/pip-run.sh /opt/venv/bin/pip install --no-deps --no-cache-dir /run/wheels/dpserve-*.whl
+# The tiny test model (seeded random weights, a few MiB; nothing is downloaded) and a
+# tiny LoRA for it, for the CPU example and the end-to-end tests: spec.model.path
+# /models/tiny, set_lora /models/loras/tiny (a worker loads only from under its model
+# mount, /models). Building them here also proves the image can import torch and
+# diffusers. Written by root, readable by everyone, so user 10001 can load them.
+RUN dpserve make-tiny-model /models/tiny \
+    && dpserve make-tiny-lora --model /models/tiny /models/loras/tiny \
+    && chmod -R a+rX /models \
+    && rm -rf /tmp/* /root/.cache /home/dpserve/.cache
 USER 10001:10001
 WORKDIR /home/dpserve
 EXPOSE 5575

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.dpserve-installed
 CACHE ?= $(HOME)/.cache/dpserve
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint cluster-bins bench-cfg clean
+.PHONY: setup serve test test-fast lint cluster-bins bench-cfg images clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ test-fast: $(STAMP)
 
 bench-cfg: $(STAMP)
 	$(PY) bench/cfg_parallel.py
+
+# The operator, router and worker images, built here with no container registry: a
+# local Debian base, the machine's pip config as build secrets (docs/images.md).
+images:
+	bash images/build.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The container images: built by images/build.sh, inspected and run with Docker."""
