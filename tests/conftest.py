@@ -9,7 +9,9 @@ import pytest
 if TYPE_CHECKING:
     from tests.cluster.controlplane import ControlPlane
     from tests.cluster.localcluster import LocalCluster
+    from tests.cluster.realcluster import RealCluster
     from tests.e2e.backends import Backend
+    from tests.images.build import BuiltImage
 
 
 @pytest.fixture(scope="session")
@@ -81,27 +83,68 @@ def local_cluster() -> Iterator[LocalCluster]:
         cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[RealCluster]:
+    """A real control plane and a real node: kubelet, containerd + runc + CNI, kube-proxy.
+
+    Pods run from images imported with ``real_cluster.node.import_image``, with
+    10.245.0.x addresses; Services have cluster IPs (kube-proxy). Needs root; skipped
+    where ``real_node_unavailable()`` says why not. Teardown checks nothing is left.
+    """
+    from tests.cluster.realcluster import RealCluster, leftovers, real_node_unavailable
+
+    reason = real_node_unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = RealCluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    left = leftovers()
+    assert not left, f"the real cluster left behind: {left}"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--cluster",
-        choices=("local", "kind"),
-        default="local",
-        help="Kubernetes e2e backend: the local control plane (default) or kind (needs Docker)",
+        choices=("node", "local", "kind"),
+        default="node",
+        help="Kubernetes e2e backend: a real node with the built images (default), the "
+        "test kubelet (local, faster: pods are local processes), or kind (needs Docker)",
     )
+
+
+@pytest.fixture(scope="session")
+def built_images() -> dict[str, BuiltImage]:
+    """The operator, router and worker images, built by ``make images``'s script: minutes
+    on a fresh machine, about a second when nothing changed. Skipped where they cannot be
+    built (``images_unavailable()`` says why)."""
+    from tests.images.build import build_images, images_unavailable
+
+    reason = images_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    return build_images()
 
 
 @pytest.fixture(scope="session")
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """The cluster the Kubernetes e2e journey runs on."""
-    from tests.e2e.backends import KindBackend, LocalBackend, kind_unavailable
+    from tests.e2e.backends import KindBackend, LocalBackend, NodeBackend, kind_unavailable
 
-    if request.config.getoption("--cluster") == "local":
+    choice = request.config.getoption("--cluster")
+    if choice == "local":
         yield LocalBackend(request.getfixturevalue("local_cluster"))  # that fixture tears down
+        return
+    if choice == "node":
+        images = request.getfixturevalue("built_images")
+        yield NodeBackend(request.getfixturevalue("real_cluster"), images)
         return
     why = kind_unavailable()
     if why is not None:
         pytest.skip(f"--cluster kind needs Docker and kind: {why}")
-    kind = KindBackend()
+    kind = KindBackend(request.getfixturevalue("built_images"))
     try:
         yield kind
     finally:

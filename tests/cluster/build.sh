@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler) and etcd from Go modules, for tests that need a live cluster on
-# a machine without Docker or a container registry.
+# kube-scheduler), etcd, and a node's kubelet and kube-proxy from Go modules, for
+# tests that need a live cluster on a machine without Docker or a container registry.
 #
 #   tests/cluster/build.sh            # builds once (cold: tens of minutes on 2 cores)
 #   BIN=$(tests/cluster/build.sh | tail -n1)
@@ -10,14 +10,26 @@
 #   k8s/go.mod   k8s.io/kubernetes vX.Y.Z (+ replaces of its staging modules)
 #   etcd/go.mod  go.etcd.io/etcd/server/v3 vA.B.C
 # Binaries go to ${DPSERVE_CACHE:-$HOME/.cache/dpserve}/k8s/<k8s>-etcd<etcd>/bin,
-# outside the repo. When all four exist the script only prints that path. A build
-# happens in a temporary directory beside the destination that is renamed into
-# place when complete, so an interrupted build never leaves a partial cache.
+# outside the repo. When all six exist the script only prints that path. Only the
+# missing ones are built: a cache made before the node's two were added keeps its
+# control plane, whose cold build is the slow part. A build happens in a temporary
+# directory beside the destination; each binary is renamed into place when all
+# are built, so an interrupted build never leaves a partial binary in the cache.
 # Progress goes to stderr; the bin directory is the last line of stdout.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd)
+# Binary name -> Go package, built in the k8s module (etcd has its own module).
+# The control plane builds from local copies of upstream's mains; the node's two
+# straight from k8s.io/kubernetes, which go.mod already requires.
+declare -A K8S_PACKAGES=(
+    [kube-apiserver]=./cmd/kube-apiserver
+    [kube-controller-manager]=./cmd/kube-controller-manager
+    [kube-scheduler]=./cmd/kube-scheduler
+    [kubelet]=k8s.io/kubernetes/cmd/kubelet
+    [kube-proxy]=k8s.io/kubernetes/cmd/kube-proxy
+)
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd kubelet kube-proxy)
 
 # Versions straight from go.mod (no `go` invocation: keeps the warm path fast).
 K8S_VERSION=$(sed -nE 's/^[[:space:]]*(require[[:space:]]+)?k8s\.io\/kubernetes[[:space:]]+(v[0-9][^[:space:]]*).*/\2/p' \
@@ -33,14 +45,15 @@ CACHE_ROOT="${DPSERVE_CACHE:-$HOME/.cache/dpserve}/k8s"
 DEST="$CACHE_ROOT/${K8S_VERSION}-etcd${ETCD_VERSION#v}"
 BIN="$DEST/bin"
 
-complete() {
+# The binaries absent from $1/bin, one per line (none: the cache is complete).
+missing() {
     local b
     for b in "${BINARIES[@]}"; do
-        [[ -x "$1/bin/$b" ]] || return 1
+        [[ -x "$1/bin/$b" ]] || echo "$b"
     done
 }
 
-if complete "$DEST"; then
+if [[ -z "$(missing "$DEST")" ]]; then
     echo "$BIN"
     exit 0
 fi
@@ -51,7 +64,8 @@ mkdir -p "$CACHE_ROOT"
 # One build at a time per cache; a second caller waits, then finds it done.
 exec 9>"$CACHE_ROOT/.build.lock"
 flock 9
-if complete "$DEST"; then
+mapfile -t TODO < <(missing "$DEST")
+if [[ ${#TODO[@]} -eq 0 ]]; then
     echo "$BIN"
     exit 0
 fi
@@ -81,23 +95,32 @@ done
 ETCD_LDFLAGS="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=$ETCD_VERSION"
 
 start=$SECONDS
-echo "build.sh: building Kubernetes $K8S_VERSION control plane (slow when cold) ..." >&2
-(cd "$HERE/k8s" && "${GOBUILD[@]}" -ldflags "$K8S_LDFLAGS" -o "$TMP/bin/" \
-    ./cmd/kube-apiserver ./cmd/kube-controller-manager ./cmd/kube-scheduler)
-echo "build.sh: building etcd $ETCD_VERSION ..." >&2
-(cd "$HERE/etcd" && "${GOBUILD[@]}" -ldflags "$ETCD_LDFLAGS" -o "$TMP/bin/etcd" .)
+names=() pkgs=()
+for b in "${TODO[@]}"; do
+    [[ $b == etcd ]] || { names+=("$b"); pkgs+=("${K8S_PACKAGES[$b]}"); }
+done
+if [[ ${#pkgs[@]} -gt 0 ]]; then
+    echo "build.sh: building Kubernetes $K8S_VERSION ${names[*]} (slow when cold) ..." >&2
+    (cd "$HERE/k8s" && "${GOBUILD[@]}" -ldflags "$K8S_LDFLAGS" -o "$TMP/bin/" "${pkgs[@]}")
+fi
+if [[ " ${TODO[*]} " == *" etcd "* ]]; then
+    echo "build.sh: building etcd $ETCD_VERSION ..." >&2
+    (cd "$HERE/etcd" && "${GOBUILD[@]}" -ldflags "$ETCD_LDFLAGS" -o "$TMP/bin/etcd" .)
+fi
+for b in "${TODO[@]}"; do
+    [[ -x "$TMP/bin/$b" ]] || { echo "build.sh: the build produced no $b" >&2; exit 1; }
+done
 
-complete "$TMP" || { echo "build.sh: build produced no complete bin dir" >&2; exit 1; }
+mkdir -p "$BIN"
+# One rename per binary (same filesystem): each appears whole or not at all.
+for b in "${TODO[@]}"; do
+    mv -f "$TMP/bin/$b" "$BIN/$b"
+done
 {
     echo "kubernetes=$K8S_VERSION"
     echo "etcd=$ETCD_VERSION"
     echo "go=$(go env GOVERSION)"
-    echo "built=$BUILD_DATE"
-} >"$TMP/VERSIONS"
-
-# A leftover incomplete DEST (e.g. binaries deleted by hand) is replaced.
-[[ -e "$DEST" ]] && rm -rf "$DEST"
-mv -T "$TMP" "$DEST"
-trap - EXIT
-echo "build.sh: built in $((SECONDS - start))s" >&2
+    echo "built=$BUILD_DATE ${TODO[*]}"
+} >>"$DEST/VERSIONS"
+echo "build.sh: built ${TODO[*]} in $((SECONDS - start))s" >&2
 echo "$BIN"

@@ -9,6 +9,8 @@ signing key), RBAC and admission on. ``stop()`` leaves no process behind.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 import signal
@@ -84,6 +86,11 @@ def _sign(pki: Path, name: str, subject: str, extensions: str) -> None:
     )
 
 
+CLIENT_EXTENSIONS = (
+    "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+)
+
+
 def make_pki(pki: Path, api_ips: Sequence[str]) -> None:
     pki.mkdir(parents=True)
     _openssl(
@@ -138,6 +145,12 @@ class ControlPlane:
     bin: Path
     api_host: str = "127.0.0.1"
     components: tuple[str, ...] = ("controller-manager", "scheduler")
+    # "lease" publishes the apiserver as the `kubernetes` Service's endpoint, which
+    # pods behind kube-proxy need; it needs a routable api_host (not 127.0.0.1).
+    endpoint_reconciler: str = "none"
+    # A client cert for the apiserver's calls to kubelets (logs, exec, port-forward),
+    # which real kubelets check; they are reached at their InternalIP.
+    kubelet_client: bool = False
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dpserve-k8s-")))
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -152,6 +165,19 @@ class ControlPlane:
     def start(self) -> ControlPlane:
         etcd_port, peer_port, self.api_port, kcm_port, sched_port = _free_ports(5)
         make_pki(self.pki, [self.api_host, "127.0.0.1"])
+        kubelet_args: list[str] = []
+        if self.kubelet_client:
+            _sign(
+                self.pki,
+                "kubelet-client",
+                "/O=system:masters/CN=kube-apiserver-kubelet-client",
+                f"{CLIENT_EXTENSIONS}extendedKeyUsage=clientAuth\n",
+            )
+            kubelet_args = [
+                f"--kubelet-client-certificate={self.pki / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={self.pki / 'kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
         self._write_kubeconfig()
         etcd = f"http://127.0.0.1:{etcd_port}"
         self._spawn(
@@ -186,8 +212,9 @@ class ControlPlane:
                 f"--service-account-key-file={p / 'sa.pub'}",
                 f"--service-account-signing-key-file={p / 'sa.key'}",
                 "--service-cluster-ip-range=10.96.0.0/24",
-                "--endpoint-reconciler-type=none",
+                f"--endpoint-reconciler-type={self.endpoint_reconciler}",
                 "--allow-privileged=true",
+                *kubelet_args,
             ],
         )
         self._wait(f"{self.server}/readyz", tls=True)
@@ -220,6 +247,42 @@ class ControlPlane:
     @property
     def server(self) -> str:
         return f"https://{self.api_host}:{self.api_port}"
+
+    def client_kubeconfig(self, name: str, subject: str) -> Path:
+        """A kubeconfig for a new client cert of ``subject`` (``/O=group/CN=user``),
+        signed by the cluster's CA: how a kubelet or kube-proxy authenticates."""
+        _sign(self.pki, name, subject, f"{CLIENT_EXTENSIONS}extendedKeyUsage=clientAuth\n")
+        path = self.root / f"{name}.kubeconfig"
+
+        def b64(file: str) -> str:
+            return base64.b64encode((self.pki / file).read_bytes()).decode()
+
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "test",
+                    "cluster": {
+                        "server": self.server,
+                        "certificate-authority-data": b64("ca.crt"),
+                    },
+                }
+            ],
+            "users": [
+                {
+                    "name": name,
+                    "user": {
+                        "client-certificate-data": b64(f"{name}.crt"),
+                        "client-key-data": b64(f"{name}.key"),
+                    },
+                }
+            ],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": name}}],
+            "current-context": "test",
+        }
+        path.write_text(json.dumps(config, indent=2))  # JSON is YAML too
+        return path
 
     def _write_kubeconfig(self) -> None:
         cfg = ["config", f"--kubeconfig={self.kubeconfig}"]

@@ -1,0 +1,101 @@
+"""What a real test node leaves on this machine, found and removed.
+
+Used at stop, and at start after a run that was killed before it could stop: the
+node's daemons (by pid file), its containers (through a containerd on the same
+state, which finds the surviving shims), then the host (``hoststate.py``) and the
+fixed paths outside the run directory that the kubelet and the CRI plugin write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.cluster import cni, hoststate
+from tests.cluster.containerd import Containerd
+from tests.cluster.daemon import kill_recorded
+
+# Fixed paths outside the run directory that the kubelet and CRI write to:
+CONTAINER_LOGS = Path("/var/log/containers")  # the kubelet's symlinks to pod logs
+DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")  # the kubelet's socket, checkpoint
+CNI_CACHE = Path("/var/lib/cni/results")  # libcni's record of each sandbox's ADD
+
+
+def cni_teardown(run_dir: Path, sandbox_id: str, netns: str | None) -> None:
+    for conf in sorted((run_dir / "cni" / "net.d").glob("*.conflist")):
+        cni.teardown(json.loads(conf.read_text()), sandbox_id, netns)
+    # What libcni cached of this sandbox's ADD (its own DEL would have removed it).
+    for cached in CNI_CACHE.glob(f"*-{sandbox_id}-*"):
+        cached.unlink(missing_ok=True)
+
+
+def clean_leftovers(run_dir: Path, containerd: Containerd, bin: Path) -> None:
+    """Undo what a killed run left: its daemons (by pid file), its containers (through
+    a containerd on the same state, which finds the surviving shims), then the host."""
+    if not run_dir.exists():
+        clean_host(run_dir, bin)
+        return
+    for name in ("kube-proxy", "kubelet", "containerd"):
+        kill_recorded(run_dir / f"{name}.pid")
+    if containerd.state.exists():
+        with contextlib.suppress(RuntimeError, TimeoutError, OSError):
+            containerd.start()
+            containerd.remove_all_containers(lambda sid, ns: cni_teardown(run_dir, sid, ns))
+        containerd.stop()
+    clean_host(run_dir, bin)
+
+
+def _kill_shims(state: Path) -> None:
+    """Shims that no containerd could reach, by their pid files (their containers'
+    processes go with the pod cgroups). A pid counts only while it is still a shim
+    of that container: pids are reused."""
+    for pidfile in (state / "io.containerd.runtime.v2.task").glob("*/*/shim.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"containerd-shim" in cmdline[0] and pidfile.parent.name.encode() in cmdline:
+                os.kill(pid, signal.SIGKILL)
+
+
+def clean_host(run_dir: Path, bin: Path) -> None:
+    """Shims and pod processes, cgroups, mounts, iptables, the fixed paths, the run dir."""
+    _kill_shims(run_dir / "containerd")
+    hoststate.remove_kubepods()
+    hoststate.unmount_under(run_dir)
+    # kube-proxy's own cleanup first (iptables, ipvs, nftables), then whatever is left.
+    if (bin / "kube-proxy").exists():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([str(bin / "kube-proxy"), "--cleanup"], capture_output=True, timeout=60)
+    hoststate.remove_node_rules()
+    if CONTAINER_LOGS.is_dir():
+        for link in CONTAINER_LOGS.iterdir():
+            if link.is_symlink() and str(os.readlink(link)).startswith(str(run_dir)):
+                link.unlink()
+    for path in (DEVICE_PLUGINS / "kubelet.sock", DEVICE_PLUGINS / "kubelet_internal_checkpoint"):
+        path.unlink(missing_ok=True)
+    for cached in CNI_CACHE.glob(f"{cni.NETWORK}-*-eth0"):  # sandboxes of this network
+        sandbox_id = cached.name[len(cni.NETWORK) + 1 : -len("-eth0")]
+        for leftover in CNI_CACHE.glob(f"*-{sandbox_id}-*"):
+            leftover.unlink(missing_ok=True)
+    for d in (DEVICE_PLUGINS, DEVICE_PLUGINS.parent, CONTAINER_LOGS, CNI_CACHE, CNI_CACHE.parent):
+        with contextlib.suppress(OSError):  # only where empty: anything else is not ours
+            d.rmdir()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def fixed_path_leftovers(run_dir: Path) -> list[str]:
+    """What of the node is left in the fixed paths above (empty when clean)."""
+    found = [str(p) for p in CNI_CACHE.glob(f"{cni.NETWORK}-*")]
+    found += [str(p) for p in (DEVICE_PLUGINS / "kubelet.sock",) if p.exists()]
+    if CONTAINER_LOGS.is_dir():
+        found += [
+            str(link)
+            for link in CONTAINER_LOGS.iterdir()
+            if link.is_symlink() and str(os.readlink(link)).startswith(str(run_dir))
+        ]
+    return found
