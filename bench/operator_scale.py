@@ -1,46 +1,68 @@
-"""How the operator scales: 64 replicas vs 8 on the local control plane, one run.
+"""How the operator scales, one run.
 
-The test kubelet runs in a mode that reports pods Running and Ready without
-starting processes, so what is timed is the operator and the control plane:
-apply → all pods created, apply → status.readyReplicas = N, and one pod deleted →
-its replacement exists. Last line:
+Default: 64 replicas vs 8 on the local control plane. The test kubelet runs in a mode
+that reports pods Running and Ready without starting processes, so what is timed is
+the operator and the control plane: apply → all pods created, apply →
+status.readyReplicas = N, and one pod deleted → its replacement exists. Last line:
 ``create64_s=<x> ready64_s=<y> replace_s=<z> per_replica_ratio_64_vs_8=<r>``.
+
+``--real-node``: 8 replicas of the tiny model on a real node (kubelet, containerd,
+runc; tests/cluster/realcluster.py) from the images ``make images`` builds, so what is
+timed includes containers starting, torch importing and the model loading, all on
+this machine's cores. Pod start to Ready is read from each pod's conditions
+(scheduled → Ready, whole seconds). Last line:
+``ready8_s=<x> replica_start_p50_s=<y> replica_start_max_s=<z> router_start_s=<r>
+replace_ready_s=<w> ready8_over_one_pod=<x/y>``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dpserve.local import free_port
 from tests.cluster.localcluster import LocalCluster
+from tests.images.build import build_images
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "scale"
 
 
+class Cluster(Protocol):
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]: ...
+
+    def env(self) -> dict[str, str]: ...
+
+
 def _dsvc(name: str, replicas: int) -> str:
+    # No resources: BestEffort pods, so 8 fit a 2-core node's scheduler.
+    spec = {"model": {"path": "/models/tiny"}, "device": "cpu", "threadsPerRank": 1}
     return json.dumps(
         {
             "apiVersion": "dpserve.dev/v1alpha1",
             "kind": "DiffusionService",
             "metadata": {"name": name, "namespace": NS},
-            "spec": {"model": {"path": "/models/tiny"}, "device": "cpu", "replicas": replicas},
+            "spec": {**spec, "replicas": replicas},
         }
     )
 
 
-def _get(cluster: LocalCluster, *what: str) -> Any:
+def _get(cluster: Cluster, *what: str) -> Any:
     return json.loads(cluster.kubectl("-n", NS, "get", *what, "-o", "json").stdout)
 
 
-def _replica_pods(cluster: LocalCluster, name: str) -> list[dict[str, Any]]:
+def _replica_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
     selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
     return list(_get(cluster, "pods", "-l", selector)["items"])
 
@@ -54,7 +76,9 @@ def _wait(check: Any, timeout_s: float = 300) -> float:
     return time.monotonic() - started
 
 
-def measure(cluster: LocalCluster, name: str, replicas: int) -> dict[str, float]:
+def measure(
+    cluster: Cluster, name: str, replicas: int, replaced_ready: bool = False
+) -> dict[str, float]:
     started = time.monotonic()
     cluster.kubectl("apply", "-f", "-", input=_dsvc(name, replicas))
     _wait(lambda: len(_replica_pods(cluster, name)) == replicas)
@@ -74,7 +98,9 @@ def measure(cluster: LocalCluster, name: str, replicas: int) -> dict[str, float]
 
     def replaced() -> bool:
         return any(
-            p["metadata"]["name"] == victim and p["metadata"]["uid"] != old_uid
+            p["metadata"]["name"] == victim
+            and p["metadata"]["uid"] != old_uid
+            and (not replaced_ready or _ready_at(p) is not None)
             for p in _replica_pods(cluster, name)
         )
 
@@ -82,26 +108,93 @@ def measure(cluster: LocalCluster, name: str, replicas: int) -> dict[str, float]
     return {"create": created, "ready": ready_s, "replace": time.monotonic() - started}
 
 
+def _condition_time(pod: dict[str, Any], kind: str) -> datetime | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind and cond["status"] == "True":
+            return datetime.fromisoformat(cond["lastTransitionTime"].replace("Z", "+00:00"))
+    return None
+
+
+def _ready_at(pod: dict[str, Any]) -> datetime | None:
+    return _condition_time(pod, "Ready")
+
+
+def start_to_ready_s(pod: dict[str, Any]) -> float:
+    """Scheduled → Ready of one pod, from its own conditions (whole seconds)."""
+    scheduled, ready = _condition_time(pod, "PodScheduled"), _ready_at(pod)
+    assert scheduled is not None and ready is not None, pod["metadata"]["name"]
+    return (ready - scheduled).total_seconds()
+
+
+def _prepare(cluster: Cluster, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The CRD, the namespace, and the operator as a local process."""
+    cluster.kubectl("apply", "-f", str(REPO / "charts/dpserve/crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/diffusionservices.dpserve.dev")
+    cluster.kubectl("create", "namespace", NS)
+    has_sa = ("-n", NS, "get", "sa", "default")
+    _wait(lambda: cluster.kubectl(*has_sa, check=False).returncode == 0)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpserve", "operator", "--all-namespaces",
+         "--liveness-port", str(free_port())],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _stop(operator: subprocess.Popen[bytes] | None) -> None:
+    if operator is not None:
+        operator.terminate()
+        operator.wait(timeout=30)
+
+
+def real_node() -> None:
+    from tests.cluster.realcluster import RealCluster
+    from tests.e2e.backends import load_into_node
+
+    images = build_images()
+    cluster = RealCluster.start()
+    operator = None
+    try:
+        for built in images.values():
+            load_into_node(cluster.node, built)
+        env = {
+            **cluster.env(),
+            "DPSERVE_WORKER_IMAGE": images["worker"].ref,
+            "DPSERVE_ROUTER_IMAGE": images["router"].ref,
+            "DPSERVE_IMAGE_PULL_POLICY": "Never",
+        }
+        operator = _prepare(cluster, env)
+        figures = measure(cluster, "eight", 8, replaced_ready=True)
+        replicas = [start_to_ready_s(p) for p in _replica_pods(cluster, "eight")]
+        selector = "app.kubernetes.io/instance=eight,app.kubernetes.io/component=router"
+        (router,) = _get(cluster, "pods", "-l", selector)["items"]
+        router_s = start_to_ready_s(router)
+    finally:
+        _stop(operator)
+        cluster.stop()
+    p50 = statistics.median(replicas)
+    print(f"replica start to Ready (s): {sorted(replicas)}")
+    print(
+        f"ready8_s={figures['ready']:.1f} replica_start_p50_s={p50:.1f} "
+        f"replica_start_max_s={max(replicas):.1f} router_start_s={router_s:.1f} "
+        f"replace_ready_s={figures['replace']:.1f} "
+        f"ready8_over_one_pod={figures['ready'] / max(p50, 1.0):.2f}"
+    )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real-node", action="store_true", help="8 real replicas on a real node")
+    if parser.parse_args().real_node:
+        real_node()
+        return
     cluster = LocalCluster.start(run_processes=False)
     operator = None
     try:
-        cluster.kubectl("apply", "-f", str(REPO / "charts/dpserve/crds"))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/diffusionservices.dpserve.dev")
-        cluster.kubectl("create", "namespace", NS)
-        has_sa = ("-n", NS, "get", "sa", "default")
-        _wait(lambda: cluster.kubectl(*has_sa, check=False).returncode == 0)
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "dpserve", "operator", "--all-namespaces",
-             "--liveness-port", str(free_port())],
-            env=cluster.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        operator = _prepare(cluster, cluster.env())
         small = measure(cluster, "small", 8)
         large = measure(cluster, "large", 64)
     finally:
-        if operator is not None:
-            operator.terminate()
-            operator.wait(timeout=30)
+        _stop(operator)
         cluster.stop()
     ratio = (large["ready"] / 64) / (small["ready"] / 8)
     for n, figures in ((8, small), (64, large)):

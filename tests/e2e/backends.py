@@ -1,7 +1,12 @@
-"""Where the Kubernetes e2e suite runs: the local control plane, or kind (needs Docker).
+"""Where the Kubernetes e2e suite runs: a real node, the test kubelet, or kind.
 
-Both backends offer the same few verbs; only reaching the router differs (a pod IP
-on the local test network, a port-forward on kind).
+- ``node`` (what ``make test`` runs): the real control plane with a real kubelet,
+  containerd, runc, CNI and kube-proxy (tests/cluster/realcluster.py), pods from the
+  images ``make images`` builds; the router is reached through its Service.
+- ``local``: the same control plane with the test kubelet (pods are local processes
+  from this checkout's environment); the router is reached at its pod IP.
+- ``kind``: a kind cluster (needs Docker and kind) with the same images loaded; the
+  router is reached through a port-forward to its Service.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from tests.chart import tools
+from tests.images.build import BuiltImage, docker_save
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,46 +108,82 @@ class LocalBackend(_Common):
         """The session's local_cluster fixture owns the cluster and stops it."""
 
 
-class KindBackend(_Common):
-    """A kind cluster with the images built and loaded (Docker required)."""
-
-    def __init__(self) -> None:
-        self.name = "dpserve-e2e"
-        self.kubeconfig = Path(tempfile.mkdtemp(prefix="dpserve-kind-")) / "kubeconfig"
-        self._forwards: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
-        subprocess.run(
-            [
-                "kind",
-                "create",
-                "cluster",
-                "--name",
-                self.name,
-                "--kubeconfig",
-                str(self.kubeconfig),
-            ],
-            check=True,
+def image_values(images: Mapping[str, BuiltImage]) -> list[str]:
+    """Helm values that point the chart at these images, never pulled."""
+    values = []
+    for target, built in images.items():
+        repository, _, tag = built.ref.rpartition(":")
+        values.append(
+            f"--set-string=image.{target}.repository={repository},image.{target}.tag={tag}"
         )
-        for target in ("operator", "router", "worker"):
-            tag = f"dpserve-{target}:e2e"
-            subprocess.run(
-                ["docker", "build", "--target", target, "-t", tag, str(REPO)], check=True
-            )
-            subprocess.run(["kind", "load", "docker-image", tag, "--name", self.name], check=True)
+    return [*values, "--set-string=image.pullPolicy=Never"]
+
+
+class NodeBackend(_Common):
+    """The real control plane with a real node: containerd, runc, CNI, kube-proxy.
+
+    The images are the ones ``make images`` built, imported into the node's containerd
+    when its copy differs (the import is skipped when the config digests match, so a
+    warm run costs nothing). The router is reached as a user reaches it: through the
+    ClusterIP of its Service, which kube-proxy routes on this host.
+    """
+
+    def __init__(self, cluster: Any, images: Mapping[str, BuiltImage]) -> None:
+        self.cluster = cluster
+        self.kubeconfig = cluster.kubeconfig
+        self.images = dict(images)
+        for built in self.images.values():
+            load_into_node(cluster.node, built)
 
     def helm_values(self) -> list[str]:
-        return [
-            f"--set-string=image.{t}.repository=dpserve-{t},image.{t}.tag=e2e"
-            for t in ("operator", "router", "worker")
-        ] + ["--set-string=image.pullPolicy=Never"]
+        return image_values(self.images)
 
     def provide_files(self, mounts: dict[str, Path]) -> None:
-        """The CPU worker image carries /models/tiny; LoRAs are copied into the node."""
-        for container_path, host_path in mounts.items():
-            if container_path != "/models":
-                subprocess.run(
-                    ["docker", "cp", str(host_path), f"{self.name}-control-plane:{container_path}"],
-                    check=True,
-                )
+        """The worker image carries /models (the tiny model and LoRA): nothing to add."""
+
+    def router_url(self, namespace: str, name: str) -> str:
+        service = self.get(namespace, "service", name)
+        ip, port = service["spec"]["clusterIP"], service["spec"]["ports"][0]["port"]
+        return f"http://{ip}:{port}"
+
+    def close(self) -> None:
+        """The session's real_cluster fixture owns the cluster and stops it."""
+
+
+def load_into_node(node: Any, built: BuiltImage) -> None:
+    """Import one image into the node's containerd unless that very image is there."""
+    if node.image_id(built.ref) == built.image_id:
+        return
+    saved = docker_save(built.ref)
+    assert saved.stdout is not None
+    try:
+        node.import_image(saved.stdout)
+    finally:
+        saved.stdout.close()
+        if saved.wait() != 0:
+            raise RuntimeError(f"docker save {built.ref} failed")
+    if node.image_id(built.ref) != built.image_id:
+        raise RuntimeError(f"{built.ref}: the node holds another image than the one built")
+
+
+class KindBackend(_Common):
+    """A kind cluster with the images ``make images`` builds loaded (Docker and kind)."""
+
+    def __init__(self, images: Mapping[str, BuiltImage]) -> None:
+        self.name = "dpserve-e2e"
+        self.kubeconfig = Path(tempfile.mkdtemp(prefix="dpserve-kind-")) / "kubeconfig"
+        self.images = dict(images)
+        self._forwards: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+        create = ["kind", "create", "cluster", "--name", self.name]
+        subprocess.run([*create, "--kubeconfig", str(self.kubeconfig)], check=True)
+        refs = [built.ref for built in self.images.values()]
+        subprocess.run(["kind", "load", "docker-image", *refs, "--name", self.name], check=True)
+
+    def helm_values(self) -> list[str]:
+        return image_values(self.images)
+
+    def provide_files(self, mounts: dict[str, Path]) -> None:
+        """The worker image carries /models (the tiny model and LoRA): nothing to add."""
 
     def router_url(self, namespace: str, name: str) -> str:
         key = f"{namespace}/{name}"

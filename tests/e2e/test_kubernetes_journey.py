@@ -1,15 +1,17 @@
 """The user journey on Kubernetes: helm install → kubectl apply → images, and everything after.
 
-Backends: ``--cluster local`` (default) runs on the real control plane of
-tests/cluster with the test kubelet (pods are local processes in their own
-network namespaces); ``--cluster kind`` uses a kind cluster and needs Docker.
-The steps are the same; only how the router is reached differs.
+Backends (tests/e2e/backends.py): ``--cluster node`` (default) runs on the real control
+plane of tests/cluster with a real node (kubelet, containerd, runc, CNI, kube-proxy),
+the images ``make images`` builds, and the router reached through its Service;
+``--cluster local`` swaps the node for the test kubelet (pods are local processes, a
+faster tier); ``--cluster kind`` uses a kind cluster and needs Docker and kind.
+The steps are the same on all three.
 
 Both namespaces (the operator's and the service's) enforce the "restricted" Pod
-Security Standard, so every pod the chart and the operator make must pass it; the
-test kubelet runs them as the user they name, on a read-only root (tests/cluster).
-The operator is installed namespaced (``watchNamespaces``): it works with a Role in
-the service's namespace and no cluster-wide permission at all.
+Security Standard, so every pod the chart and the operator make must pass it, and on
+the real node the runtime enforces what it asks for (user 10001, read-only root,
+no capabilities). The operator is installed namespaced (``watchNamespaces``): it works
+with a Role in the service's namespace and no cluster-wide permission at all.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from tests.e2e.backends import Backend
 from tests.polling import eventually
 from tests.realtime_client import RealtimeSocket
 
-pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
+# Slow on a fresh machine: the images build and the worker image (6 GB) is imported
+# into the node once (minutes); later runs find both cached.
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(2400)]
 REPO = Path(__file__).resolve().parents[2]
 NS = "journey"
 REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
@@ -40,6 +44,7 @@ RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",
     "pod-security.kubernetes.io/enforce-version": "latest",
 }
+LORA = "/models/loras/tiny"  # baked into the worker image (Dockerfile)
 API_KEY, ADMIN_KEY = "journey-inference-key", "journey-admin-key"
 
 
@@ -83,10 +88,11 @@ class Load:
 
 
 def stage_models(root: Path, tiny_model: Path, tiny_lora: Path) -> Path:
-    """The image's /models: the model and a LoRA under the one folder workers may load
-    from (the model's mountPath), readable by the pods' user (10001), not only root."""
+    """The worker image's /models for the test kubelet, laid out as the image has it:
+    the model and a LoRA under the one folder workers may load from (the model's
+    mountPath), readable by the pods' user (10001), not only root."""
     shutil.copytree(tiny_model, root / tiny_model.name)
-    shutil.copytree(tiny_lora, root / "loras" / tiny_lora.name)
+    shutil.copytree(tiny_lora, root / "loras" / "tiny")
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     return root
@@ -133,6 +139,11 @@ def replica_pods(k8s: Backend, name: str = "tiny") -> dict[str, dict[str, Any]]:
     return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
 
 
+def pod_uids(k8s: Backend) -> set[str]:
+    """Every pod of the namespace, terminating ones too."""
+    return {p["metadata"]["uid"] for p in k8s.get(NS, "pods")["items"]}
+
+
 def image(response: httpx.Response) -> bytes:
     assert response.status_code == 200, response.text
     return base64.b64decode(response.json()["data"][0]["b64_json"])
@@ -160,7 +171,7 @@ def test_the_namespaces_enforce_the_restricted_standard(k8s: Backend) -> None:
         assert 'violates PodSecurity "restricted:latest"' in refused.stderr, refused.stderr
 
 
-def test_journey(k8s: Backend, tiny_lora: Path) -> None:
+def test_journey(k8s: Backend) -> None:
     # 2. apply the example; the CR becomes Ready; kubectl shows the printer columns.
     k8s.kubectl("-n", NS, "apply", "-f", str(REPO / "examples/diffusionservice-cpu.yaml"))
     # Ready means servable: the router is available too, so a request right after
@@ -217,7 +228,7 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
         # 9. a control op reaches every replica, even with the control-state ConfigMap
         # gone (the state lives in the replicas too); one created later gets it first.
         k8s.kubectl("-n", NS, "delete", "configmap", "tiny-control-state")
-        body = {"lora_nickname": "style", "lora_path": "/models/loras/" + tiny_lora.name}
+        body = {"lora_nickname": "style", "lora_path": LORA}
         done = httpx.post(f"{url}/v1/set_lora", json=body, timeout=120)
         assert done.status_code == 200, done.text
         assert done.json()["control_state"]["replicas_holding"] == 1
@@ -227,9 +238,15 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
         assert listed["consistent"] is True and len(listed["replicas"]) == 2
         assert [x["nickname"] for x in listed["result"]["loaded"]] == ["style"]
 
-        # 5. a replica pod deleted under load is recreated; nothing fails.
+        # 5. a replica pod deleted under load is recreated; nothing fails. The old pod
+        # is gone in seconds, not at the end of its grace period (request timeout + 30 s):
+        # SIGTERM reaches the worker, PID 1 of its container (where a signal without a
+        # handler is ignored), which drains and exits.
         uid = replica_pods(k8s)["tiny-replica-1"]["metadata"]["uid"]
+        deleted_at = time.monotonic()
         k8s.kubectl("-n", NS, "delete", "pod", "tiny-replica-1", "--wait=false")
+        eventually(lambda: uid not in pod_uids(k8s), 120, "the deleted pod gone")
+        assert time.monotonic() - deleted_at < 60
         eventually(lambda: replica_pods(k8s).get("tiny-replica-1", {}).get("metadata", {})
                    .get("uid") not in (None, uid), 120, "replacement pod")  # fmt: skip
         eventually(lambda: serving(k8s) == ["0", "1"], 240, "replacement serving")
@@ -279,7 +296,7 @@ def test_journey(k8s: Backend, tiny_lora: Path) -> None:
     eventually(lambda: post("/v1/images/generations", None, REQUEST) == 401, 180, "keys asked")
     assert post("/v1/images/generations", API_KEY, REQUEST) == 200
     assert post("/v1/images/generations", ADMIN_KEY, REQUEST) == 200
-    lora = {"lora_nickname": "style", "lora_path": "/models/loras/" + tiny_lora.name}
+    lora = {"lora_nickname": "style", "lora_path": LORA}
     assert post("/v1/set_lora", API_KEY, lora) == 403  # an inference key on a control route
     assert post("/v1/set_lora", ADMIN_KEY, lora) == 200
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.images.build import DOCKER, TARGETS, BuiltImage, build_images, images_unavailable
+from tests.images.build import DOCKER, TARGETS, BuiltImage, build_images
 
 # A cold build (Docker's install, the Debian base, torch) takes minutes; the fixture's
 # time counts against the first test that asks for it.
@@ -48,11 +48,8 @@ print(json.dumps({"uid": os.getuid(), "gid": os.getgid(), "torch": torch.__versi
 
 
 @pytest.fixture(scope="session")
-def images() -> dict[str, BuiltImage]:
-    reason = images_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    return build_images()
+def images(built_images: dict[str, BuiltImage]) -> dict[str, BuiltImage]:
+    return built_images
 
 
 def run(image: str, *args: str, entrypoint: str | None = None) -> subprocess.CompletedProcess[str]:
