@@ -10,9 +10,10 @@ status.readyReplicas = N, and one pod deleted → its replacement exists. Last l
 runc; tests/cluster/realcluster.py) from the images ``make images`` builds, so what is
 timed includes containers starting, torch importing and the model loading, all on
 this machine's cores. Pod start to Ready is read from each pod's conditions
-(scheduled → Ready, whole seconds). Last line:
-``ready8_s=<x> replica_start_p50_s=<y> replica_start_max_s=<z> router_start_s=<r>
-replace_ready_s=<w> ready8_over_one_pod=<x/y>``.
+(scheduled → Ready, whole seconds): of the replicas that started together (with the
+router beside them), and of the one deleted afterwards, whose replacement starts
+alone. Last line: ``ready8_s=<x> replica_alone_s=<a> replica_together_p50_s=<t>
+router_start_s=<r> replace_ready_s=<w> ready8_over_one_pod=<x/a>``.
 """
 
 from __future__ import annotations
@@ -147,15 +148,15 @@ def _stop(operator: subprocess.Popen[bytes] | None) -> None:
 
 
 def real_node() -> None:
+    from tests.cluster.controlplane import build_binaries
     from tests.cluster.realcluster import RealCluster
-    from tests.e2e.backends import load_into_node
+    from tests.cluster.registry import Registry, deliver
 
     images = build_images()
     cluster = RealCluster.start()
     operator = None
     try:
-        for built in images.values():
-            load_into_node(cluster.node, built)
+        deliver(images, cluster.node, Registry(build_binaries() / "registry"))
         env = {
             **cluster.env(),
             "DPSERVE_WORKER_IMAGE": images["worker"].ref,
@@ -164,20 +165,22 @@ def real_node() -> None:
         }
         operator = _prepare(cluster, env)
         figures = measure(cluster, "eight", 8, replaced_ready=True)
-        replicas = [start_to_ready_s(p) for p in _replica_pods(cluster, "eight")]
+        pods = {p["metadata"]["name"]: p for p in _replica_pods(cluster, "eight")}
+        # The replacement started alone; the other seven started together with it gone.
+        alone = start_to_ready_s(pods.pop(f"eight-replica-{8 // 2}"))
+        together = [start_to_ready_s(p) for p in pods.values()]
         selector = "app.kubernetes.io/instance=eight,app.kubernetes.io/component=router"
         (router,) = _get(cluster, "pods", "-l", selector)["items"]
         router_s = start_to_ready_s(router)
     finally:
         _stop(operator)
         cluster.stop()
-    p50 = statistics.median(replicas)
-    print(f"replica start to Ready (s): {sorted(replicas)}")
+    print(f"start to Ready of the replicas started together (s): {sorted(together)}")
     print(
-        f"ready8_s={figures['ready']:.1f} replica_start_p50_s={p50:.1f} "
-        f"replica_start_max_s={max(replicas):.1f} router_start_s={router_s:.1f} "
-        f"replace_ready_s={figures['replace']:.1f} "
-        f"ready8_over_one_pod={figures['ready'] / max(p50, 1.0):.2f}"
+        f"ready8_s={figures['ready']:.1f} replica_alone_s={alone:.1f} "
+        f"replica_together_p50_s={statistics.median(together):.1f} "
+        f"router_start_s={router_s:.1f} replace_ready_s={figures['replace']:.1f} "
+        f"ready8_over_one_pod={figures['ready'] / max(alone, 1.0):.2f}"
     )
 
 

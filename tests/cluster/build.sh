@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler), etcd, and a node's kubelet and kube-proxy from Go modules, for
-# tests that need a live cluster on a machine without Docker or a container registry.
+# kube-scheduler), etcd, a node's kubelet and kube-proxy, and an image registry (to
+# carry built images to that node) from Go modules, for tests that need a live
+# cluster on a machine without a public container registry.
 #
 #   tests/cluster/build.sh            # builds once (cold: tens of minutes on 2 cores)
 #   BIN=$(tests/cluster/build.sh | tail -n1)
@@ -9,8 +10,10 @@
 # The versions come from the pinned modules beside this script:
 #   k8s/go.mod   k8s.io/kubernetes vX.Y.Z (+ replaces of its staging modules)
 #   etcd/go.mod  go.etcd.io/etcd/server/v3 vA.B.C
+#   registry/go.mod  github.com/distribution/distribution/v3 (its version is not in
+#                the cache path: delete bin/registry to rebuild it after a bump)
 # Binaries go to ${DPSERVE_CACHE:-$HOME/.cache/dpserve}/k8s/<k8s>-etcd<etcd>/bin,
-# outside the repo. When all six exist the script only prints that path. Only the
+# outside the repo. When all seven exist the script only prints that path. Only the
 # missing ones are built: a cache made before the node's two were added keeps its
 # control plane, whose cold build is the slow part. A build happens in a temporary
 # directory beside the destination; each binary is renamed into place when all
@@ -29,7 +32,8 @@ declare -A K8S_PACKAGES=(
     [kubelet]=k8s.io/kubernetes/cmd/kubelet
     [kube-proxy]=k8s.io/kubernetes/cmd/kube-proxy
 )
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd kubelet kube-proxy)
+# registry (distribution's, its own module too) carries built images to the test node.
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd kubelet kube-proxy registry)
 
 # Versions straight from go.mod (no `go` invocation: keeps the warm path fast).
 K8S_VERSION=$(sed -nE 's/^[[:space:]]*(require[[:space:]]+)?k8s\.io\/kubernetes[[:space:]]+(v[0-9][^[:space:]]*).*/\2/p' \
@@ -97,7 +101,7 @@ ETCD_LDFLAGS="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=$ETCD_VERSION"
 start=$SECONDS
 names=() pkgs=()
 for b in "${TODO[@]}"; do
-    [[ $b == etcd ]] || { names+=("$b"); pkgs+=("${K8S_PACKAGES[$b]}"); }
+    [[ $b == etcd || $b == registry ]] || { names+=("$b"); pkgs+=("${K8S_PACKAGES[$b]}"); }
 done
 if [[ ${#pkgs[@]} -gt 0 ]]; then
     echo "build.sh: building Kubernetes $K8S_VERSION ${names[*]} (slow when cold) ..." >&2
@@ -106,6 +110,11 @@ fi
 if [[ " ${TODO[*]} " == *" etcd "* ]]; then
     echo "build.sh: building etcd $ETCD_VERSION ..." >&2
     (cd "$HERE/etcd" && "${GOBUILD[@]}" -ldflags "$ETCD_LDFLAGS" -o "$TMP/bin/etcd" .)
+fi
+if [[ " ${TODO[*]} " == *" registry "* ]]; then
+    echo "build.sh: building the image registry ..." >&2
+    (cd "$HERE/registry" && "${GOBUILD[@]}" -ldflags "-s -w" -o "$TMP/bin/registry" \
+        github.com/distribution/distribution/v3/cmd/registry)
 fi
 for b in "${TODO[@]}"; do
     [[ -x "$TMP/bin/$b" ]] || { echo "build.sh: the build produced no $b" >&2; exit 1; }

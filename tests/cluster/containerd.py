@@ -183,6 +183,15 @@ class Containerd:
                 err.seek(0)
                 raise RuntimeError(f"ctr images import: {err.read().decode(errors='replace')}")
 
+    def pull_image(self, source: str, name: str) -> None:
+        """Pull ``source`` from a plain-HTTP registry and keep it as ``name`` (NAME:TAG).
+
+        Only the blobs the content store lacks are fetched, and only new layers are
+        unpacked: after a code change, the worker image's few small top layers."""
+        self.ctr("images", "pull", "--plain-http", source)
+        self.ctr("images", "tag", "--force", source, normalize_ref(name))
+        self.ctr("images", "rm", source)
+
     def image_id(self, ref: str) -> str | None:
         """The config digest of the image named ``ref`` (what CRI calls the image ID)."""
         listing = self.ctr("images", "ls", f"name=={normalize_ref(ref)}").stdout.splitlines()

@@ -280,6 +280,11 @@ class RealNode:
         assert self.containerd is not None, "the node is not running"
         self.containerd.import_image(archive)
 
+    def pull_image(self, source: str, name: str) -> None:
+        """Image ``source`` from a plain-HTTP registry into CRI's store, as ``name``."""
+        assert self.containerd is not None, "the node is not running"
+        self.containerd.pull_image(source, name)
+
     def image_id(self, ref: str) -> str | None:
         """``sha256:<config digest>`` of image ``ref`` (``name:tag``), None if absent."""
         assert self.containerd is not None, "the node is not running"

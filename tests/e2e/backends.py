@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tests.chart import tools
-from tests.images.build import BuiltImage, docker_save
+from tests.cluster.controlplane import build_binaries
+from tests.cluster.registry import Registry, deliver
+from tests.images.build import BuiltImage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,18 +124,18 @@ def image_values(images: Mapping[str, BuiltImage]) -> list[str]:
 class NodeBackend(_Common):
     """The real control plane with a real node: containerd, runc, CNI, kube-proxy.
 
-    The images are the ones ``make images`` built, imported into the node's containerd
-    when its copy differs (the import is skipped when the config digests match, so a
-    warm run costs nothing). The router is reached as a user reaches it: through the
-    ClusterIP of its Service, which kube-proxy routes on this host.
+    The images are the ones ``make images`` built, carried into the node's containerd
+    through a local registry when its copy differs (tests/cluster/registry.py: only
+    new layers move; nothing at all when the config digests match). The router is
+    reached as a user reaches it: through the ClusterIP of its Service, which
+    kube-proxy routes on this host.
     """
 
     def __init__(self, cluster: Any, images: Mapping[str, BuiltImage]) -> None:
         self.cluster = cluster
         self.kubeconfig = cluster.kubeconfig
         self.images = dict(images)
-        for built in self.images.values():
-            load_into_node(cluster.node, built)
+        deliver(self.images, cluster.node, Registry(build_binaries() / "registry"))
 
     def helm_values(self) -> list[str]:
         return image_values(self.images)
@@ -148,22 +150,6 @@ class NodeBackend(_Common):
 
     def close(self) -> None:
         """The session's real_cluster fixture owns the cluster and stops it."""
-
-
-def load_into_node(node: Any, built: BuiltImage) -> None:
-    """Import one image into the node's containerd unless that very image is there."""
-    if node.image_id(built.ref) == built.image_id:
-        return
-    saved = docker_save(built.ref)
-    assert saved.stdout is not None
-    try:
-        node.import_image(saved.stdout)
-    finally:
-        saved.stdout.close()
-        if saved.wait() != 0:
-            raise RuntimeError(f"docker save {built.ref} failed")
-    if node.image_id(built.ref) != built.image_id:
-        raise RuntimeError(f"{built.ref}: the node holds another image than the one built")
 
 
 class KindBackend(_Common):
