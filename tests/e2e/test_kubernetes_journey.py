@@ -316,6 +316,44 @@ def test_crd_refuses_invalid_specs(k8s: Backend) -> None:
     assert "ulysses * parallelism.ring must equal parallelism.sp" in refused.stderr
 
 
+def test_a_gang_of_two_ranks_serves_from_one_pod(k8s: Backend) -> None:
+    """cfg 2 on the CPU: two ranks in one container, a gloo group over loopback and
+    /dev/shm (a memory emptyDir), under the same locked-down security context; the
+    image is byte-identical to a one-rank replica's for the seed."""
+    pair = {
+        "apiVersion": "dpserve.dev/v1alpha1",
+        "kind": "DiffusionService",
+        "metadata": {"name": "pair", "namespace": NS},
+        "spec": {"model": {"path": "/models/tiny"}, "device": "cpu", "threadsPerRank": 1,
+                 "maxSequenceLength": 77, "replicas": 1, "parallelism": {"cfg": 2}},
+    }  # fmt: skip
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(pair))
+    try:
+        k8s.kubectl("-n", NS, "wait", "--for=condition=Ready", "dsvc/pair", "--timeout=300s")
+        # True CFG: the two branches go one to each rank (docs/worker.md, CFG parallel).
+        body = {**REQUEST, "true_cfg_scale": 4.0, "negative_prompt": "blur"}
+        served = httpx.post(
+            f"{k8s.router_url(NS, 'pair')}/v1/images/generations", json=body, timeout=120
+        )
+        info = httpx.get(f"{k8s.router_url(NS, 'pair')}/health/replicas", timeout=10).json()
+        assert [r["state"] for r in info["replicas"]] == ["serving"]
+        # The journey's one-rank service (keyed since step 10, holding the LoRA since
+        # step 9) makes the same bytes once this one holds the LoRA too.
+        lora = {"lora_nickname": "style", "lora_path": LORA}
+        set_lora = httpx.post(f"{k8s.router_url(NS, 'pair')}/v1/set_lora", json=lora, timeout=120)
+        assert set_lora.status_code == 200, set_lora.text
+        served = httpx.post(
+            f"{k8s.router_url(NS, 'pair')}/v1/images/generations", json=body, timeout=120
+        )
+        alone = httpx.post(
+            f"{k8s.router_url(NS, 'tiny')}/v1/images/generations", json=body, timeout=120,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )  # fmt: skip
+        assert image(served) == image(alone)
+    finally:
+        k8s.kubectl("-n", NS, "delete", "dsvc", "pair", "--wait=false", check=False)
+
+
 def test_more_gpus_than_the_node_has_is_degraded(k8s: Backend) -> None:
     greedy = {
         "apiVersion": "dpserve.dev/v1alpha1",
