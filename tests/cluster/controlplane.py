@@ -37,7 +37,8 @@ def build_binaries() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free this instant."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -140,6 +141,27 @@ def make_pki(pki: Path, api_ips: Sequence[str]) -> None:
     _openssl("rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
 
 
+class OnPlane:
+    """kubeconfig, kubectl and env of a cluster built on one ControlPlane (``plane``)."""
+
+    plane: ControlPlane | None
+
+    @property
+    def kubeconfig(self) -> Path:
+        assert self.plane is not None, "the cluster is not running"
+        return self.plane.kubeconfig
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        assert self.plane is not None, "the cluster is not running"
+        return self.plane.kubectl(*args, check=check, input=input)
+
+    def env(self) -> dict[str, str]:
+        """This process's environment with KUBECONFIG pointing at the cluster."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+
 @dataclass
 class ControlPlane:
     bin: Path
@@ -163,7 +185,7 @@ class ControlPlane:
         return self.root / "admin.kubeconfig"
 
     def start(self) -> ControlPlane:
-        etcd_port, peer_port, self.api_port, kcm_port, sched_port = _free_ports(5)
+        etcd_port, peer_port, self.api_port, kcm_port, sched_port = free_ports(5)
         make_pki(self.pki, [self.api_host, "127.0.0.1"])
         kubelet_args: list[str] = []
         if self.kubelet_client:

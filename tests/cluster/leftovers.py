@@ -60,6 +60,15 @@ def _kill_shims(state: Path) -> None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if b"containerd-shim" in cmdline[0] and pidfile.parent.name.encode() in cmdline:
                 os.kill(pid, signal.SIGKILL)
+    # A shim whose task directory containerd already removed but which did not exit
+    # (seen after a stop while pods were still being deleted): by the address it was
+    # started with, this node's socket.
+    socket = str(state.parent / "containerd.sock").encode()
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"containerd-shim" in cmdline[0] and socket in cmdline:
+                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def clean_host(run_dir: Path, bin: Path) -> None:

@@ -14,20 +14,18 @@ a test may fill it after the cluster is up, e.g.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from subprocess import CompletedProcess
 from typing import Any
 
-from tests.cluster.controlplane import ControlPlane, build_binaries
+from tests.cluster.controlplane import ControlPlane, OnPlane, build_binaries
 from tests.cluster.kubelet import TestKubelet
 from tests.cluster.network import TestNetwork
 
 
 @dataclass
-class LocalCluster:
+class LocalCluster(OnPlane):
     network: TestNetwork
     plane: ControlPlane | None = None
     kubelet: TestKubelet | None = None
@@ -56,21 +54,6 @@ class LocalCluster:
 
     def image_mounts(self, image: str) -> dict[str, str]:
         return {**self.images.get("*", {}), **self.images.get(image, {})}
-
-    @property
-    def kubeconfig(self) -> Path:
-        assert self.plane is not None
-        return self.plane.kubeconfig
-
-    def kubectl(
-        self, *args: str, check: bool = True, input: str | None = None
-    ) -> CompletedProcess[str]:
-        assert self.plane is not None
-        return self.plane.kubectl(*args, check=check, input=input)
-
-    def env(self) -> dict[str, str]:
-        """This process's environment with KUBECONFIG pointing at the cluster."""
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
 
     def stop(self) -> None:
         try:

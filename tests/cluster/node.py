@@ -33,7 +33,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -43,7 +42,7 @@ from typing import IO, Any
 
 from tests.cluster import cni, hoststate
 from tests.cluster.containerd import Containerd
-from tests.cluster.controlplane import ControlPlane
+from tests.cluster.controlplane import ControlPlane, free_ports
 from tests.cluster.daemon import Daemon
 from tests.cluster.images import PAUSE_REF, pause_image
 from tests.cluster.leftovers import clean_host, clean_leftovers, cni_teardown
@@ -56,17 +55,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 class NodeError(RuntimeError):
     pass
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -167,7 +155,7 @@ class RealNode:
 
     def _start_kubelet(self) -> None:
         assert self.containerd is not None
-        port, healthz = _free_ports(2)
+        port, healthz = free_ports(2)
         config = self.run_dir / "kubelet.yaml"
         config.write_text(
             json.dumps(
@@ -199,7 +187,7 @@ class RealNode:
         )
 
     def _start_kube_proxy(self, timeout_s: float) -> None:
-        healthz, metrics = _free_ports(2)
+        healthz, metrics = free_ports(2)
         kubeconfig = self.plane.client_kubeconfig("kube-proxy", "/CN=system:kube-proxy")
         config = self.run_dir / "kube-proxy.yaml"
         config.write_text(

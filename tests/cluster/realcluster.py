@@ -15,10 +15,9 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from subprocess import CompletedProcess
 
 from tests.cluster import hoststate
-from tests.cluster.controlplane import ControlPlane, build_binaries
+from tests.cluster.controlplane import ControlPlane, OnPlane, build_binaries
 from tests.cluster.daemon import kill_recorded, record
 from tests.cluster.leftovers import fixed_path_leftovers
 from tests.cluster.network import TestNetwork
@@ -63,7 +62,7 @@ def install_node_deps() -> None:
 
 
 @dataclass
-class RealCluster:
+class RealCluster(OnPlane):
     network: TestNetwork
     plane: ControlPlane | None = None
     _node: RealNode | None = field(default=None, repr=False)
@@ -106,21 +105,6 @@ class RealCluster:
     def node(self) -> RealNode:
         assert self._node is not None, "the cluster is not running"
         return self._node
-
-    @property
-    def kubeconfig(self) -> Path:
-        assert self.plane is not None
-        return self.plane.kubeconfig
-
-    def kubectl(
-        self, *args: str, check: bool = True, input: str | None = None
-    ) -> CompletedProcess[str]:
-        assert self.plane is not None
-        return self.plane.kubectl(*args, check=check, input=input)
-
-    def env(self) -> dict[str, str]:
-        """This process's environment with KUBECONFIG pointing at the cluster."""
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
 
     def stop(self) -> None:
         try:

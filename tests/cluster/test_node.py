@@ -275,9 +275,15 @@ def test_host_and_pods_reach_a_pod_through_its_service(cluster: RealCluster) -> 
                 raise
             time.sleep(0.2)
     assert response.text == "hello-from-web\n"
-    # The pod reaches itself through its own Service (hairpin, masquerade).
-    got = cluster.kubectl("exec", "web", "--", "timeout", "5", "wget", "-q", "-O-", f"http://{ip}/")
-    assert got.stdout == "hello-from-web\n"
+    # The pod reaches itself through its own Service (hairpin, masquerade). Retried like
+    # the host's request: once in a few runs the first try right after Ready got nothing.
+    fetch = ("exec", "web", "--", "timeout", "5", "wget", "-q", "-O-", f"http://{ip}/")
+    for _ in range(5):
+        got = cluster.kubectl(*fetch, check=False)
+        if got.stdout == "hello-from-web\n":
+            break
+        time.sleep(1)
+    assert got.stdout == "hello-from-web\n", got.stderr
 
 
 @cluster_test
