@@ -74,6 +74,8 @@ RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
 # The operator: kopf and the Kubernetes client. The chart runs it with a read-only root
 # filesystem and an emptyDir at /tmp.
 FROM operator-deps AS operator
+# Which dpserve image this is: `make images` prunes only its own old builds by it.
+LABEL dev.dpserve.image=operator
 RUN --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
     --mount=type=bind,from=wheel,source=/wheels,target=/run/wheels \
     sh /run/pip-run.sh /opt/venv/bin/pip install --no-deps --no-cache-dir /run/wheels/dpserve-*.whl
@@ -92,6 +94,7 @@ RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
 
 # The router: FastAPI, uvicorn and the Kubernetes client (EndpointSlice discovery).
 FROM router-deps AS router
+LABEL dev.dpserve.image=router
 RUN --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
     --mount=type=bind,from=wheel,source=/wheels,target=/run/wheels \
     sh /run/pip-run.sh /opt/venv/bin/pip install --no-deps --no-cache-dir /run/wheels/dpserve-*.whl
@@ -146,6 +149,7 @@ RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
 
 # The worker: one replica (a gang of ranks) per pod, started by the operator.
 FROM worker-deps AS worker
+LABEL dev.dpserve.image=worker
 RUN --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
     --mount=type=bind,from=wheel,source=/wheels,target=/run/wheels \
     sh /run/pip-run.sh /opt/venv/bin/pip install --no-deps --no-cache-dir /run/wheels/dpserve-*.whl

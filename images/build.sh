@@ -17,8 +17,9 @@
 # - torch: from the PyTorch CPU index when it answers; else TORCH_INDEX_URL is empty
 #   (pip's configured index, whose torch is the larger CUDA build). TORCH_INDEX_URL in
 #   the environment, even empty, is passed as it is.
-# - Afterwards dangling images (the previous build of a tag) are pruned, so repeated
-#   builds do not fill the disk; BuildKit's cache is capped by engine.sh's config.
+# - Afterwards our dangling images (a tag's previous build; by the dev.dpserve.image
+#   label, so nobody else's) are pruned, so repeated builds do not fill the disk;
+#   BuildKit's cache is capped by engine.sh's config.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -72,7 +73,8 @@ for target in "${TARGETS[@]}"; do
         "${args[@]}" "${secrets[@]}" "$ROOT" >&2
 done
 
-"$DOCKER" image prune --force >/dev/null
+# Only this project's images (their label), never other dangling images on the machine.
+"$DOCKER" image prune --force --filter label=dev.dpserve.image >/dev/null
 log "done in $((SECONDS - started)) s"
 for target in "${TARGETS[@]}"; do
     ref="dpserve-$target:$VERSION"
