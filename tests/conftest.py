@@ -87,9 +87,10 @@ def local_cluster() -> Iterator[LocalCluster]:
 def real_cluster() -> Iterator[RealCluster]:
     """A real control plane and a real node: kubelet, containerd + runc + CNI, kube-proxy.
 
-    Pods run from images imported with ``real_cluster.node.import_image``, with
-    10.245.0.x addresses; Services have cluster IPs (kube-proxy). Needs root; skipped
-    where ``real_node_unavailable()`` says why not. Teardown checks nothing is left.
+    Pods run from images the node holds (``tests/cluster/registry.py`` delivers the
+    built ones), with 10.245.0.x addresses; Services have cluster IPs (kube-proxy).
+    Needs root; skipped where ``real_node_unavailable()`` says why not. Teardown
+    checks nothing is left.
     """
     from tests.cluster.realcluster import RealCluster, leftovers, real_node_unavailable
 

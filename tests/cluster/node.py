@@ -17,7 +17,7 @@ Everything the node writes lives in one fixed run directory (``RUN_DIR``): the
 kubelet's root and pod logs, containerd's socket and state, pid files. Fixed, so a
 start after a killed run finds its leftovers (processes by pid file, containers
 through containerd, mounts, cgroups, iptables chains) and removes them; one node at
-a time (a lock). Only containerd's root, with the imported images, stays between
+a time (a lock). Only containerd's root, with the images it holds, stays between
 runs, in the cache.
 
 What this machine (a Firecracker VM, kernel 6.x, cgroup v1 hybrid) allows, as

@@ -1,9 +1,9 @@
-"""The dpserve images for tests: built by ``images/build.sh``, described, and exported.
+"""The dpserve images for tests: built by ``images/build.sh`` and described.
 
     reason = images_unavailable()      # None where they can be built here
     built = build_images()             # {"operator": BuiltImage(...), "router": ..., "worker": ...}
-    with docker_save(built["worker"].ref) as save:   # a docker-archive tar on save.stdout
-        ...
+
+The real node receives them through a local registry (tests/cluster/registry.py).
 
 A build with nothing changed is cached by BuildKit and takes about a second, so every
 caller may call ``build_images()``; the first one on a fresh machine takes minutes
@@ -72,12 +72,6 @@ def build_images() -> dict[str, BuiltImage]:
     if missing:
         raise RuntimeError(f"images/build.sh did not report {sorted(missing)}: {done.stdout!r}")
     return built
-
-
-def docker_save(ref: str) -> subprocess.Popen[bytes]:
-    """``docker save ref`` streaming the image's docker-archive tar on ``stdout`` (e.g.
-    into ``ctr images import -``). The caller reads it to the end and waits."""
-    return subprocess.Popen([DOCKER, "save", ref], stdout=subprocess.PIPE)
 
 
 def _all_present() -> bool:
