@@ -31,6 +31,9 @@ REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING, SESSION, CANCEL})
 # Message kinds, reply side.
 RESULT: Final = "result"
 ERROR: Final = "error"
+# An interim reply to a generation that asked for previews (partial_images > 0):
+# any number come before its one final result or error, under the same id.
+PARTIAL: Final = "partial"
 
 # Error codes and the HTTP status a front end should map them to.
 INVALID_REQUEST: Final = "invalid_request"
@@ -74,6 +77,12 @@ CONTROL_OPS: Final = MUTATING_OPS | READ_ONLY_OPS
 MAX_SEED: Final = 2**63 - 1
 MAX_PROMPT_CHARS: Final = 10_000
 OUTPUT_FORMATS: Final = ("png", "jpeg", "webp")
+COMPRESSIBLE_FORMATS: Final = ("jpeg", "webp")  # output_compression applies to these
+MAX_PARTIAL_IMAGES: Final = 3  # OpenAI's bound on previews per image
+# Edits: the images (and mask) a request may upload, each checked before it queues.
+MAX_EDIT_IMAGES: Final = 16
+MAX_EDIT_IMAGE_BYTES: Final = 8 << 20  # per file, like a realtime session's first frame
+MAX_EDIT_PIXELS: Final = 4096 * 4096  # per image; read from its header before decoding
 _MSGPACK_EMPTY_MAP: Final = b"\x80"
 # Frame size caps (zmq.MAXMSGSIZE, per frame): a peer that sends a bigger frame is
 # disconnected by libzmq before the frame is buffered whole. A request's biggest
@@ -152,6 +161,20 @@ class Message:
 # ---------------------------------------------------------------- generation
 
 
+class EditInput(msgspec.Struct, frozen=True, kw_only=True):
+    """An edit's inputs: indexes of the message's blobs (encoded image files).
+
+    With a mask, the model's inpainting pipeline repaints where the mask is white;
+    without, its image-to-image (or edit) pipeline starts from the images.
+    ``strength`` (0, 1]: how far from the input the result may go (None: the
+    pipeline's default).
+    """
+
+    images: list[int]
+    mask: int | None = None
+    strength: float | None = None
+
+
 class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     """A validated generation request; ``None`` means "the model's default"."""
 
@@ -165,6 +188,29 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     true_cfg_scale: float | None = None
     seed: list[int] | None = None
     output_format: str = "png"
+    # jpeg/webp quality, 0-100 (OpenAI's name); None: the format's fixed default.
+    output_compression: int | None = None
+    # Previews per image, sent as PARTIAL replies at evenly spread denoising steps.
+    partial_images: int = 0
+    edit: EditInput | None = None
+
+
+class PartialImage(msgspec.Struct, frozen=True, kw_only=True):
+    """Body of a PARTIAL reply: one preview, decoded from the current prediction.
+
+    ``image`` is the image's place in the request (0..n-1), ``index`` the preview's
+    number for that image (0..partial_images-1), taken after denoising step
+    ``step`` of ``steps``; the encoded preview is blob ``blob``.
+    """
+
+    image: int
+    index: int
+    step: int
+    steps: int
+    blob: int
+    format: str
+    width: int
+    height: int
 
 
 class ImageMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,9 +225,10 @@ class ImageMeta(msgspec.Struct, frozen=True, kw_only=True):
 class GenerateResult(msgspec.Struct, kw_only=True):
     images: list[ImageMeta]
     replica: int
-    inference_time_s: float
+    inference_time_s: float  # the pipeline, without encoding
     queue_time_s: float
     peak_memory_mb: float
+    encode_time_s: float = 0.0  # encoding every image to its format
 
 
 @dataclass(frozen=True)
@@ -347,22 +394,27 @@ _GENERATE_FIELDS: Final = frozenset(
         "true_cfg_scale",
         "seed",
         "output_format",
+        "output_compression",
+        "partial_images",
     }
 )
 
 
 def parse_generate(
-    body: Any, limits: Limits, ignore: frozenset[str] = frozenset()
+    body: Any, limits: Limits, ignore: frozenset[str] = frozenset(), blobs: int | None = None
 ) -> GenerateParams:
     """Validate a generation body; raise :class:`RequestError` naming every bad field.
 
     ``ignore`` lists extra fields a front end accepts and handles itself (for
-    example the OpenAI ``model`` or ``response_format`` fields).
+    example the OpenAI ``model`` or ``response_format`` fields). ``blobs`` is the
+    number of binary frames that came with the body: only then may it hold an
+    ``edit`` naming them (a JSON body from a client never does).
     """
     if not isinstance(body, Mapping):
         raise RequestError(INVALID_REQUEST, "the request body must be an object")
     check = FieldChecker(body)
-    unknown = sorted(str(k) for k in body if k not in _GENERATE_FIELDS | ignore)
+    known = _GENERATE_FIELDS | ignore | ({"edit"} if blobs is not None else set())
+    unknown = sorted(str(k) for k in body if k not in known)
     for key in unknown:
         check.bad(key, "is not a known field")
     prompt = check.text("prompt", required=True)
@@ -376,6 +428,11 @@ def parse_generate(
     fmt = body.get("output_format", "png")
     if fmt not in OUTPUT_FORMATS:
         check.bad("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {fmt!r}")
+    compression = check.integer("output_compression", 0, 100)
+    if compression is not None and fmt in OUTPUT_FORMATS and fmt not in COMPRESSIBLE_FORMATS:
+        check.bad("output_compression", f"applies to jpeg and webp only, not {fmt}")
+    partials = check.integer("partial_images", 0, MAX_PARTIAL_IMAGES)
+    edit = _parse_edit(check, blobs) if blobs is not None else None
     if check.errors:
         raise invalid_fields(check.errors)
     assert prompt is not None  # a missing prompt was recorded as an error above
@@ -390,7 +447,31 @@ def parse_generate(
         true_cfg_scale=true_cfg,
         seed=seeds,
         output_format=fmt,
+        output_compression=compression,
+        partial_images=partials or 0,
+        edit=edit,
     )
+
+
+def _parse_edit(check: FieldChecker, blobs: int) -> EditInput | None:
+    raw = check.body.get("edit")
+    if raw is None:
+        return None
+    try:
+        edit = msgspec.convert(raw, EditInput)
+    except msgspec.ValidationError as exc:
+        check.bad("edit", f"is malformed: {exc}")
+        return None
+    named = [*edit.images, *([edit.mask] if edit.mask is not None else [])]
+    if not 1 <= len(edit.images) <= MAX_EDIT_IMAGES:
+        check.bad("image", f"must be 1 to {MAX_EDIT_IMAGES} images, got {len(edit.images)}")
+    elif any(not 0 <= i < blobs for i in named) or len(set(named)) != len(named):
+        check.bad("edit", f"must name distinct blobs of the message's {blobs}")
+    elif edit.strength is not None and not 0.0 < edit.strength <= 1.0:
+        check.bad("strength", f"must be in (0, 1], got {edit.strength:g}")
+    else:
+        return edit
+    return None
 
 
 def fill_seeds(params: GenerateParams) -> GenerateParams:
@@ -414,9 +495,26 @@ class CancelRequest(msgspec.Struct, kw_only=True):
 
     Never answered itself; the named request, if still queued or running, is answered
     ``cancelled`` (queued: at once; running: at its next denoising step).
+
+    With ``any_client`` the request is looked for among every client's (a router
+    cancelling, by id, a request another router admitted), and the cancel is
+    answered with a :class:`CancelResult`.
     """
 
     request_id: str
+    any_client: bool = False
+
+
+CANCEL_QUEUED: Final = "queued"
+CANCEL_RUNNING: Final = "running"
+CANCEL_NOT_FOUND: Final = "not_found"
+
+
+class CancelResult(msgspec.Struct, kw_only=True):
+    """Answer to an ``any_client`` cancel: where the request was (CANCEL_*)."""
+
+    request_id: str
+    found: str
 
 
 # ---------------------------------------------------------------- control and ping
