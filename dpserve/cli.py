@@ -49,6 +49,12 @@ def _add_router_args(r: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--max-body", type=positive, default=1 << 20, help="body bytes, then 413")
     r.add_argument(
+        "--max-upload-bytes",
+        type=positive,
+        default=64 << 20,
+        help="an edit's multipart body (images and mask), then 413",
+    )
+    r.add_argument(
         "--body-timeout", type=seconds, default=30.0, help="seconds to receive a body, then 408"
     )
     keys = "Bearer key for %s routes (repeatable; visible in ps: prefer the file)"
@@ -178,6 +184,7 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
         admin_keys=(*args.admin_key, *(k for keys in args.admin_key_file for k in keys)),
         body_timeout_s=args.body_timeout,
         max_body_bytes=args.max_body,
+        max_upload_bytes=args.max_upload_bytes,
         max_connections=args.max_connections,
         backlog=args.backlog,
         output_max_files=args.output_max_files,

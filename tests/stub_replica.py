@@ -2,8 +2,12 @@
 
 It holds a control state the way a worker does (dpserve.control_state: documents
 ordered by version, whole states applied, refusals for older documents) and
-answers pings, model_info, control ops and generations with a fixed PNG. What it
-leaves out is the model: tests that need pixels or gangs use real workers.
+answers pings, model_info (with features), control ops, and generations and edits:
+a fixed PNG per image (an edit echoes its first upload), after ``partial_images``
+previews per image (PARTIAL replies), a step at a time (``step_s``) so tests can
+cancel mid-way; cancels (its own clients', and any client's) are answered as a
+driver does. What it leaves out is the model: tests that need pixels or gangs use
+real workers.
 """
 
 from __future__ import annotations
@@ -46,6 +50,20 @@ class StubReplica:
     late_ping_s: float = 1.0
     checksum_s: float = 0.0  # how long get_weights_checksum takes (it hashes the model)
     key: WireKey | None = None  # a CURVE server of this key, as a driver given one
+    step_s: float = 0.0  # per denoising step (steps: the request's, default 4)
+    features: dict[str, Any] = field(
+        default_factory=lambda: {
+            "edits": True,
+            "inpainting": True,
+            "max_edit_images": p.MAX_EDIT_IMAGES,
+            "partial_images": p.MAX_PARTIAL_IMAGES,
+            "output_formats": list(p.OUTPUT_FORMATS),
+            "output_compression": True,
+            "max_n": 10,
+        }
+    )
+    received: list[tuple[p.GenerateParams, int]] = field(default_factory=list)  # and blobs
+    cancelled: list[str] = field(default_factory=list)  # request ids it dropped
 
     def __post_init__(self) -> None:
         # A gatekeeper is one per context: a secured stub has a context of its own.
@@ -55,6 +73,7 @@ class StubReplica:
         self.sock = bind_router(ctx, "tcp://127.0.0.1:0", key=self.key)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._generating: set[asyncio.Task[None]] = set()
+        self._work: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # generations by sender
         self._task = asyncio.create_task(self._serve())
         self._png = _png()
 
@@ -93,9 +112,13 @@ class StubReplica:
                     task.add_done_callback(self._generating.discard)
                     continue
             if message.kind == p.GENERATE:
+                key = (identity, message.id)
                 task = asyncio.create_task(self._generate(identity, message))
-                self._generating.add(task)
-                task.add_done_callback(self._generating.discard)
+                self._work[key] = task
+                task.add_done_callback(lambda _, key=key: self._work.pop(key, None))
+                continue
+            if message.kind == p.CANCEL:
+                await self._cancel(identity, message)
                 continue
             try:
                 reply = self._answer(message)
@@ -113,22 +136,68 @@ class StubReplica:
         reply = p.ControlResult(op="get_weights_checksum", replica=self.replica, result=result)
         await self.sock.send_multipart([identity, *p.encode(p.RESULT, message.id, reply)])
 
+    async def _cancel(self, identity: bytes, message: p.Message) -> None:
+        request: p.CancelRequest = message.body_as(p.CancelRequest)
+        keys = [
+            k
+            for k in self._work
+            if k[1] == request.request_id and (request.any_client or k[0] == identity)
+        ]
+        for key in keys:
+            self._work.pop(key).cancel()
+            self.cancelled.append(request.request_id)
+            error = p.RequestError(p.CANCELLED, "cancelled by its client")
+            await self.sock.send_multipart([key[0], *p.encode_error(key[1], error)])
+        if request.any_client:
+            found = p.CANCEL_RUNNING if keys else p.CANCEL_NOT_FOUND
+            answer = p.CancelResult(request_id=request.request_id, found=found)
+            await self.sock.send_multipart([identity, *p.encode(p.RESULT, message.id, answer)])
+
     async def _generate(self, identity: bytes, message: p.Message) -> None:
+        try:
+            params = p.parse_generate(message.body_as(dict), p.Limits(), blobs=len(message.blobs))
+        except p.RequestError as exc:
+            await self.sock.send_multipart([identity, *p.encode_error(message.id, exc)])
+            return
+        self.received.append((params, len(message.blobs)))
         await asyncio.sleep(self.generate_s)
+        steps = params.num_inference_steps or 4
+        width, height = params.width or 16, params.height or 16
+        shown = 0
+        for step in range(1, steps + 1):
+            await asyncio.sleep(self.step_s)
+            # previews at evenly spread steps, as a worker takes them
+            while shown < params.partial_images and step >= (shown + 1) * steps / (
+                params.partial_images + 1
+            ):
+                for image in range(params.n):
+                    preview = p.PartialImage(
+                        image=image, index=shown, step=step, steps=steps, blob=0,
+                        format=params.output_format, width=width, height=height,
+                    )  # fmt: skip
+                    frames = p.encode(p.PARTIAL, message.id, preview, [self._png])
+                    await self.sock.send_multipart([identity, *frames])
+                shown += 1
         if self.stopped.is_set():
             return
         self.generated += 1
-        meta = p.ImageMeta(index=0, blob=0, seed=1, format="png", width=16, height=16)
+        edit = params.edit
+        out = [message.blobs[edit.images[0]] if edit else self._png] * params.n
+        seeds = params.seed or [1 + i for i in range(params.n)]
+        fmt = params.output_format
+        metas = [
+            p.ImageMeta(index=i, blob=i, seed=s, format=fmt, width=width, height=height)
+            for i, s in enumerate(seeds)
+        ]
         result = p.GenerateResult(
-            images=[meta],
+            images=metas,
             replica=self.replica,
-            inference_time_s=self.generate_s,
+            inference_time_s=self.generate_s + steps * self.step_s,
             queue_time_s=0.0,
             peak_memory_mb=0.0,
+            encode_time_s=0.001,
         )
-        await self.sock.send_multipart(
-            [identity, *p.encode(p.RESULT, message.id, result, [self._png])]
-        )
+        await self.sock.send_multipart([identity, *p.encode(p.RESULT, message.id, result, out)])
 
     def _answer(self, message: p.Message) -> list[bytes]:
         if message.kind == p.PING:
@@ -155,7 +224,8 @@ class StubReplica:
 
     def _control(self, request: p.ControlRequest) -> dict[str, Any]:
         if request.op == "model_info":
-            return {"model_path": "/stub", "size_factor": 16, "parallel": {"sp": 1}}
+            info = {"model_path": "/stub", "size_factor": 16, "parallel": {"sp": 1}}
+            return {**info, "features": self.features}
         if request.op == "list_loras":
             return {"loaded": sorted(self.held.state.loras)}
         if request.state is None:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -45,6 +46,9 @@ class ReplicaConnection:
         self._refused = False  # the last handshake failed (logged once, until one succeeds)
         self._dropped = False  # between a drop and the next handshake: sends would be lost
         self._pending: dict[str, asyncio.Future[p.Message]] = {}
+        # PARTIAL replies go to their request's handler, which must not block (the
+        # reader serves every request on this connection).
+        self._partials: dict[str, Callable[[p.Message], None]] = {}
         self._tasks = [
             asyncio.create_task(self._read(), name=f"reader {endpoint}"),
             asyncio.create_task(self._watch(), name=f"monitor {endpoint}"),
@@ -63,18 +67,23 @@ class ReplicaConnection:
         *,
         request_id: str | None = None,
         deadline_s: float | None = None,
+        on_partial: Callable[[p.Message], None] | None = None,
     ) -> p.Message:
         """Send one request and wait for its reply; an ``error`` reply raises RequestError.
 
         ``deadline_s`` is the time the replica is given (sent as the header's
         ``timeout_ms``; a generation past it is dropped there). A generation this
         call stops waiting for (timed out, abandoned, or the caller cancelled) is
-        cancelled on the replica, so it does not render for nobody.
+        cancelled on the replica, so it does not render for nobody. ``on_partial`` is
+        called, from the reader, with each PARTIAL reply before the final one: it must
+        return at once (hand the message to a queue).
         """
         request_id = request_id or uuid.uuid4().hex
         timeout_ms = None if deadline_s is None else max(0, int(deadline_s * 1000))
         future: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
+        if on_partial is not None:
+            self._partials[request_id] = on_partial
         try:
             try:
                 if self._dropped:
@@ -94,9 +103,19 @@ class ReplicaConnection:
             raise
         finally:
             self._pending.pop(request_id, None)
+            self._partials.pop(request_id, None)
         if reply.kind == p.ERROR:
             raise p.decode_error(reply)
         return reply
+
+    async def cancel_any(self, request_id: str, timeout_s: float) -> p.CancelResult:
+        """Cancel ``request_id`` whoever sent it (another router, say); the replica
+        answers where it found it (``p.CANCEL_*``)."""
+        reply = await self.request(
+            p.CANCEL, p.CancelRequest(request_id=request_id, any_client=True), timeout_s
+        )
+        result: p.CancelResult = reply.body_as(p.CancelResult)
+        return result
 
     def cancel(self, request_id: str) -> None:
         """Tell the replica nobody waits for generation ``request_id`` any more.
@@ -130,6 +149,14 @@ class ReplicaConnection:
                     message = p.decode(frames)
                 except p.ProtocolError as exc:
                     log.warning("dropping an unreadable reply from %s: %s", self.endpoint, exc)
+                    continue
+                if message.kind == p.PARTIAL:
+                    handler = self._partials.get(message.id)
+                    if handler is not None:
+                        try:
+                            handler(message)
+                        except Exception:  # one request's handler must not end the reader
+                            log.exception("partial handler of %s failed", message.id)
                     continue
                 future = self._pending.get(message.id)
                 if future is not None and not future.done():

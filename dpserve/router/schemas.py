@@ -1,10 +1,11 @@
-"""The request bodies each route takes, declared for /docs and /openapi.json.
+"""The request bodies (and answers) each route has, declared for /docs and /openapi.json.
 
 These models only document: the routes keep their own parsing
-(``parse_image_request``, the control state's checks), which names every bad
-field in a 400, so FastAPI validates nothing here (no 422s). Each model mirrors
-what its parser accepts: unknown fields are a 400 for generation and ignored by
-control ops, as declared (tests/unit/test_router_security.py compares the fields).
+(``parse_image_request``, the edit form's, the control state's checks), which names
+every bad field in a 400, so FastAPI validates nothing here (no 422s). Each model
+mirrors what its parser accepts: unknown fields are a 400 for generation and edits
+and ignored by control ops, as declared (tests/unit/test_router_security.py and
+tests/unit/test_router_images_edits.py compare the fields).
 """
 
 from __future__ import annotations
@@ -39,13 +40,121 @@ class ImageGenerationRequest(BaseModel):
         None, description="one seed (image i gets seed + i) or one per image", ge=0, le=p.MAX_SEED
     )
     output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="jpeg/webp quality (0-100); not for png"
+    )
     response_format: Literal["b64_json", "url"] = Field(
-        "b64_json", description="url needs the router's --output-dir"
+        "b64_json", description="url needs the router's --output-dir; not with stream"
+    )
+    stream: bool = Field(False, description="answer Server-Sent Events (OpenAI's image events)")
+    partial_images: int = Field(
+        0, ge=0, le=p.MAX_PARTIAL_IMAGES, description="previews per image, with stream"
     )
     model: str | None = Field(None, description="accepted and ignored (one model per service)")
     user: str | None = None
     quality: str | None = None
     style: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    safety_identifier: str | None = None
+
+
+class ImageEditForm(BaseModel):
+    """OpenAI's edit form (multipart/form-data) with SGLang's extra fields; numbers are
+    form text. ``image`` or ``image[]`` (the openai client's name for a list): one or
+    more image files; ``mask`` repaints where it is white (its size is the image's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: list[bytes] | None = Field(None, description=f"1-{p.MAX_EDIT_IMAGES} image files")
+    image_list: list[bytes] | None = Field(None, alias="image[]", description="same as image")
+    mask: bytes | None = None
+    prompt: str = Field(max_length=p.MAX_PROMPT_CHARS)
+    negative_prompt: str | None = Field(None, max_length=p.MAX_PROMPT_CHARS)
+    n: int = Field(1, ge=1, le=p.Limits.max_n)
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" or "auto"')
+    width: int | None = None
+    height: int | None = None
+    strength: float | None = Field(None, gt=0, le=1, description="how far from the input")
+    num_inference_steps: int | None = Field(None, ge=1, le=p.Limits.max_steps)
+    guidance_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
+    true_cfg_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
+    seed: int | None = Field(None, ge=0, le=p.MAX_SEED, description="image i gets seed + i")
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    stream: bool = False
+    partial_images: int = Field(0, ge=0, le=p.MAX_PARTIAL_IMAGES)
+    model: str | None = Field(None, description="accepted and ignored")
+    user: str | None = None
+    quality: str | None = None
+    style: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    safety_identifier: str | None = None
+    input_fidelity: str | None = None
+
+
+# ---------------------------------------------------------------- answers
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    seed: int
+
+
+class ImagesResponse(BaseModel):
+    """A generation's or an edit's answer (without stream)."""
+
+    id: str = Field(description="the request's id (also the X-Request-Id header)")
+    created: int
+    data: list[ImageData]
+    output_format: str
+    size: str = Field(description='"WIDTHxHEIGHT"')
+    inference_time_s: float = Field(description="the pipeline, without encoding")
+    encode_time_s: float
+    queue_time_s: float
+    peak_memory_mb: float
+
+
+class CancelResponse(BaseModel):
+    id: str
+    object: Literal["image.cancel"] = "image.cancel"
+    status: Literal["cancelled"] = "cancelled"
+    stage: Literal["queued_in_router", "at_replica", "queued_at_replica", "running_at_replica"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    id: str | None = None
+    error: ErrorDetail
+
+
+STREAM_DOC: Final = (
+    "With stream: text/event-stream of `image_generation.partial_image` (or "
+    "`image_edit.partial_image`) events, one `*.completed` event per image, or an `error` event"
+)
+
+
+def image_responses() -> dict[int | str, dict[str, Any]]:
+    """``responses`` for an image route: JSON, or a stream of events."""
+    return {
+        200: {
+            "model": ImagesResponse,
+            "description": STREAM_DOC,
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        400: {"model": ErrorResponse, "description": "a bad field, named"},
+        409: {"model": ErrorResponse, "description": "the X-Request-Id is in flight"},
+        499: {"model": ErrorResponse, "description": "cancelled"},
+    }
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -77,11 +186,13 @@ class ChecksumRequest(BaseModel):
     modules: Names | None = Field(None, description="default: every module")
 
 
-def request_body(model: type[BaseModel], required: bool) -> dict[str, Any]:
-    """``openapi_extra`` declaring ``model`` as the JSON request body."""
-    schema = model.model_json_schema()
+def request_body(
+    model: type[BaseModel], required: bool, media_type: str = "application/json"
+) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``model`` as the request body."""
+    schema = model.model_json_schema(by_alias=True)
     assert "$defs" not in schema, "keep request models flat: openapi_extra holds no $defs"
-    content = {"application/json": {"schema": schema}}
+    content = {media_type: {"schema": schema}}
     return {"requestBody": {"required": required, "content": content}}
 
 

@@ -8,8 +8,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from dpserve import protocol as p
 from dpserve.control_state import reduce
@@ -32,6 +33,13 @@ HEAVY_READS = frozenset({"get_weights_checksum"})
 HEAVY_READ_WAITERS = 8
 
 
+class Stage(Protocol):
+    """Told where the request is (dpserve/router/registry.py's InFlight)."""
+
+    def queued(self) -> None: ...
+    def at_replica(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Generated:
     result: p.GenerateResult
@@ -46,13 +54,24 @@ class RouterService:
 
     # ------------------------------------------------------------ generation
 
-    async def generate(self, params: p.GenerateParams) -> Generated:
+    async def generate(
+        self,
+        params: p.GenerateParams,
+        request_id: str | None = None,
+        blobs: list[bytes] | None = None,
+        on_partial: Callable[[p.Message], None] | None = None,
+        stage: Stage | None = None,
+    ) -> Generated:
         """Serve on a replica; if it fails before replying, once more on another.
 
         The seeds are fixed before the first try, so a retry returns the bytes the
         first replica would have. The request timeout is one deadline for the whole
         request, waits and retry included; each replica is told the time left.
+        ``request_id`` names it on the wire, the retry included (a cancel by id finds
+        it); ``blobs`` go with it (an edit's uploads); ``on_partial`` gets its
+        previews (a retry's come again from the start).
         """
+        request_id = request_id or uuid.uuid4().hex
         params = p.fill_seeds(params)
         timeout_s = self.pool.settings.request_timeout_s
         deadline = time.monotonic() + timeout_s
@@ -61,13 +80,18 @@ class RouterService:
         for _ in range(2):
             if tried and deadline - time.monotonic() <= 0:
                 break
+            if stage is not None:
+                stage.queued()
             replica = await self.pool.acquire(tried, max(0.0, deadline - time.monotonic()))
             tried.add(replica.endpoint)
+            if stage is not None:
+                stage.at_replica()
             # The call owns the slot until the replica answers, even if our caller
             # (a client that went away) stops waiting for it: then the replica is told
             # to cancel, answers at its next denoising step, and the slot is free.
-            request_id = uuid.uuid4().hex
-            call = asyncio.create_task(self._call(replica, params, request_id, deadline))
+            call = asyncio.create_task(
+                self._call(replica, params, request_id, deadline, blobs, on_partial)
+            )
             call.add_done_callback(retrieve)
             try:
                 return await asyncio.shield(call)
@@ -92,7 +116,13 @@ class RouterService:
         raise p.RequestError(p.UNAVAILABLE, f"no replica could serve the request: {last}")
 
     async def _call(
-        self, replica: Replica, params: p.GenerateParams, request_id: str, deadline: float
+        self,
+        replica: Replica,
+        params: p.GenerateParams,
+        request_id: str,
+        deadline: float,
+        blobs: list[bytes] | None,
+        on_partial: Callable[[p.Message], None] | None,
     ) -> Generated:
         try:
             left = deadline - time.monotonic()
@@ -100,8 +130,10 @@ class RouterService:
                 p.GENERATE,
                 params,
                 max(0.0, left) + REPLY_GRACE_S,
+                blobs,
                 request_id=request_id,
                 deadline_s=left,
+                on_partial=on_partial,
             )
             result: p.GenerateResult = reply.body_as(p.GenerateResult)
             images = [reply.blobs[m.blob] for m in result.images]
@@ -118,6 +150,24 @@ class RouterService:
             self.pool.release(replica)
         self.pool.note_served(replica)
         return Generated(result, images, replica.name)
+
+    async def cancel_elsewhere(self, request_id: str) -> str:
+        """Cancel a request this router does not hold (another router admitted it): every
+        serving replica is asked to look among all its clients' work. The first that
+        found it says where (``p.CANCEL_QUEUED``/``p.CANCEL_RUNNING``); else
+        ``p.CANCEL_NOT_FOUND``. A replica that does not answer in a ping's time counts
+        as not holding it."""
+        timeout_s = self.pool.settings.ping_timeout_s
+
+        async def ask(replica: Replica) -> str:
+            try:
+                return (await replica.conn.cancel_any(request_id, timeout_s)).found
+            except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
+                log.warning("cancel of %s not answered by %s: %s", request_id, replica.name, exc)
+                return p.CANCEL_NOT_FOUND
+
+        found = await asyncio.gather(*(ask(r) for r in self.pool.serving()))
+        return next((f for f in found if f != p.CANCEL_NOT_FOUND), p.CANCEL_NOT_FOUND)
 
     # ------------------------------------------------------------ control
 

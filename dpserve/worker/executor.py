@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +32,12 @@ from dpserve.worker.comm import GangComm
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
 from dpserve.worker.denoiser import DenoiserPatch, HaltCheck, Halted, StopGate
+from dpserve.worker.edit import edit_call
+from dpserve.worker.encode import encode_image
+from dpserve.worker.features import Features, features_of
 from dpserve.worker.parallel import ModelParallel
-from dpserve.worker.pipeline import Pipeline, cfg_requested, encode_image, pipeline_kwargs
+from dpserve.worker.pipeline import Pipeline, cfg_requested, pipeline_kwargs, size_factor
+from dpserve.worker.preview import Emit, Previews, can_preview, output_size
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
 
@@ -78,6 +84,7 @@ class Executor:
         self.sessions = SessionHost(
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
         )
+        self.features: Features = features_of(self.pipe)
 
     def _progress(self) -> None:
         self.status.progress_at = time.monotonic()
@@ -99,11 +106,15 @@ class Executor:
         params: GenerateParams,
         queue_s: float,
         halt: HaltCheck | None = None,
+        blobs: Sequence[bytes] = (),
+        emit: Emit | None = None,
     ) -> list[bytes]:
         """Every rank runs the pipeline; the returned frames matter on the driver only.
 
         ``halt`` is the driver's: at each denoising step it says whether the request
         was cancelled or passed its deadline, and the whole gang drops it there.
+        ``blobs`` are the request's uploads (an edit's images); ``emit`` sends the
+        driver's interim replies (previews) to the request's client.
         """
         start = time.perf_counter()
         output_rank = self.comm.info.is_output_rank
@@ -116,7 +127,18 @@ class Executor:
                 **self.fixed_kwargs,
                 **pipeline_kwargs(params, self.call_defaults, output_type),
             }
-            images = self.run_pipe(self.pipe, kwargs, params)
+            pipe = self.pipe
+            if params.edit is not None:
+                pipe, extra = edit_call(self.pipe, params, blobs, size_factor(self.pipe))
+                kwargs.update(extra)
+            watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if params.partial_images and output_rank and emit is not None and can_preview(pipe):
+                previews = Previews(request_id, params, output_size(pipe, kwargs), emit)
+                kwargs["callback_on_step_end"] = previews
+                kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+                watch = previews.watching(pipe)
+            with watch:
+                images = self.run_pipe(pipe, kwargs, params)
         except Halted as exc:
             if output_rank:
                 log.info("generation %s: %s", request_id, exc)
@@ -128,17 +150,21 @@ class Executor:
             return encode_error(request_id, RequestError(INTERNAL, f"generation failed: {exc}"))
         finally:
             self._gate = None
+        inferred = time.perf_counter()
         peak_mb = self._gang_peak_mb()
         if not output_rank:
             return []
         assert params.seed is not None
-        blobs = [encode_image(img, params.output_format) for img in images]
+        fmt, compression = params.output_format, params.output_compression
+        encoding = time.perf_counter()
+        files = [encode_image(img, fmt, compression) for img in images]
+        encode_s = time.perf_counter() - encoding
         metas = [
             ImageMeta(
                 index=i,
                 blob=i,
                 seed=params.seed[i],
-                format=params.output_format,
+                format=fmt,
                 width=img.width,
                 height=img.height,
             )
@@ -147,11 +173,12 @@ class Executor:
         result = GenerateResult(
             images=metas,
             replica=self.comm.info.replica,
-            inference_time_s=time.perf_counter() - start,
+            inference_time_s=inferred - start,
             queue_time_s=queue_s,
             peak_memory_mb=peak_mb,
+            encode_time_s=encode_s,
         )
-        return encode(RESULT, request_id, result, blobs)
+        return encode(RESULT, request_id, result, files)
 
     def _gang_peak_mb(self) -> float:
         """The largest peak memory of any rank of the gang during the last call."""

@@ -23,7 +23,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -32,6 +32,10 @@ from dpserve import realtime as rt
 from dpserve.transport import bind_router, bound_endpoint, inproc_pair
 from dpserve.wire import Gatekeeper, WireKey, plaintext_warning
 from dpserve.worker.commands import GangCommand, GangStatus
+from dpserve.worker.edit import check_edit, fitted_size
+
+if TYPE_CHECKING:
+    from dpserve.worker.features import Features
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +100,26 @@ class WorkQueue:
             self._items = kept
             return taken
 
-    def cancel(self, identity: bytes, request_id: str) -> list[Work]:
-        """That client's generation ``request_id``: removed if queued (and returned),
-        marked if running; anything else is left alone."""
+    def cancel(self, request_id: str, identity: bytes | None) -> tuple[list[Work], str]:
+        """The generation ``request_id`` of that client (``identity`` None: of any client):
+        removed if queued (and returned), marked if running; anything else is left
+        alone. Also says where it was (protocol.CANCEL_*)."""
 
         def named(work: Work) -> bool:
             command = work.command
             return (
-                work.identity == identity
+                (identity is None or work.identity == identity)
                 and command.id == request_id
                 and command.kind == p.GENERATE
             )
 
         with self._cond:
-            if self._running is not None and named(self._running):
+            running = self._running is not None and named(self._running)
+            if running:
                 self._cancelled = True
-            return self.take(named)
+            taken = self.take(named)
+        found = p.CANCEL_QUEUED if taken else p.CANCEL_RUNNING if running else p.CANCEL_NOT_FOUND
+        return taken, found
 
 
 class Ingress:
@@ -127,10 +135,14 @@ class Ingress:
         *,
         settle: bool = False,
         key: WireKey | None = None,
+        features: Features | None = None,
     ) -> None:
         """``key``: the service's wire key; the socket is then a CURVE server that
-        admits only clients holding it. None: a plaintext wire (warned loudly)."""
+        admits only clients holding it. None: a plaintext wire (warned loudly).
+        ``features``: what the model serves (edits, previews), checked before work
+        queues; None: not known here (uploads are still checked)."""
         self.replica = replica
+        self.features = features
         self.limits = limits
         self.status = status
         self.stall_s = stall_s
@@ -236,12 +248,22 @@ class Ingress:
             assert late is not None
             self._send(work.identity, p.encode_error(work.command.id, late))
 
-    def _cancel(self, identity: bytes, request: p.CancelRequest) -> None:
-        for work in self.work.cancel(identity, request.request_id):
+    def _cancel(self, identity: bytes, message: p.Message) -> list[bytes] | None:
+        """Answer the cancelled request (to its own sender); with ``any_client`` the
+        cancel itself is answered too, saying where the request was."""
+        request: p.CancelRequest = message.body_as(p.CancelRequest)
+        mine = None if request.any_client else identity
+        taken, found = self.work.cancel(request.request_id, mine)
+        for work in taken:
             gone = p.RequestError(
                 p.CANCELLED, f"request {work.command.id} was cancelled before it started"
             )
-            self._send(identity, p.encode_error(work.command.id, gone))
+            self._send(work.identity, p.encode_error(work.command.id, gone))
+        if not request.any_client:
+            return None
+        return p.encode(
+            p.RESULT, message.id, p.CancelResult(request_id=request.request_id, found=found)
+        )
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         self._sock.send_multipart([identity, *frames])
@@ -272,14 +294,12 @@ class Ingress:
         received = time.monotonic()
         if message.kind == p.PING:
             return p.encode(p.RESULT, message.id, self.ping())
-        if message.kind == p.CANCEL:  # never answered, draining or not
-            self._cancel(identity, message.body_as(p.CancelRequest))
-            return None
+        if message.kind == p.CANCEL:  # answered only when any_client asks, draining or not
+            return self._cancel(identity, message)
         if message.kind == p.GENERATE:
-            body: Any = message.body_as(dict)
-            command = GangCommand(
-                kind=p.GENERATE, id=message.id, generate=p.fill_seeds(self._parse(body))
-            )
+            params = p.fill_seeds(self._generate(message))
+            blobs = list(message.blobs) if params.edit is not None else []
+            command = GangCommand(kind=p.GENERATE, id=message.id, generate=params, blobs=blobs)
         elif message.kind == p.SESSION:
             command = self._session(message)
         elif message.kind == p.CONTROL:
@@ -307,8 +327,32 @@ class Ingress:
             ) from None
         return None
 
-    def _parse(self, body: Any) -> p.GenerateParams:
-        return p.parse_generate(body, self.limits)
+    def _generate(self, message: p.Message) -> p.GenerateParams:
+        """A generation checked whole before it queues: fields, uploads, and what the
+        model serves. An edit without a size takes its first image's (fitted)."""
+        body: Any = message.body_as(dict)
+        blobs = message.blobs
+        params = p.parse_generate(body, self.limits, blobs=len(blobs))
+        features = self.features
+        if features is not None and params.partial_images > features.partial_images:
+            limit = features.partial_images
+            raise p.RequestError(
+                p.UNSUPPORTED,
+                f"this model's pipeline sends at most {limit} partial images"
+                + ("" if limit else " (it cannot preview)"),
+                [p.FieldError("partial_images", f"must be at most {limit}")],
+            )
+        if params.edit is None:
+            return params
+        size = check_edit(params.edit, blobs, features.edit if features is not None else None)
+        if params.width is None and params.height is None:
+            width, height = fitted_size(size, self.limits.size_factor, self.limits.max_side)
+            # Parsed again so the fitted size meets every bound a given one does.
+            body = {k: v for k, v in body.items() if k != "size"}
+            params = p.parse_generate(
+                {**body, "width": width, "height": height}, self.limits, blobs=len(blobs)
+            )
+        return params
 
     def _session(self, message: p.Message) -> GangCommand:
         request = rt.session_request(message.body_as(rt.SessionRequest))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import io
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -12,7 +11,6 @@ from typing import Any, TypeAlias
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
-from PIL import Image
 from transformers.utils import logging as transformers_logging
 
 from dpserve.protocol import INVALID_REQUEST, UNSUPPORTED, FieldError, GenerateParams, RequestError
@@ -139,14 +137,3 @@ def pipeline_kwargs(
         if value is not None:
             kwargs[arg] = value
     return kwargs
-
-
-def encode_image(image: Image.Image, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    if fmt == "png":
-        image.save(buf, format="PNG")
-    elif fmt == "jpeg":
-        image.convert("RGB").save(buf, format="JPEG", quality=95)
-    else:
-        image.save(buf, format="WEBP", lossless=True)
-    return buf.getvalue()

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -180,6 +181,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     )
     executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed, limits, parallel)
     info["realtime"] = executor.sessions.unsupported() or "supported"
+    info["features"] = executor.features.info()
     if cfg.cfg > 1 and not executor.split_ok:
         # Its second rank would only redo the first one's work.
         raise ParallelUnsupported(
@@ -252,6 +254,7 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         cfg.max_sessions,
         settle=cfg.endpoint_file is not None,  # only a caller that reads it back may move it
         key=None if cfg.wire_key_file is None else WireKey.load(cfg.wire_key_file),
+        features=executor.features,
     )
     if not ingress.endpoint.endswith(f":{cfg.port}"):
         taken = "replica %d: port %d is taken; bound %s instead"
@@ -322,7 +325,10 @@ def _loop(
         if command.generate is not None:
             # The driver's ingress says, at each denoising step, whether the work goes on.
             halt = ingress.halt if ingress is not None else None
-            frames = executor.generate(command.id, command.generate, queue_s, halt)
+            emit = _emitter(ingress, identity)
+            frames = executor.generate(
+                command.id, command.generate, queue_s, halt, command.blobs, emit
+            )
         elif command.session is not None:
             frames = executor.session(command.id, command.session, command.blobs)
         else:
@@ -335,3 +341,14 @@ def _loop(
             status.served += 1
         if ingress is not None and frames and identity:  # the driver's own commands get none
             ingress.reply(identity, frames)
+
+
+def _emitter(ingress: Ingress | None, identity: bytes) -> Callable[[list[bytes]], None] | None:
+    """The driver's way to send a request's interim replies (previews) as they come.
+
+    Called on this, the gang loop's, thread: ``Ingress.reply`` hands the frames to
+    the ingress thread, which alone touches the socket.
+    """
+    if ingress is None or not identity:
+        return None
+    return lambda frames: ingress.reply(identity, frames)

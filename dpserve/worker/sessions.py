@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -26,11 +25,10 @@ from typing import Any
 
 import msgspec
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from dpserve.protocol import (
     CONFLICT,
-    INVALID_REQUEST,
     NOT_FOUND,
     OVERLOADED,
     UNSUPPORTED,
@@ -38,6 +36,7 @@ from dpserve.protocol import (
     RequestError,
 )
 from dpserve.realtime import SessionParams
+from dpserve.worker.edit import decode_image, fitted_size, image_to_image
 from dpserve.worker.pipeline import Pipeline, pipeline_kwargs, size_factor
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 # Runs the pipeline (weights check, CFG split) and returns its images.
 RunPipe = Callable[[Pipeline, dict[str, Any], GenerateParams], list[Image.Image]]
 _NEEDED_ARGS = ("latents", "sigmas", "callback_on_step_end")
-MAX_FIRST_FRAME_PIXELS = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -168,18 +166,17 @@ class SessionHost:
                 f"this replica holds its maximum of {self.limits.max_sessions} sessions",
             )
         start = time.perf_counter()
-        image = _image(first_frame) if first_frame is not None else None
+        image = decode_image(first_frame, "first_frame") if first_frame is not None else None
         if image is not None and (params.width is None or params.height is None):
             # The frames keep the starting image's size (the model's multiple below it).
-            factor = size_factor(self.pipe)
-            width, height = (max(factor, side // factor * factor) for side in image.size)
+            width, height = fitted_size(image.size, size_factor(self.pipe))
             params = msgspec.structs.replace(params, width=width, height=height)
         request = _as_request(params, params.prompt, params.num_inference_steps)
         capture = _Capture()
         kwargs = self._kwargs(request, output_rank, capture)
         pipe = self.pipe
         if image is not None:
-            pipe = self._image_to_image()
+            pipe = image_to_image(self.pipe)
             kwargs.update(image=image, strength=params.strength)
         images = self.run(pipe, kwargs, request)
         assert capture.latents is not None, "the pipeline ran no denoising step"
@@ -235,23 +232,6 @@ class SessionHost:
             "callback_on_step_end_tensor_inputs": ["latents"],
         }
 
-    def _image_to_image(self) -> Pipeline:
-        """The image-to-image sibling over the pipeline's current modules.
-
-        Made per use, not kept: a weight update replaces modules, and a kept
-        sibling would go on rendering with (and holding) the old ones.
-        """
-        from diffusers import AutoPipelineForImage2Image
-
-        try:
-            pipe = AutoPipelineForImage2Image.from_pipe(self.pipe)
-        except ValueError as exc:
-            raise RequestError(
-                UNSUPPORTED, f"first_frame needs an image-to-image pipeline: {exc}"
-            ) from None
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
     @contextlib.contextmanager
     def _flat_schedule(self) -> Iterator[None]:
         """Swap in a scheduler that uses the frame's sigmas unshifted, for one call."""
@@ -288,17 +268,3 @@ def _as_request(params: SessionParams, prompt: str, steps: int | None) -> Genera
         seed=[params.seed],
         output_format=params.output_format,
     )
-
-
-def _image(data: bytes) -> Image.Image:
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            # The header tells the size before anything is decoded.
-            if img.width * img.height > MAX_FIRST_FRAME_PIXELS:
-                raise RequestError(
-                    INVALID_REQUEST,
-                    f"first_frame is {img.width}x{img.height}; at most 4096x4096 pixels",
-                )
-            return img.convert("RGB")
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
-        raise RequestError(INVALID_REQUEST, f"first_frame is not a readable image: {exc}") from None

@@ -1,0 +1,111 @@
+"""What route handlers depend on, reached through FastAPI's ``Depends`` from ``app.state``.
+
+``create_app`` sets the settings and the output store; the lifespan sets
+:class:`Running` (the pool, the service, the sessions, the request registry) while the
+app runs. Nothing here is module state: every app has its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends
+from starlette.requests import HTTPConnection
+
+from dpserve import protocol as p
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.registry import Registry
+from dpserve.router.request_ids import of_scope
+from dpserve.router.service import RouterService
+from dpserve.router.sessions import SessionRouter
+from dpserve.router.settings import RouterSettings
+from dpserve.router.store import OutputStore
+
+
+@dataclass(frozen=True)
+class Running:
+    """What the lifespan opened; routes reach it only while the app runs."""
+
+    pool: ReplicaPool
+    service: RouterService
+    sessions: SessionRouter
+    registry: Registry
+
+
+def running(conn: HTTPConnection) -> Running:
+    found: Running | None = getattr(conn.app.state, "running", None)
+    assert found is not None, "used outside the app's lifespan"
+    return found
+
+
+def settings(conn: HTTPConnection) -> RouterSettings:
+    found: RouterSettings = conn.app.state.settings
+    return found
+
+
+def store(conn: HTTPConnection) -> OutputStore | None:
+    found: OutputStore | None = conn.app.state.store
+    return found
+
+
+def metrics(conn: HTTPConnection) -> RouterMetrics:
+    found: RouterMetrics = conn.app.state.metrics
+    return found
+
+
+def request_id(conn: HTTPConnection) -> str:
+    """This request's id (dpserve/router/request_ids.py)."""
+    return of_scope(conn.scope)
+
+
+def pool(state: Annotated[Running, Depends(running)]) -> ReplicaPool:
+    return state.pool
+
+
+def service(state: Annotated[Running, Depends(running)]) -> RouterService:
+    return state.service
+
+
+def registry(state: Annotated[Running, Depends(running)]) -> Registry:
+    return state.registry
+
+
+RunningDep = Annotated[Running, Depends(running)]
+PoolDep = Annotated[ReplicaPool, Depends(pool)]
+ServiceDep = Annotated[RouterService, Depends(service)]
+RegistryDep = Annotated[Registry, Depends(registry)]
+SettingsDep = Annotated[RouterSettings, Depends(settings)]
+StoreDep = Annotated["OutputStore | None", Depends(store)]
+MetricsDep = Annotated[RouterMetrics, Depends(metrics)]
+RequestIdDep = Annotated[str, Depends(request_id)]
+
+
+def model_info(pool: ReplicaPool) -> dict[str, Any] | None:
+    """A serving replica's model_info (every replica serves the same model)."""
+    return next((r.info for r in pool.serving() if r.info is not None), None)
+
+
+def features(pool: ReplicaPool) -> dict[str, Any] | None:
+    """The serving replicas' features (None: none has said; the replica checks anyway)."""
+    info = model_info(pool)
+    found = info.get("features") if info is not None else None
+    return found if isinstance(found, dict) else None
+
+
+def limits(pool: ReplicaPool) -> p.Limits:
+    """Router-side checks mirror what the replicas enforce, once one has told us."""
+    info = model_info(pool)
+    if info is None:
+        return p.Limits()
+    factor = int(info.get("size_factor", 16))
+    max_n = (features(pool) or {}).get("max_n")
+    return p.Limits(
+        max_n=int(max_n) if isinstance(max_n, int) and max_n > 0 else p.Limits.max_n,
+        size_factor=factor,
+        min_side=factor,
+        max_side=int(info.get("max_side", 2048)),
+        max_steps=int(info.get("max_steps", 100)),
+        sequence_split=int(info.get("parallel", {}).get("sp", 1)),
+    )

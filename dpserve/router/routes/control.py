@@ -1,0 +1,44 @@
+"""Control ops (SGLang's routes), fanned out to every replica by the service layer."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from dpserve import protocol as p
+from dpserve.router import schemas
+from dpserve.router.bodies import parse_object, read_body
+from dpserve.router.deps import ServiceDep, SettingsDep
+
+ROUTES: Final = (
+    ("/update_weights_from_disk", "update_weights_from_disk"),
+    ("/release_memory_occupation", "release_memory_occupation"),
+    ("/resume_memory_occupation", "resume_memory_occupation"),
+    ("/v1/set_lora", "set_lora"),
+    ("/v1/merge_lora_weights", "merge_lora_weights"),
+    ("/v1/unmerge_lora_weights", "unmerge_lora_weights"),
+    ("/v1/list_loras", "list_loras"),
+    ("/get_weights_checksum", "get_weights_checksum"),
+)
+
+
+def _handler(op: str):  # type: ignore[no-untyped-def]
+    async def handler(request: Request, settings: SettingsDep, service: ServiceDep) -> JSONResponse:
+        raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        body = parse_object(raw, request.headers.get("content-type"), required=False)
+        answer = await service.control(op, body)
+        return JSONResponse(answer.body, status_code=answer.status)
+
+    return handler
+
+
+def install(app: FastAPI) -> None:
+    """Add these routes to ``app``."""
+    for path, op in ROUTES:
+        handler = _handler(op)
+        extra = schemas.control_body(op)
+        app.add_api_route(path, handler, methods=["POST"], name=op, openapi_extra=extra)
+        if op in p.READ_ONLY_OPS:  # also a GET (its body, if any, is read the same way)
+            app.add_api_route(path, handler, methods=["GET"], name=op, openapi_extra={})

@@ -1,0 +1,202 @@
+"""Image routes: generations, edits, cancel by id, stored files. Each handler parses,
+hands the request to a job (dpserve/router/jobs.py) and shapes the answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+
+from dpserve import protocol as p
+from dpserve.router import deps, jobs, schemas
+from dpserve.router.bodies import BadBody, parse_object, read_body
+from dpserve.router.deps import (
+    PoolDep,
+    RegistryDep,
+    RequestIdDep,
+    ServiceDep,
+    SettingsDep,
+    StoreDep,
+)
+from dpserve.router.forms import parse_form
+from dpserve.router.openai_api import (
+    EDIT_IGNORED,
+    ImageRequest,
+    error_body,
+    image_response,
+    parse_image_request,
+)
+from dpserve.router.registry import CANCELLED, COMPLETED, QUEUED_AT_REPLICA, RUNNING_AT_REPLICA
+from dpserve.router.request_ids import RULE, valid
+from dpserve.router.service import RouterService
+from dpserve.router.store import OutputStore
+from dpserve.router.streaming import EDIT, GENERATION, EventStream
+
+T = TypeVar("T")
+REPLICA_HEADER = "X-Dpserve-Replica"
+
+
+async def generate(
+    request: Request,
+    rid: RequestIdDep,
+    settings: SettingsDep,
+    pool: PoolDep,
+    service: ServiceDep,
+    registry: RegistryDep,
+    store: StoreDep,
+) -> Response:
+    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    body = parse_object(raw, request.headers.get("content-type"), required=True)
+    asked = parse_image_request(body, deps.limits(pool), store is not None, deps.features(pool))
+    job = jobs.start(registry, service, rid, asked.params)
+    return await _answer(request, job, asked, GENERATION, store)
+
+
+async def edit(
+    request: Request,
+    rid: RequestIdDep,
+    settings: SettingsDep,
+    pool: PoolDep,
+    service: ServiceDep,
+    registry: RegistryDep,
+    store: StoreDep,
+) -> Response:
+    raw = await read_body(request, settings.max_upload_bytes, settings.body_timeout_s)
+    form = await parse_form(raw, request.headers.get("content-type"))
+    features = deps.features(pool)
+    if features is not None and not features.get("edits", False):
+        raise p.RequestError(
+            p.UNSUPPORTED,
+            "this model serves no edits (its pipeline has no image-to-image or inpainting "
+            "form; see GET /v1/models features)",
+            [p.FieldError("image", "edits are not supported by the served model")],
+        )
+    if features is not None and form.mask is not None and not features.get("inpainting", False):
+        raise p.RequestError(
+            p.UNSUPPORTED,
+            "this model cannot inpaint: send the edit without a mask",
+            [p.FieldError("mask", "inpainting is not supported by the served model")],
+        )
+    blobs = form.blobs()
+    asked = parse_image_request(
+        form.body(), deps.limits(pool), store is not None, features, len(blobs), EDIT_IGNORED
+    )
+    job = jobs.start(registry, service, rid, asked.params, blobs)
+    return await _answer(request, job, asked, EDIT, store)
+
+
+async def _answer(
+    request: Request, job: jobs.Job, asked: ImageRequest, kind: str, store: OutputStore | None
+) -> Response:
+    rid = job.entry.request_id
+    if asked.stream:
+        return EventStream(jobs.events(job, kind))
+    done = await jobs.result(job, lambda work: _unless_disconnected(request, work))
+    urls = None
+    if asked.response_format == "url" and store is not None:
+        urls = [store.save(img, asked.params.output_format) for img in done.images]
+    return JSONResponse(
+        image_response(rid, done.result, done.images, urls),
+        headers={REPLICA_HEADER: done.replica},
+    )
+
+
+async def cancel(request_id: str, registry: RegistryDep, service: ServiceDep) -> JSONResponse:
+    """Cancel a generation or an edit by its id, wherever it is: queued in this router,
+    queued at or running on a replica, or admitted by another router of the service."""
+    return await _cancel(request_id, registry, service)
+
+
+async def _cancel(request_id: str, registry: RegistryDep, service: RouterService) -> JSONResponse:
+    if not valid(request_id):
+        raise BadBody(400, f"{request_id[:40]!r} is not a request id ({RULE})")
+    entry = registry.cancel(request_id)
+    if entry is not None:
+        return _cancelled(request_id, entry.stage)
+    ended = registry.finished(request_id)
+    if ended is not None:
+        raise p.RequestError(p.CONFLICT, _too_late(request_id, ended))
+    found = await service.cancel_elsewhere(request_id)
+    if found != p.CANCEL_NOT_FOUND:
+        stage = RUNNING_AT_REPLICA if found == p.CANCEL_RUNNING else QUEUED_AT_REPLICA
+        return _cancelled(request_id, stage)
+    raise p.RequestError(
+        p.NOT_FOUND,
+        f"no request {request_id!r} is queued or running on this router or its replicas "
+        "(finished ones are remembered here for a while only)",
+    )
+
+
+def _cancelled(request_id: str, stage: str) -> JSONResponse:
+    body = schemas.CancelResponse(id=request_id, stage=stage)
+    return JSONResponse(body.model_dump())
+
+
+def _too_late(request_id: str, ended: str) -> str:
+    if ended == COMPLETED:
+        return f"request {request_id!r} already completed; there is nothing to cancel"
+    if ended == CANCELLED:
+        return f"request {request_id!r} was already cancelled"
+    return f"request {request_id!r} already failed; there is nothing to cancel"
+
+
+async def stored_image(name: str, store: StoreDep) -> Response:
+    path = store.path(name) if store is not None else None
+    if path is None:
+        return JSONResponse(error_body(404, f"no stored image {name!r}"), status_code=404)
+    return FileResponse(path)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it when the client goes away: a request waiting for a
+    slot leaves the router's queue, and one a replica has is cancelled there (the
+    replica drops it at its next denoising step, which frees it for the next request).
+
+    The body has been read, so the server's next message is the disconnect: waiting
+    on it costs nothing per request, where polling cost CPU for every one in flight.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise BadBody(499, "client closed the request")
+    finally:
+        for pending in (task, gone):
+            if not pending.done():
+                pending.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def install(app: FastAPI) -> None:
+    """Add these routes to ``app``."""
+    app.post(
+        "/v1/images/generations",
+        openapi_extra=schemas.request_body(schemas.ImageGenerationRequest, required=True),
+        responses=schemas.image_responses(),
+    )(generate)
+    app.post(
+        "/v1/images/edits",
+        openapi_extra=schemas.request_body(
+            schemas.ImageEditForm, required=True, media_type="multipart/form-data"
+        ),
+        responses=schemas.image_responses(),
+    )(edit)
+    app.post(
+        "/v1/images/{request_id}/cancel",
+        response_model=schemas.CancelResponse,
+        responses={
+            400: {"model": schemas.ErrorResponse, "description": "not a request id"},
+            404: {"model": schemas.ErrorResponse, "description": "no such request"},
+            409: {"model": schemas.ErrorResponse, "description": "it already finished"},
+        },
+    )(cancel)
+    app.get("/v1/images/files/{name}")(stored_image)

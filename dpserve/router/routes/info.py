@@ -1,0 +1,108 @@
+"""What is served: the model, its features, the replicas and the router's settings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from dpserve import protocol as p
+from dpserve.layout import ParallelConfig, describe
+from dpserve.router import deps
+from dpserve.router.deps import PoolDep, SettingsDep
+from dpserve.router.openai_api import error_body
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.settings import RouterSettings
+
+
+async def models(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
+    entry = {"id": model_name(pool, settings), "object": "model", "owned_by": "dpserve"}
+    shown = {"features": deps.features(pool), "router_features": router_features(settings)}
+    return {"object": "list", "data": [{**entry, **shown}]}
+
+
+async def model_info(pool: PoolDep, settings: SettingsDep) -> JSONResponse:
+    infos = [r.info for r in pool.serving() if r.info is not None]
+    if not infos:
+        return JSONResponse(error_body(503, "no replica is serving yet"), 503, {"Retry-After": "1"})
+    shown = {**infos[0], "replicas_serving": len(infos)}
+    shown.update(features=deps.features(pool), router_features=router_features(settings))
+    return JSONResponse(shown)
+
+
+async def server_info(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
+    replicas = list(pool.replicas.values())
+    info = next((r.info for r in replicas if r.info is not None), None) or {}
+    return {
+        "replicas": len(replicas),
+        "serving": len(pool.serving()),
+        "model": model_name(pool, settings),
+        "layout": _layout(info, len(replicas)),
+        "threads_per_rank": info.get("threads_per_rank"),
+        # Each rank's weight bytes per module (a serving replica's; the same layout
+        # everywhere): tensor parallel's split and the encoders' placement show here.
+        "rank_weights": info.get("rank_weights"),
+        "features": deps.features(pool),
+        "router_features": router_features(settings),
+        "router": _shown_settings(settings),
+        "control_state": control_state(pool),
+        "replica_states": [pool.snapshot(r) for r in replicas],
+    }
+
+
+def router_features(settings: RouterSettings) -> dict[str, Any]:
+    """What this router adds to the model's features (``features``, from a serving
+    replica's model_info; null until one serves)."""
+    return {
+        "streaming": True,
+        "cancellation": True,
+        "request_ids": True,
+        "max_upload_bytes": settings.max_upload_bytes,
+        "max_partial_images": p.MAX_PARTIAL_IMAGES,
+        "response_formats": ["b64_json", "url"] if settings.output_dir else ["b64_json"],
+    }
+
+
+def control_state(pool: ReplicaPool) -> dict[str, Any] | None:
+    """The state every serving replica holds: its version, the op that made it, a digest."""
+    doc = pool.desired.doc
+    if doc is None:
+        return None
+    return {
+        "version": doc.version,
+        "op": doc.op,
+        "digest": doc.state.digest(),
+        "state": doc.to_builtins()["state"],
+    }
+
+
+def model_name(pool: ReplicaPool, settings: RouterSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    info = next((r.info for r in pool.replicas.values() if r.info is not None), None)
+    return Path(str(info["model_path"])).name if info else "dpserve"
+
+
+def _layout(info: dict[str, Any], replicas: int) -> str | None:
+    """The deployment's layout: each replica's gang, with dp = the number of replicas."""
+    gang = info.get("parallel")
+    return describe(ParallelConfig(**gang, dp=max(replicas, 1))) if gang else None
+
+
+def _shown_settings(settings: RouterSettings) -> dict[str, Any]:
+    """The settings /server_info shows: no path of this host, no secret."""
+    hidden = {"output_dir", "api_keys", "admin_keys"}
+    shown = {k: v for k, v in asdict(settings).items() if k not in hidden}
+    shown["auth"] = {"api_keys": len(settings.api_keys), "admin_keys": len(settings.admin_keys)}
+    shown["pool"]["wire_key"] = "curve" if settings.pool.wire_key is not None else None
+    return shown
+
+
+def install(app: FastAPI) -> None:
+    """Add these routes to ``app``."""
+    app.get("/v1/models")(models)
+    app.get("/model_info")(model_info)
+    app.get("/server_info")(server_info)

@@ -1,0 +1,19 @@
+"""The realtime WebSocket: sessions pinned to their owner replica (docs/realtime.md)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, WebSocket
+
+from dpserve.router import deps
+from dpserve.router.deps import RunningDep, SettingsDep
+from dpserve.router.realtime_ws import RealtimeConnection
+
+
+async def realtime(ws: WebSocket, running: RunningDep, settings: SettingsDep) -> None:
+    limits = lambda: deps.limits(running.pool)  # noqa: E731  (read when each init arrives)
+    await RealtimeConnection(ws, running.sessions, limits, settings.realtime).run()
+
+
+def install(app: FastAPI) -> None:
+    """Add these routes to ``app``."""
+    app.websocket("/v1/realtime_video/generate")(realtime)
