@@ -202,6 +202,30 @@ def test_journey(k8s: Backend) -> None:
     assert {first.headers["X-Dpserve-Replica"], second.headers["X-Dpserve-Replica"]} == {"0", "1"}
     assert image(first) == image(second)
 
+    # 3a. the image API through the router pod as through `serve`: streamed previews
+    # (OpenAI's SSE events, the request's id on each) and an edit from a multipart form.
+    with httpx.Client(base_url=url, timeout=120) as http:
+        streamed = {**REQUEST, "num_inference_steps": 4, "stream": True, "partial_images": 2}
+        headers = {"X-Request-Id": "journey-stream"}
+        with http.stream(
+            "POST", "/v1/images/generations", json=streamed, headers=headers
+        ) as events:
+            assert events.status_code == 200
+            data = [json.loads(x[5:]) for x in events.iter_lines() if x.startswith("data:")]
+        assert [e["type"] for e in data] == [
+            "image_generation.partial_image",
+            "image_generation.partial_image",
+            "image_generation.completed",
+        ]
+        assert {e["id"] for e in data} == {"journey-stream"}
+        edited = http.post(
+            "/v1/images/edits",
+            files={"image": ("in.png", image(first), "image/png")},
+            data={"prompt": "a blue kite", "seed": "3", "num_inference_steps": "4"},
+        )
+        assert edited.status_code == 200, edited.text
+        assert edited.json()["size"] == "64x64"
+
     # 3b. a realtime session through the router pod: the session id names its owner
     # pod's address (from the EndpointSlices), and every frame comes from that pod.
     session = RealtimeSocket(url)
