@@ -99,6 +99,26 @@ def size_of(width: int, height: int) -> str:
     return f"{width}x{height}"
 
 
+def check_edit_supported(features: dict[str, Any] | None, masked: bool) -> None:
+    """Refuse an edit the served model cannot do, as its features say (None: not known
+    yet, and the replica decides)."""
+    if features is None:
+        return
+    if not features.get("edits", False):
+        raise p.RequestError(
+            p.UNSUPPORTED,
+            "this model serves no edits (its pipeline has no image-to-image or inpainting "
+            "form; see GET /v1/models features)",
+            [p.FieldError("image", "edits are not supported by the served model")],
+        )
+    if masked and not features.get("inpainting", False):
+        raise p.RequestError(
+            p.UNSUPPORTED,
+            "this model cannot inpaint: send the edit without a mask",
+            [p.FieldError("mask", "inpainting is not supported by the served model")],
+        )
+
+
 def image_response(
     request_id: str,
     result: p.GenerateResult,

@@ -25,13 +25,13 @@ from dpserve.router.forms import parse_form
 from dpserve.router.openai_api import (
     EDIT_IGNORED,
     ImageRequest,
+    check_edit_supported,
     error_body,
     image_response,
     parse_image_request,
 )
 from dpserve.router.registry import CANCELLED, COMPLETED, QUEUED_AT_REPLICA, RUNNING_AT_REPLICA
 from dpserve.router.request_ids import RULE, valid
-from dpserve.router.service import RouterService
 from dpserve.router.store import OutputStore
 from dpserve.router.streaming import EDIT, GENERATION, EventStream
 
@@ -67,19 +67,7 @@ async def edit(
     raw = await read_body(request, settings.max_upload_bytes, settings.body_timeout_s)
     form = await parse_form(raw, request.headers.get("content-type"))
     features = deps.features(pool)
-    if features is not None and not features.get("edits", False):
-        raise p.RequestError(
-            p.UNSUPPORTED,
-            "this model serves no edits (its pipeline has no image-to-image or inpainting "
-            "form; see GET /v1/models features)",
-            [p.FieldError("image", "edits are not supported by the served model")],
-        )
-    if features is not None and form.mask is not None and not features.get("inpainting", False):
-        raise p.RequestError(
-            p.UNSUPPORTED,
-            "this model cannot inpaint: send the edit without a mask",
-            [p.FieldError("mask", "inpainting is not supported by the served model")],
-        )
+    check_edit_supported(features, form.mask is not None)
     blobs = form.blobs()
     asked = parse_image_request(
         form.body(), deps.limits(pool), store is not None, features, len(blobs), EDIT_IGNORED
@@ -107,10 +95,6 @@ async def _answer(
 async def cancel(request_id: str, registry: RegistryDep, service: ServiceDep) -> JSONResponse:
     """Cancel a generation or an edit by its id, wherever it is: queued in this router,
     queued at or running on a replica, or admitted by another router of the service."""
-    return await _cancel(request_id, registry, service)
-
-
-async def _cancel(request_id: str, registry: RegistryDep, service: RouterService) -> JSONResponse:
     if not valid(request_id):
         raise BadBody(400, f"{request_id[:40]!r} is not a request id ({RULE})")
     entry = registry.cancel(request_id)
