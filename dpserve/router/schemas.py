@@ -20,8 +20,8 @@ Names = str | list[str]
 Target = Literal["all", "transformer"]  # dpserve.control_state.LORA_TARGETS
 
 
-class ImageGenerationRequest(BaseModel):
-    """OpenAI's images API with SGLang's extra fields."""
+class _ImageFields(BaseModel):
+    """The fields generations and edits share: OpenAI's, and SGLang's extras."""
 
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, named
 
@@ -36,9 +36,6 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1, le=p.Limits.max_steps)
     guidance_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
     true_cfg_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
-    seed: int | list[int] | None = Field(
-        None, description="one seed (image i gets seed + i) or one per image", ge=0, le=p.MAX_SEED
-    )
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: int | None = Field(
         None, ge=0, le=100, description="jpeg/webp quality (0-100); not for png"
@@ -59,39 +56,24 @@ class ImageGenerationRequest(BaseModel):
     safety_identifier: str | None = None
 
 
-class ImageEditForm(BaseModel):
+class ImageGenerationRequest(_ImageFields):
+    """OpenAI's images API with SGLang's extra fields."""
+
+    seed: int | list[int] | None = Field(
+        None, description="one seed (image i gets seed + i) or one per image", ge=0, le=p.MAX_SEED
+    )
+
+
+class ImageEditForm(_ImageFields):
     """OpenAI's edit form (multipart/form-data) with SGLang's extra fields; numbers are
     form text. ``image`` or ``image[]`` (the openai client's name for a list): one or
     more image files; ``mask`` repaints where it is white (its size is the image's)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     image: list[bytes] | None = Field(None, description=f"1-{p.MAX_EDIT_IMAGES} image files")
     image_list: list[bytes] | None = Field(None, alias="image[]", description="same as image")
     mask: bytes | None = None
-    prompt: str = Field(max_length=p.MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, max_length=p.MAX_PROMPT_CHARS)
-    n: int = Field(1, ge=1, le=p.Limits.max_n)
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" or "auto"')
-    width: int | None = None
-    height: int | None = None
     strength: float | None = Field(None, gt=0, le=1, description="how far from the input")
-    num_inference_steps: int | None = Field(None, ge=1, le=p.Limits.max_steps)
-    guidance_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
-    true_cfg_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
     seed: int | None = Field(None, ge=0, le=p.MAX_SEED, description="image i gets seed + i")
-    output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: int | None = Field(None, ge=0, le=100)
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    stream: bool = False
-    partial_images: int = Field(0, ge=0, le=p.MAX_PARTIAL_IMAGES)
-    model: str | None = Field(None, description="accepted and ignored")
-    user: str | None = None
-    quality: str | None = None
-    style: str | None = None
-    background: str | None = None
-    moderation: str | None = None
-    safety_identifier: str | None = None
     input_fidelity: str | None = None
 
 

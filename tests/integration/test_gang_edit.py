@@ -14,23 +14,14 @@ from PIL import Image
 
 from dpserve import protocol as p
 from dpserve.client import ReplicaClient
+from tests.integration.test_gang import CFG_REQUEST
 from tests.polling import eventually
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang
 
-CFG_EDIT = dict(
-    prompt="a red fox in the snow",
-    negative_prompt="blurry",
-    true_cfg_scale=4.0,
-    width=64,
-    height=64,
-    num_inference_steps=4,
-    seed=[7, 8],
-    n=2,
-    partial_images=2,
-    edit={"images": [0], "mask": 1, "strength": 0.9},
-)
+# test_gang's true-CFG request, as an inpainting edit with previews.
+CFG_EDIT = {**CFG_REQUEST, "partial_images": 2, "edit": {"images": [0], "mask": 1, "strength": 0.9}}
 
 
 def _files() -> list[bytes]:
