@@ -51,6 +51,7 @@ class StubReplica:
     checksum_s: float = 0.0  # how long get_weights_checksum takes (it hashes the model)
     key: WireKey | None = None  # a CURVE server of this key, as a driver given one
     step_s: float = 0.0  # per denoising step (steps: the request's, default 4)
+    preview: bytes | None = None  # each preview's blob (default: the fixed PNG)
     features: dict[str, Any] = field(
         default_factory=lambda: {
             "edits": True,
@@ -175,7 +176,7 @@ class StubReplica:
                         image=image, index=shown, step=step, steps=steps, blob=0,
                         format=params.output_format, width=width, height=height,
                     )  # fmt: skip
-                    frames = p.encode(p.PARTIAL, message.id, preview, [self._png])
+                    frames = p.encode(p.PARTIAL, message.id, preview, [self.preview or self._png])
                     await self.sock.send_multipart([identity, *frames])
                 shown += 1
         if self.stopped.is_set():

@@ -184,13 +184,33 @@ def test_metrics_and_info(dp2: ServeProcess) -> None:
     assert dp2.http.get("/model_info").json()["pipeline_class"] == "FluxPipeline"
 
 
-def test_readme_realtime_example_runs(dp2: ServeProcess) -> None:
+def _readme_example(port: int, holding: str) -> dict[str, Any]:
+    """Run the README's Python example that holds ``holding`` against ``port``; its names."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
+    (code,) = [b for b in blocks if holding in b]
     scope: dict[str, Any] = {}
-    exec(code.replace("127.0.0.1:8000", f"127.0.0.1:{dp2.port}"), scope)
+    exec(code.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), scope)
+    return scope
+
+
+def test_readme_realtime_example_runs(dp2: ServeProcess) -> None:
+    scope = _readme_example(dp2.port, "realtime_video")
     assert scope["msg"] == {"type": "done", "session_id": scope["msg"]["session_id"], "frames": 10}
     assert scope["png"].startswith(b"\x89PNG")
+
+
+def test_readme_openai_example_runs(
+    dp2: ServeProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (96, 64), (200, 40, 40)).save(tmp_path / "in.png")
+    Image.new("L", (96, 64), 255).save(tmp_path / "mask.png")
+    monkeypatch.chdir(tmp_path)  # the example opens in.png and mask.png
+    scope = _readme_example(dp2.port, "from openai")
+    assert scope["event"].type == "image_generation.completed"
+    assert scope["edit"].size == "96x64" and scope["edit"].data[0].b64_json
 
 
 class _Load:
