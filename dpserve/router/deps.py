@@ -1,5 +1,8 @@
 """What route handlers depend on, reached through FastAPI's ``Depends`` from ``app.state``.
 
+Every dependency is ``async def``: FastAPI runs a plain ``def`` dependency in a worker
+thread, a thread hop per dependency per request for what is an attribute read.
+
 ``create_app`` sets the settings and the output store; the lifespan sets
 :class:`Running` (the pool, the service, the sessions, the request registry) while the
 app runs. Nothing here is module state: every app has its own.
@@ -34,41 +37,41 @@ class Running:
     registry: Registry
 
 
-def running(conn: HTTPConnection) -> Running:
+async def running(conn: HTTPConnection) -> Running:
     found: Running | None = getattr(conn.app.state, "running", None)
     assert found is not None, "used outside the app's lifespan"
     return found
 
 
-def settings(conn: HTTPConnection) -> RouterSettings:
+async def settings(conn: HTTPConnection) -> RouterSettings:
     found: RouterSettings = conn.app.state.settings
     return found
 
 
-def store(conn: HTTPConnection) -> OutputStore | None:
+async def store(conn: HTTPConnection) -> OutputStore | None:
     found: OutputStore | None = conn.app.state.store
     return found
 
 
-def metrics(conn: HTTPConnection) -> RouterMetrics:
+async def metrics(conn: HTTPConnection) -> RouterMetrics:
     found: RouterMetrics = conn.app.state.metrics
     return found
 
 
-def request_id(conn: HTTPConnection) -> str:
+async def request_id(conn: HTTPConnection) -> str:
     """This request's id (dpserve/router/request_ids.py)."""
     return of_scope(conn.scope)
 
 
-def pool(state: Annotated[Running, Depends(running)]) -> ReplicaPool:
+async def pool(state: Annotated[Running, Depends(running)]) -> ReplicaPool:
     return state.pool
 
 
-def service(state: Annotated[Running, Depends(running)]) -> RouterService:
+async def service(state: Annotated[Running, Depends(running)]) -> RouterService:
     return state.service
 
 
-def registry(state: Annotated[Running, Depends(running)]) -> Registry:
+async def registry(state: Annotated[Running, Depends(running)]) -> Registry:
     return state.registry
 
 
