@@ -535,6 +535,18 @@ class ControlResult(msgspec.Struct, kw_only=True):
     result: dict[str, Any]
 
 
+class CostReport(msgspec.Struct, kw_only=True):
+    """A replica's calibration of the router's cost model (dpserve.cost): what one
+    cost unit takes on this gang, as measured, and the sizes a request that names
+    none gets."""
+
+    seconds_per_unit: float | None = None  # None until a generation was measured
+    samples: int = 0
+    default_width: int = 1024
+    default_height: int = 1024
+    default_steps: int = 28
+
+
 class PingResult(msgspec.Struct, kw_only=True):
     replica: int
     boot_id: str  # new on every gang start: a changed id means the replica lost its state
@@ -550,6 +562,11 @@ class PingResult(msgspec.Struct, kw_only=True):
     sessions: int = 0  # realtime sessions held
     max_sessions: int = 0
     session_bytes: int = 0  # memory their state takes, on the driver's rank
+    # Load and calibration for cost-aware routing (dpserve.cost, docs/router.md).
+    max_batch: int = 1  # generations the gang runs as one pipeline call (--max-batch)
+    cost: CostReport | None = None
+    outstanding_units: float = 0.0  # cost units queued and running, from every router
+    busy_fraction: float = 0.0  # share of the recent window the gang spent on work
 
 
 def parse_control(body: ControlRequest) -> ControlRequest:

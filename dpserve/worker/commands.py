@@ -49,3 +49,4 @@ class GangStatus:
     control: dict[str, Any] | None = None  # the control state document held (ControlOps.held)
     sessions: int = 0
     session_bytes: int = 0
+    max_batch: int = 1  # --max-batch, reported in pings (the router's per-replica cap)
