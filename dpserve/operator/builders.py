@@ -180,6 +180,8 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
         "threads_per_rank": spec.threadsPerRank,
         "device": spec.device,
         "max_sequence_length": spec.maxSequenceLength,  # None: the pipeline's default
+        "max_batch": spec.maxBatch,
+        "batch_wait_ms": spec.batchWaitMs,
         "drain_timeout_s": spec.router.requestTimeoutSeconds,  # finish what the router waits on
         "max_sessions": rt.maxSessions,
         "max_session_mb": rt.maxSessionMB,

@@ -216,6 +216,15 @@ class DiffusionServiceSpec(_Model):
     schedulerPort: int = Field(5575, ge=1024, le=65535)
     threadsPerRank: int = Field(_worker("threads_per_rank"), ge=1, le=256)
     maxSequenceLength: int | None = Field(None, ge=1, le=4096, description="text tokens")
+    maxBatch: int = Field(
+        _worker("max_batch"), ge=1, le=256, description="images one batched pipeline call holds"
+    )
+    batchWaitMs: int = Field(
+        _worker("batch_wait_ms"),
+        ge=0,
+        le=10000,
+        description="ms a partly filled batch waits for more compatible requests",
+    )
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
     realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, json_schema_extra={"default": {}})
     updateStrategy: UpdateStrategy = Field(

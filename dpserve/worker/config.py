@@ -33,6 +33,13 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -124,6 +131,16 @@ class WorkerConfig:
         metadata=_flag("auto: bfloat16 on cuda, float32 on cpu", choices=get_args(Dtype)),
     )
     max_queue: int = field(default=64, metadata=_flag("queued requests per replica", positive))
+    # Dynamic batching (docs/worker.md): compatible queued generations share one pipeline
+    # call of at most this many images; 1 runs every request on its own.
+    max_batch: int = field(
+        default=1, metadata=_flag("images one batched pipeline call may hold", positive)
+    )
+    # How long a batch that already holds two or more requests but is not full waits for
+    # more; a request with nothing compatible queued behind it never waits.
+    batch_wait_ms: int = field(
+        default=10, metadata=_flag("ms a partly filled batch waits for more", non_negative)
+    )
     max_side: int = field(default=2048, metadata=_flag("largest width/height", positive))
     max_steps: int = field(default=100, metadata=_flag("most inference steps", positive))
     max_sequence_length: int | None = field(  # None: the pipeline's default

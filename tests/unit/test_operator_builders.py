@@ -114,6 +114,10 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         "1",
                         "--device",
                         "cuda",
+                        "--max-batch",
+                        "1",
+                        "--batch-wait-ms",
+                        "10",
                         "--drain-timeout",
                         "300",
                         "--max-sessions",
@@ -189,6 +193,8 @@ def test_cpu_replica_requests_no_gpu_and_passes_layout_flags() -> None:
         resources={"limits": {"cpu": "2"}},
         maxSequenceLength=77,
         threadsPerRank=2,
+        maxBatch=4,
+        batchWaitMs=0,
     )
     container = b.build_replica_pod(s, 0, IMAGES)["spec"]["containers"][0]
     assert container["resources"] == {"limits": {"cpu": "2"}}
@@ -198,6 +204,8 @@ def test_cpu_replica_requests_no_gpu_and_passes_layout_flags() -> None:
     assert args[args.index("--max-sessions") + 1] == "8"  # realtime defaults reach the worker
     assert args[args.index("--session-idle-timeout") + 1] == "60"
     assert args[args.index("--threads-per-rank") + 1] == "2"
+    assert args[args.index("--max-batch") + 1] == "4"  # dynamic batching (docs/worker.md)
+    assert args[args.index("--batch-wait-ms") + 1] == "0"
     assert args[args.index("--device") + 1] == "cpu"
 
 
