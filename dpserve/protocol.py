@@ -545,6 +545,10 @@ class CostReport(msgspec.Struct, kw_only=True):
     default_width: int = 1024
     default_height: int = 1024
     default_steps: int = 28
+    default_true_cfg_scale: float = 1.0  # the pipeline's, for a request that names none
+    # Per denoising step, the megapixels' worth of work the prompt's text tokens add
+    # (joint attention over text and image tokens; 0: the prompt is not in the sequence).
+    text_megapixels: float = 0.0
 
 
 class PingResult(msgspec.Struct, kw_only=True):

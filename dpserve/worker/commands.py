@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
 
+from dpserve.cost import Calibration
 from dpserve.protocol import ControlRequest, GenerateParams
 from dpserve.realtime import SessionRequest
+from dpserve.worker.load import BusyWindow
 
 TICK: Final = "tick"  # idle heartbeat: proves the gang is alive, keeps collectives warm
 STOP: Final = "stop"
@@ -39,14 +42,30 @@ def decode_command(payload: bytes) -> GangCommand:
 class GangStatus:
     """Written by the gang loop, read by the driver's ingress thread to answer pings.
 
-    Plain attribute writes are atomic under the GIL, which is all the sharing needs.
+    Plain attribute writes are atomic under the GIL, which is all the sharing needs;
+    the calibration and the busy window hold locks of their own.
     """
 
     progress_at: float = 0.0  # monotonic time of the last loop turn or denoiser call
-    busy: bool = False
     served: int = 0
     released: bool = False
     control: dict[str, Any] | None = None  # the control state document held (ControlOps.held)
     sessions: int = 0
     session_bytes: int = 0
     max_batch: int = 1  # --max-batch, reported in pings (the router's per-replica cap)
+    # Seconds per cost unit, observed by the output rank after each generation (dpserve.cost).
+    calibration: Calibration = field(default_factory=Calibration)
+    load: BusyWindow = field(default_factory=BusyWindow)  # busy_fraction's window
+
+    @property
+    def busy(self) -> bool:
+        return self.load.busy
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        # The gang loop's plain `status.busy = ...` writes also feed the busy window.
+        self.load.set(value, time.monotonic())
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.load.fraction(time.monotonic())

@@ -1,0 +1,35 @@
+"""The loaded pipeline's side of the cost model (dpserve.cost): its defaults and what
+its prompt's text tokens add to every denoising step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dpserve.protocol import CostReport
+from dpserve.worker.pipeline import Pipeline, size_factor
+
+_FALLBACK_STEPS = 50  # diffusers' usual default, for a pipeline that declares none
+
+
+def cost_shape(pipe: Pipeline, defaults: Mapping[str, Any], fixed: Mapping[str, Any]) -> CostReport:
+    """A request that names no size gets the pipeline's default sample size (Flux:
+    ``default_sample_size x vae_scale_factor`` = 1024), as diffusers does. Text tokens
+    count when a transformer attends jointly over them: the pipelines that take
+    ``max_sequence_length`` pad the prompt to it (``--max-sequence-length`` or the
+    pipeline's default)."""
+    side = int(getattr(pipe, "default_sample_size", 128)) * int(
+        getattr(pipe, "vae_scale_factor", 8)
+    )
+    width = defaults.get("width") or side
+    height = defaults.get("height") or side
+    steps = defaults.get("num_inference_steps") or _FALLBACK_STEPS
+    joint = getattr(pipe, "transformer", None) is not None and "max_sequence_length" in defaults
+    tokens = fixed.get("max_sequence_length", defaults.get("max_sequence_length")) if joint else 0
+    return CostReport(
+        default_width=int(width),
+        default_height=int(height),
+        default_steps=int(steps),
+        default_true_cfg_scale=float(defaults.get("true_cfg_scale") or 1.0),
+        text_megapixels=int(tokens or 0) * size_factor(pipe) ** 2 / 1e6,
+    )
