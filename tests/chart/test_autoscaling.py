@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.operator import builders as b
 from dpserve.operator import spec as s
+from dpserve.operator.status import compute_status
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.pool import PoolSettings
 from tests.workers import free_port
@@ -203,6 +204,17 @@ def test_the_per_replica_signals_are_labelled_by_replica(
         assert router_metrics.get(name) == {"replica"}, name
     for name in ("dpserve_outstanding_work_seconds", "dpserve_queue_depth"):
         assert router_metrics.get(name) == set(), name
+
+
+def test_every_metric_the_docs_name_is_scraped_from_the_router(
+    router_metrics: dict[str, set[str]],
+) -> None:
+    """docs/autoscaling.md names router metrics, the adapter's metric and a scrape label."""
+    text = (ROOT / "docs" / "autoscaling.md").read_text()
+    named = set(re.findall(r"\bdpserve_[a-z_]+\b", text))
+    ours = {adapter_rule()["name"]["as"]} | target_labels()
+    assert {"dpserve_replica_outstanding_work_seconds", "dpserve_service"} <= named
+    assert not named - ours - set(router_metrics), sorted(named - ours - set(router_metrics))
 
 
 def test_hpa_and_keda_scale_on_the_same_query_and_target() -> None:
@@ -395,6 +407,16 @@ def test_the_scaled_object_never_scales_to_zero() -> None:
     spec = load("keda-scaledobject.yaml")["spec"]
     assert spec["minReplicaCount"] >= 1 and "idleReplicaCount" not in spec
     assert "cooldownPeriod" not in spec  # KEDA uses it only for the step to zero
+
+
+def test_a_service_at_zero_replicas_is_not_ready() -> None:
+    """At 0 the router pods fail readiness, so its Deployment has none available."""
+    spec = s.DiffusionServiceSpec.model_validate({"model": {"path": "/m"}, "replicas": 0})
+    unavailable = {"spec": {"replicas": 1}, "status": {"availableReplicas": 0}}
+    status = compute_status(b.Svc("x", "ns", "u", 1, spec), [], {}, router=unavailable)
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "RouterNotAvailable")
+    assert (status["replicas"], status["ready"]) == (0, "0/0")
 
 
 def test_a_router_without_replicas_is_unready_and_only_queues() -> None:
