@@ -17,13 +17,22 @@ TICK: Final = "tick"  # idle heartbeat: proves the gang is alive, keeps collecti
 STOP: Final = "stop"
 
 
+class Generation(msgspec.Struct, frozen=True, kw_only=True):
+    """One generation request of a batch: its own id and parameters."""
+
+    id: str
+    params: GenerateParams
+
+
 class GangCommand(msgspec.Struct, kw_only=True):
     kind: str  # protocol.GENERATE, protocol.CONTROL, protocol.SESSION, TICK or STOP
-    id: str = ""
-    generate: GenerateParams | None = None
+    id: str = ""  # a batch's: its first request's
+    # GENERATE: the requests that run as one pipeline call, in queue order (worker/batch.py).
+    batch: list[Generation] = msgspec.field(default_factory=list)
     control: ControlRequest | None = None
     session: SessionRequest | None = None
-    blobs: list[bytes] = msgspec.field(default_factory=list)  # a session's starting image
+    # A session's starting image, or an edit's uploads (an edit runs in a batch of one).
+    blobs: list[bytes] = msgspec.field(default_factory=list)
 
 
 _ENCODER: Final = msgspec.msgpack.Encoder()

@@ -28,15 +28,18 @@ from dpserve.protocol import (
     encode,
     encode_error,
 )
+from dpserve.worker.batch import split
+from dpserve.worker.batch_call import batch_kwargs
 from dpserve.worker.comm import GangComm
-from dpserve.worker.commands import GangStatus
+from dpserve.worker.commands import GangStatus, Generation
 from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
+from dpserve.worker.cost_shape import cost_shape
 from dpserve.worker.denoiser import DenoiserPatch, HaltCheck, Halted, StopGate
 from dpserve.worker.edit import edit_call
 from dpserve.worker.encode import encode_image
 from dpserve.worker.features import Features, features_of
 from dpserve.worker.parallel import ModelParallel
-from dpserve.worker.pipeline import Pipeline, cfg_requested, pipeline_kwargs, size_factor
+from dpserve.worker.pipeline import Pipeline, cfg_requested, size_factor
 from dpserve.worker.preview import Emit, Previews, can_preview, output_size
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
@@ -85,6 +88,8 @@ class Executor:
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
         )
         self.features: Features = features_of(self.pipe)
+        shape = cost_shape(self.pipe, self.call_defaults, self.fixed_kwargs)
+        self.status.calibration.configure(shape)
 
     def _progress(self) -> None:
         self.status.progress_at = time.monotonic()
@@ -109,51 +114,85 @@ class Executor:
         blobs: Sequence[bytes] = (),
         emit: Emit | None = None,
     ) -> list[bytes]:
-        """Every rank runs the pipeline; the returned frames matter on the driver only.
+        """One request on its own (a batch of one): see :meth:`generate_batch`."""
+        batch = [Generation(id=request_id, params=params)]
+        return self.generate_batch(batch, [queue_s], halt, blobs, emit)[0]
 
-        ``halt`` is the driver's: at each denoising step it says whether the request
-        was cancelled or passed its deadline, and the whole gang drops it there.
-        ``blobs`` are the request's uploads (an edit's images); ``emit`` sends the
-        driver's interim replies (previews) to the request's client.
+    def generate_batch(
+        self,
+        batch: Sequence[Generation],
+        queue_s: Sequence[float],
+        halt: HaltCheck | None = None,
+        blobs: Sequence[bytes] = (),
+        emit: Emit | None = None,
+    ) -> list[list[bytes]]:
+        """Every rank runs one pipeline call for the batch's compatible requests
+        (worker/batch.py); the output rank splits its images back and returns each
+        request's reply, in batch order (the other ranks return empty ones).
+
+        ``halt`` is the driver's: at each denoising step it says whether the batch
+        was cancelled or passed its deadline (every request of it), and the whole
+        gang drops it there. ``blobs`` are an edit's uploads and ``emit`` sends the
+        driver's interim replies (previews): both only in a batch of one request.
+        ``queue_s`` is each request's time in the queue; a reply's inference time is
+        the batch's.
         """
         start = time.perf_counter()
         output_rank = self.comm.info.is_output_rank
         group = self.comm.cpu_group if self.comm.size > 1 else None
         self._gate = StopGate(group, self.comm.info.replica_group[0], halt)
+        params = [g.params for g in batch]
+        first = params[0]
         try:
             # Only the output rank decodes latents to pixels; the others skip the VAE.
             output_type = "pil" if output_rank else "latent"
-            kwargs = {
-                **self.fixed_kwargs,
-                **pipeline_kwargs(params, self.call_defaults, output_type),
-            }
+            kwargs = {**self.fixed_kwargs, **batch_kwargs(params, self.call_defaults, output_type)}
             pipe = self.pipe
-            if params.edit is not None:
-                pipe, extra = edit_call(self.pipe, params, blobs, size_factor(self.pipe))
+            if first.edit is not None:
+                pipe, extra = edit_call(self.pipe, first, blobs, size_factor(self.pipe))
                 kwargs.update(extra)
             watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-            if params.partial_images and output_rank and emit is not None and can_preview(pipe):
-                previews = Previews(request_id, params, output_size(pipe, kwargs), emit)
+            if first.partial_images and output_rank and emit is not None and can_preview(pipe):
+                previews = Previews(batch[0].id, first, output_size(pipe, kwargs), emit)
                 kwargs["callback_on_step_end"] = previews
                 kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
                 watch = previews.watching(pipe)
             with watch:
-                images = self.run_pipe(pipe, kwargs, params)
+                images = self.run_pipe(pipe, kwargs, first)
         except Halted as exc:
             if output_rank:
-                log.info("generation %s: %s", request_id, exc)
-            return encode_error(request_id, exc)
+                log.info("generation %s: %s", _ids(batch), exc)
+            return [encode_error(g.id, exc) for g in batch]
         except RequestError as exc:
-            return encode_error(request_id, exc)
+            return [encode_error(g.id, exc) for g in batch]
         except Exception as exc:
-            log.exception("generation %s failed", request_id)
-            return encode_error(request_id, RequestError(INTERNAL, f"generation failed: {exc}"))
+            log.exception("generation %s failed", _ids(batch))
+            failed = RequestError(INTERNAL, f"generation failed: {exc}")
+            return [encode_error(g.id, failed) for g in batch]
         finally:
             self._gate = None
-        inferred = time.perf_counter()
+        inference_s = time.perf_counter() - start
         peak_mb = self._gang_peak_mb()
         if not output_rank:
-            return []
+            return [[] for _ in batch]
+        # The router's cost model learns this replica's seconds per unit (dpserve.cost).
+        units = sum(self.status.calibration.units(p) for p in params)
+        self.status.calibration.observe(units, inference_s)
+        return [
+            self._reply(g, mine, waited, inference_s, peak_mb)
+            for g, mine, waited in zip(batch, split(images, params), queue_s, strict=True)
+        ]
+
+    def _reply(
+        self,
+        generation: Generation,
+        images: list[Any],
+        queue_s: float,
+        inference_s: float,
+        peak_mb: float,
+    ) -> list[bytes]:
+        """One request's reply: its own images, seeds and queue time."""
+        params = generation.params
         assert params.seed is not None
         fmt, compression = params.output_format, params.output_compression
         encoding = time.perf_counter()
@@ -173,12 +212,12 @@ class Executor:
         result = GenerateResult(
             images=metas,
             replica=self.comm.info.replica,
-            inference_time_s=inferred - start,
+            inference_time_s=inference_s,
             queue_time_s=queue_s,
             peak_memory_mb=peak_mb,
             encode_time_s=encode_s,
         )
-        return encode(RESULT, request_id, result, files)
+        return encode(RESULT, generation.id, result, files)
 
     def _gang_peak_mb(self) -> float:
         """The largest peak memory of any rank of the gang during the last call."""
@@ -335,3 +374,7 @@ def _merge_checksums(results: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             merged[module] = digest
     return {"checksums": merged, "shards": shards}
+
+
+def _ids(batch: Sequence[Generation]) -> str:
+    return ", ".join(g.id for g in batch)

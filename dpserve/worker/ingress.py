@@ -7,10 +7,13 @@ socket, because a ZMQ socket must only be used by the thread that owns it.
 Malformed frames are answered with an error when they carry a request id, else
 dropped and logged; nothing a peer sends can stop this thread.
 
-A generation leaves the queue without running when its client cancels it or its
-deadline passes: the ingress thread answers it at once (or within one poll
-interval of the deadline). A running one is answered by the gang, which asks
-:meth:`Ingress.halt` at each denoising step and drops it there.
+The gang loop takes a batch of compatible generations at a time (worker/batch.py)
+or one other command. A generation leaves the queue without running when its
+client cancels it or its deadline passes: the ingress thread answers it at once (or
+within one poll interval of the deadline). A running one is found by
+:meth:`Ingress.halt`, which the gang asks at each denoising step: it answers a
+request that must stop while others of its batch go on, and stops the gang when
+none is left.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +34,17 @@ from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.transport import bind_router, bound_endpoint, inproc_pair
 from dpserve.wire import Gatekeeper, WireKey, plaintext_warning
-from dpserve.worker.commands import GangCommand, GangStatus
+from dpserve.worker.batch import Batching
+from dpserve.worker.commands import GangCommand, GangStatus, Generation
 from dpserve.worker.edit import check_edit, fitted_size
 
 if TYPE_CHECKING:
     from dpserve.worker.features import Features
 
 log = logging.getLogger(__name__)
+
+# A request that stops while others of its batch run on (Ingress.halt).
+_LEFT_BATCH = "dropped from its batch at a denoising step, the others went on"
 
 
 @dataclass(frozen=True)
@@ -48,20 +55,31 @@ class Work:
     deadline: float | None = None  # on the driver's monotonic clock; generations only
 
 
+@dataclass(eq=False)
+class _Running:
+    """A member of the running batch."""
+
+    work: Work
+    cancelled: bool = False  # its client cancelled it
+    answered: bool = False  # dropped from its batch, and answered already
+
+
 class WorkQueue:
-    """The gang's bounded FIFO, and the work the gang runs now.
+    """The gang's bounded FIFO, and the batch the gang runs now (one work, or several
+    compatible generations: worker/batch.py).
 
     A generation may leave the queue before its turn (cancelled, or past its
-    deadline). One lock covers the queue and the running work, so a cancel finds a
-    request in exactly one of the two places, or nowhere (done already).
+    deadline), and a batch before the batch ends. One lock covers the queue and the
+    running batch, so a cancel finds a request in exactly one of the two places, or
+    nowhere (done already).
     """
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, batching: Batching | None = None) -> None:
         self.maxsize = maxsize
+        self.batching = batching or Batching()
         self._items: deque[Work] = deque()
         self._cond = threading.Condition()  # reentrant
-        self._running: Work | None = None
-        self._cancelled = False  # the running work's client cancelled it
+        self._running: list[_Running] = []
 
     def qsize(self) -> int:
         return len(self._items)
@@ -73,22 +91,69 @@ class WorkQueue:
             self._items.append(work)
             self._cond.notify()
 
-    def start(self, timeout: float) -> Work | None:
-        """The next work, which becomes the running one; ``None`` after ``timeout``."""
+    def start(self, timeout: float) -> list[Work]:
+        """The next batch, which becomes the running one; empty after ``timeout``.
+
+        The oldest work, and the compatible generations that may join it. A batch
+        with nothing compatible queued behind its first request starts at once; one
+        that gathered more but is not full waits up to ``batching.wait_s`` for more
+        (its members count as running meanwhile: a cancel reaches them).
+        """
         with self._cond:
             self._cond.wait_for(lambda: bool(self._items), timeout)
-            work = self._items.popleft() if self._items else None
-            self._running, self._cancelled = work, False
-            return work
+            self._running = []
+            if not self._items:
+                return []
+            self._running.append(_Running(self._items.popleft()))
+            if self.batching.grows(self._running[0].work.command):
+                self._gather(time.monotonic() + self.batching.wait_s)
+            return [member.work for member in self._running]
 
-    def finish(self) -> None:
-        with self._cond:
-            self._running, self._cancelled = None, False
+    def _gather(self, until: float) -> None:
+        while True:
+            batch = [member.work.command for member in self._running]
+            taken, barrier = self.batching.joiners(batch, [w.command for w in self._items])
+            chosen = set(taken)
+            self._running += [_Running(w) for i, w in enumerate(self._items) if i in chosen]
+            self._items = deque(w for i, w in enumerate(self._items) if i not in chosen)
+            left = until - time.monotonic()
+            alone = len(self._running) == 1  # nothing compatible queued: no reason to wait
+            full = self.batching.full([member.work.command for member in self._running])
+            if alone or full or barrier or left <= 0:
+                return
+            self._cond.wait(left)  # until new work arrives (put_nowait notifies)
 
-    def running(self) -> tuple[Work | None, bool]:
-        """The running work and whether its client cancelled it."""
+    def discard(self, works: list[Work]) -> list[Work]:
+        """Take ``works`` out of the running batch before it runs; the batch left."""
         with self._cond:
-            return self._running, self._cancelled
+            self._running = [m for m in self._running if all(m.work is not w for w in works)]
+            return [member.work for member in self._running]
+
+    def finish(self) -> list[tuple[Work, bool]]:
+        """The batch ended: its members, each with whether it was answered already."""
+        with self._cond:
+            ended = [(member.work, member.answered) for member in self._running]
+            self._running = []
+            return ended
+
+    def running(self) -> list[tuple[Work, bool]]:
+        """The running batch's members not answered yet, each with whether its client
+        cancelled it."""
+        with self._cond:
+            return [(m.work, m.cancelled) for m in self._running if not m.answered]
+
+    def answered(self, work: Work) -> None:
+        """``work`` left its running batch with an answer; the others go on."""
+        with self._cond:
+            for member in self._running:
+                if member.work is work:
+                    member.answered = True
+
+    def snapshot(self) -> list[Work]:
+        """The work running (not answered yet) and queued, in that order."""
+        with self._cond:
+            running = [m.work for m in self._running if not m.answered]
+            return running + list(self._items)
 
     def take(self, drop: Callable[[Work], bool]) -> list[Work]:
         """Remove the queued work ``drop`` picks, and return it in queue order."""
@@ -114,9 +179,10 @@ class WorkQueue:
             )
 
         with self._cond:
-            running = self._running is not None and named(self._running)
-            if running:
-                self._cancelled = True
+            running = False
+            for member in self._running:
+                if not member.answered and named(member.work):
+                    member.cancelled = running = True
             taken = self.take(named)
         found = p.CANCEL_QUEUED if taken else p.CANCEL_RUNNING if running else p.CANCEL_NOT_FOUND
         return taken, found
@@ -136,11 +202,13 @@ class Ingress:
         settle: bool = False,
         key: WireKey | None = None,
         features: Features | None = None,
+        batching: Batching | None = None,
     ) -> None:
         """``key``: the service's wire key; the socket is then a CURVE server that
         admits only clients holding it. None: a plaintext wire (warned loudly).
         ``features``: what the model serves (edits, previews), checked before work
-        queues; None: not known here (uploads are still checked)."""
+        queues; None: not known here (uploads are still checked). ``batching``: how
+        generations gather into batches (None: one at a time)."""
         self.replica = replica
         self.features = features
         self.limits = limits
@@ -148,7 +216,7 @@ class Ingress:
         self.stall_s = stall_s
         self.max_sessions = max_sessions
         self.boot_id = uuid.uuid4().hex
-        self.work = WorkQueue(max_queue)
+        self.work = WorkQueue(max_queue, batching)
         self.draining = threading.Event()
         self._stop = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -176,44 +244,63 @@ class Ingress:
 
     # ------------------------------------------------------------ gang loop side
 
-    def next_work(self, timeout: float) -> Work | None:
-        """The next work to run, which becomes the running one until :meth:`finished`.
+    def next_work(self, timeout: float) -> list[Work]:
+        """The next batch to run (one work, or compatible generations in queue order),
+        which is the running one until :meth:`finished`; empty after ``timeout``.
 
         Work whose deadline passed since the ingress thread last looked is answered
         here instead of run.
         """
         end = time.monotonic() + timeout
-        while (work := self.work.start(max(0.0, end - time.monotonic()))) is not None:
-            late = _past_deadline(work, time.monotonic(), started=False)
-            if late is None:
-                return work
-            self.reply(work.identity, p.encode_error(work.command.id, late))
-        return None
+        while batch := self.work.start(max(0.0, end - time.monotonic())):
+            now = time.monotonic()
+            late = [(w, e) for w in batch if (e := _past_deadline(w, now, started=False))]
+            for work, error in late:
+                self.reply(work.identity, p.encode_error(work.command.id, error))
+            if len(late) < len(batch):
+                return self.work.discard([work for work, _ in late])
+            self.work.finish()
+        return []
 
     def halt(self) -> p.RequestError | None:
-        """Why the running generation must stop now (cancelled, or past its deadline).
+        """Why the running batch must stop now: every request in it was cancelled or
+        passed its deadline. ``None``: go on.
 
-        Asked by the gang loop at each denoising step; ``None``: go on.
+        Asked by the gang loop at each denoising step. A request that must stop while
+        others of its batch go on is answered here, at once, and its image is
+        discarded when the batch ends. When all must stop, the last is left to the
+        gang's own answer (the error returned here, raised on every rank).
         """
-        work, cancelled = self.work.running()
-        if work is None:
+        now = time.monotonic()
+        live = self.work.running()
+        stopping = [(w, e) for w, cancelled in live if (e := _halt(w, cancelled, now))]
+        if not stopping:
             return None
-        if cancelled:
-            return p.RequestError(p.CANCELLED, f"request {work.command.id} was cancelled")
-        return _past_deadline(work, time.monotonic(), started=True)
+        last = stopping.pop()[1] if len(stopping) == len(live) else None
+        for work, error in stopping:
+            self.work.answered(work)
+            dropped = p.RequestError(error.code, f"{error}; {_LEFT_BATCH}")
+            self.reply(work.identity, p.encode_error(work.command.id, dropped))
+        return last
 
-    def finished(self) -> None:
-        """The running work is done (answered, or dropped)."""
-        self.work.finish()
+    def finished(self, replies: Sequence[list[bytes]] = ()) -> None:
+        """The running batch is done: ``replies`` holds each member's answer, in batch
+        order (none for the driver's own commands), sent unless it was answered already."""
+        ended = self.work.finish()
+        for (work, answered), frames in zip(ended, replies, strict=False):
+            if frames and not answered:
+                self.reply(work.identity, frames)
 
     def reply(self, identity: bytes, frames: list[bytes]) -> None:
         self._replies_out.send_multipart([identity, *frames])
 
     def close(self) -> None:
         # Work that slipped in after the loop's last look is refused, not lost silently.
-        while (work := self.next_work(timeout=0)) is not None:
+        while batch := self.next_work(timeout=0):
             refusal = p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
-            self.reply(work.identity, p.encode_error(work.command.id, refusal))
+            for work in batch:
+                self.reply(work.identity, p.encode_error(work.command.id, refusal))
+            self.work.finish()
         self._stop.set()
         self._thread.join(timeout=5)
         for sock in (self._replies_out, self._replies_in, self._sock):
@@ -299,7 +386,8 @@ class Ingress:
         if message.kind == p.GENERATE:
             params = p.fill_seeds(self._generate(message))
             blobs = list(message.blobs) if params.edit is not None else []
-            command = GangCommand(kind=p.GENERATE, id=message.id, generate=params, blobs=blobs)
+            batch = [Generation(id=message.id, params=params)]
+            command = GangCommand(kind=p.GENERATE, id=message.id, batch=batch, blobs=blobs)
         elif message.kind == p.SESSION:
             command = self._session(message)
         elif message.kind == p.CONTROL:
@@ -389,6 +477,20 @@ class Ingress:
             sessions=self.status.sessions,
             max_sessions=self.max_sessions,
             session_bytes=self.status.session_bytes,
+            max_batch=self.status.max_batch,
+            cost=self.status.calibration.report(),
+            outstanding_units=self._outstanding_units(),
+            busy_fraction=round(self.status.busy_fraction, 4),
+        )
+
+    def _outstanding_units(self) -> float:
+        """Cost units of the generations queued and running, whoever sent them: what
+        a router adds to its own view for the work other routers placed here."""
+        units = self.status.calibration.units
+        return sum(
+            units(generation.params)
+            for work in self.work.snapshot()
+            for generation in work.command.batch
         )
 
 
@@ -411,6 +513,13 @@ def _check_session_params(params: rt.SessionParams, limits: p.Limits) -> None:
             p.INVALID_REQUEST,
             f"frame_steps must be 1..{limits.max_steps} and strength in (0, 1]",
         )
+
+
+def _halt(work: Work, cancelled: bool, now: float) -> p.RequestError | None:
+    """Why a running request must stop now (cancelled, or past its deadline), or None."""
+    if cancelled:
+        return p.RequestError(p.CANCELLED, f"request {work.command.id} was cancelled")
+    return _past_deadline(work, now, started=True)
 
 
 def _past_deadline(work: Work, now: float, started: bool) -> p.RequestError | None:

@@ -1,10 +1,11 @@
 """One rank of a replica's gang: join the group, load the model, warm up, serve.
 
 The driver (first rank) owns the ingress and relays one command per loop turn to
-the whole gang with a broadcast over the gang's CPU group; every rank executes
-it; only the driver replies. When idle the driver relays a tick, so a dead rank
-shows within one tick interval and idle collectives never time out (a stopped one
-does not, a broadcast waits for no receiver: the supervisor's heartbeats find it).
+the whole gang with a broadcast over the gang's CPU group (a batch of generations
+is one command: worker/batch.py); every rank executes it; only the driver replies.
+When idle the driver relays a tick, so a dead rank shows within one tick interval
+and idle collectives never time out (a stopped one does not, a broadcast waits for
+no receiver: the supervisor's heartbeats find it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dpserve.worker.heartbeat import Heartbeats
 
 if TYPE_CHECKING:
     from dpserve.worker.executor import Executor
-    from dpserve.worker.ingress import Ingress
+    from dpserve.worker.ingress import Ingress, Work
     from dpserve.worker.parallel.encoders import EncoderRelay
 
 log = logging.getLogger("dpserve.worker")
@@ -235,6 +236,7 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
 
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
     from dpserve.wire import WireKey
+    from dpserve.worker.batch import Batching
     from dpserve.worker.ingress import Ingress
 
     limits = p.Limits(
@@ -255,7 +257,9 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         settle=cfg.endpoint_file is not None,  # only a caller that reads it back may move it
         key=None if cfg.wire_key_file is None else WireKey.load(cfg.wire_key_file),
         features=executor.features,
+        batching=Batching(cfg.max_batch, cfg.batch_wait_ms / 1000),
     )
+    executor.status.max_batch = cfg.max_batch
     if not ingress.endpoint.endswith(f":{cfg.port}"):
         taken = "replica %d: port %d is taken; bound %s instead"
         log.warning(taken, cfg.replica, cfg.port, ingress.endpoint)
@@ -281,25 +285,29 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def _next_command(
     ingress: Ingress, executor: Executor, cfg: WorkerConfig, draining: dict[str, bool]
-) -> tuple[GangCommand, bytes, float]:
-    """The driver's choice for this turn: an expiry, queued work, a tick, or STOP once drained."""
+) -> tuple[GangCommand, list[Work]]:
+    """The driver's choice for this turn: an expiry, queued work (a batch), a tick, or
+    STOP once drained; with the queued work it runs (none for the driver's own)."""
     expired = executor.sessions.expired(time.monotonic())
     if expired:
         # The driver's clock decides, and the whole gang drops the session together.
         log.info("session %s idle for %gs: released", expired[0], cfg.session_idle_timeout_s)
         close = rt.SessionRequest(action=rt.CLOSE, session_id=expired[0])
-        return GangCommand(kind=p.SESSION, id="expiry", session=close), b"", 0.0
+        return GangCommand(kind=p.SESSION, id="expiry", session=close), []
     if draining["asked"] and not ingress.draining.is_set():
         log.info("draining: no new requests, finishing %d queued", ingress.work.qsize())
         ingress.draining.set()
     # Short waits up to one tick, so a drain request is noticed promptly.
     deadline = time.monotonic() + cfg.tick_s
-    work = ingress.next_work(timeout=0)
-    while work is None and not draining["asked"] and time.monotonic() < deadline:
-        work = ingress.next_work(timeout=0.25)
-    if work is not None:
-        return work.command, work.identity, time.monotonic() - work.received_at
-    return GangCommand(kind=STOP if ingress.draining.is_set() else TICK), b"", 0.0
+    batch = ingress.next_work(timeout=0)
+    while not batch and not draining["asked"] and time.monotonic() < deadline:
+        batch = ingress.next_work(timeout=0.25)
+    if len(batch) > 1:  # compatible generations: one command, one pipeline call
+        generations = [g for work in batch for g in work.command.batch]
+        return GangCommand(kind=p.GENERATE, id=batch[0].command.id, batch=generations), batch
+    if batch:
+        return batch[0].command, batch
+    return GangCommand(kind=STOP if ingress.draining.is_set() else TICK), []
 
 
 def _loop(
@@ -312,9 +320,10 @@ def _loop(
     status = executor.status
     while True:
         status.progress_at = time.monotonic()
-        identity, queue_s, payload = b"", 0.0, None
+        works: list[Work] = []  # the driver's: the queued work this turn runs
+        payload = None
         if ingress is not None:
-            command, identity, queue_s = _next_command(ingress, executor, cfg, draining)
+            command, works = _next_command(ingress, executor, cfg, draining)
             payload = _encode(command)
         command = decode_command(comm.broadcast_bytes(payload))
         if command.kind == STOP:
@@ -322,33 +331,34 @@ def _loop(
         if command.kind == TICK:
             continue
         status.busy = True
-        if command.generate is not None:
+        if command.batch:
             # The driver's ingress says, at each denoising step, whether the work goes on.
             halt = ingress.halt if ingress is not None else None
-            emit = _emitter(ingress, identity)
-            frames = executor.generate(
-                command.id, command.generate, queue_s, halt, command.blobs, emit
+            now = time.monotonic()
+            queue_s = [now - work.received_at for work in works] or [0.0] * len(command.batch)
+            replies = executor.generate_batch(
+                command.batch, queue_s, halt, command.blobs, _emitter(ingress, works)
             )
         elif command.session is not None:
-            frames = executor.session(command.id, command.session, command.blobs)
+            replies = [executor.session(command.id, command.session, command.blobs)]
         else:
             assert command.control is not None
-            frames = executor.control(command.id, command.control, cfg.replica)
+            replies = [executor.control(command.id, command.control, cfg.replica)]
         status.busy = False
+        # The driver's own commands (expiries) get no reply and are no served requests.
+        status.served += len(works) if ingress is not None else 1
         if ingress is not None:
-            ingress.finished()
-        if identity or ingress is None:  # the driver's own expiries are not served requests
-            status.served += 1
-        if ingress is not None and frames and identity:  # the driver's own commands get none
-            ingress.reply(identity, frames)
+            ingress.finished(replies if works else [])
 
 
-def _emitter(ingress: Ingress | None, identity: bytes) -> Callable[[list[bytes]], None] | None:
-    """The driver's way to send a request's interim replies (previews) as they come.
+def _emitter(ingress: Ingress | None, works: list[Work]) -> Callable[[list[bytes]], None] | None:
+    """The driver's way to send a request's interim replies (previews) as they come;
+    only a batch of one request has any (worker/batch.py).
 
     Called on this, the gang loop's, thread: ``Ingress.reply`` hands the frames to
     the ingress thread, which alone touches the socket.
     """
-    if ingress is None or not identity:
+    if ingress is None or len(works) != 1:
         return None
+    identity = works[0].identity
     return lambda frames: ingress.reply(identity, frames)

@@ -70,10 +70,9 @@ def test_bad_uploads_are_refused_naming_the_field_before_they_queue(flux: Ingres
         assert flux.work.qsize() == 0
         client.send_raw(p.encode(p.GENERATE, "ok", _edit(1, mask=True), [_png((96, 64))] * 2))
         assert client.ping().queue_depth == 1
-    work = flux.next_work(timeout=0)
-    assert work is not None and work.command.generate is not None
+    [work] = flux.next_work(timeout=0)
     assert len(work.command.blobs) == 2  # the uploads travel to the gang
-    params = work.command.generate
+    params = work.command.batch[0].params
     assert (params.width, params.height) == (64, 64)  # given: kept
     flux.finished()
 
@@ -83,9 +82,9 @@ def test_an_edit_without_a_size_takes_its_first_images(flux: Ingress) -> None:
     with ReplicaClient(flux.endpoint, timeout_s=5) as client:
         client.send_raw(p.encode(p.GENERATE, "sized", body, [_png((100, 70))]))
         assert client.ping().queue_depth == 1
-    work = flux.next_work(timeout=0)
-    assert work is not None and work.command.generate is not None
-    assert (work.command.generate.width, work.command.generate.height) == (96, 64)
+    [work] = flux.next_work(timeout=0)
+    params = work.command.batch[0].params
+    assert (params.width, params.height) == (96, 64)
     flux.finished()
 
 
@@ -119,8 +118,8 @@ def test_a_cancel_from_any_client_finds_queued_and_running_work(flux: Ingress) -
         for rid in ("run", "wait", "stay"):
             owner.send_raw(p.encode(p.GENERATE, rid, BODY))
         assert owner.ping().queue_depth == 3
-        running = flux.next_work(timeout=0)
-        assert running is not None and running.command.id == "run"
+        [running] = flux.next_work(timeout=0)
+        assert running.command.id == "run"
         assert _cancel_any(other, "wait").found == p.CANCEL_QUEUED
         gone = owner.recv()  # answered to the request's own sender
         assert (gone.id, p.decode_error(gone).code) == ("wait", p.CANCELLED)
@@ -132,6 +131,6 @@ def test_a_cancel_from_any_client_finds_queued_and_running_work(flux: Ingress) -
         assert _cancel_any(other, "nobody").found == p.CANCEL_NOT_FOUND
         with pytest.raises(ReplicaTimeout):
             other.recv(timeout_s=0.2)  # nothing else for the canceller
-    left = flux.next_work(timeout=0)
-    assert left is not None and left.command.id == "stay"
+    [left] = flux.next_work(timeout=0)
+    assert left.command.id == "stay"
     flux.finished()
