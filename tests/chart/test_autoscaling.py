@@ -120,10 +120,26 @@ def adapter_query(rule: dict[str, Any], matchers: str) -> str:
     )
 
 
+def outer_call(query: str) -> str | None:
+    """The function or aggregation whose parentheses enclose the whole query, if any
+    (one with a ``by``/``without`` clause does not count: it keeps several series)."""
+    match = re.match(r"(\w+)\s*\(", query.strip())
+    if match is None:
+        return None
+    depth = 0
+    for i, char in enumerate(query.strip()):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and i >= match.end() - 1:
+            return match.group(1) if i == len(query.strip()) - 1 else None
+    return None
+
+
 def test_the_promql_reader_reads_the_shapes_the_examples_use() -> None:
     q = 'sum(max by (replica) (m_a{namespace="x",svc!=""})) / sum(m_b) + rate(m_c[1m])'
     assert query_metrics(q) == {"m_a", "m_b", "m_c"}
     assert query_labels(q) == {"replica", "namespace", "svc"}
+    assert outer_call("sum(max by (r) (m))") == "sum"
+    assert outer_call("sum(m) / sum(n)") is None and outer_call("sum by (r) (m)") is None
 
 
 # ------------------------------------------------------------------ the router's /metrics
@@ -241,6 +257,25 @@ def test_hpa_and_keda_scale_on_the_same_query_and_target() -> None:
     # Both select the service they scale, by the label the scrape job derives.
     assert selector == {"dpserve_service": hpa["spec"]["scaleTargetRef"]["name"]}
     assert "dpserve_service" in target_labels()
+
+
+def test_the_adapter_rule_is_shaped_as_prometheus_adapter_reads_it() -> None:
+    """Field names of prometheus-adapter's discovery rules (docs/config.md in
+    kubernetes-sigs/prometheus-adapter) and of its Helm chart's values."""
+    values = load("prometheus-adapter-values.yaml")
+    assert set(values) == {"prometheus", "rules"} and set(values["prometheus"]) == {"url", "port"}
+    assert values["rules"]["default"] is False and set(values["rules"]) == {"default", "external"}
+    rule = adapter_rule()
+    assert set(rule) <= {"seriesQuery", "seriesFilters", "resources", "name", "metricsQuery"}
+    (series,) = query_metrics(rule["seriesQuery"])
+    assert re.fullmatch(rule["name"]["matches"], series) and set(rule["name"]) == {"matches", "as"}
+    # The namespace label is tied to the namespace resource, so the adapter adds the HPA's
+    # namespace as a matcher (and a service in another namespace is never counted).
+    assert rule["resources"] == {"overrides": {"namespace": {"resource": "namespace"}}}
+    assert {"<<.Series>>", "<<.LabelMatchers>>"} <= set(
+        re.findall(r"<<[^>]*>>", rule["metricsQuery"])
+    )
+    assert "<<.GroupBy>>" not in rule["metricsQuery"]  # empty for External metrics
 
 
 # ------------------------------------------------------------------ the scrape job
@@ -400,6 +435,8 @@ def test_the_scaled_object_has_the_fields_keda_requires() -> None:
     assert metadata["ignoreNullValues"] in ("true", "false")
     assert re.fullmatch(r"https?://[^/\s]+(:\d+)?/?\S*", metadata["serverAddress"])
     assert f'namespace="{NAMESPACE}"' in metadata["query"]
+    # KEDA refuses an answer of more than one series: the query is one sum with no `by`.
+    assert outer_call(metadata["query"]) == "sum"
 
 
 def test_the_scaled_object_never_scales_to_zero() -> None:
