@@ -440,7 +440,8 @@ def test_the_scaled_object_has_the_fields_keda_requires() -> None:
 
 
 def test_the_scaled_object_never_scales_to_zero() -> None:
-    """Scale to zero is refused on purpose (docs/autoscaling.md): see the next test."""
+    """Left out on purpose (docs/autoscaling.md, Scale to zero): at 0 replicas the router
+    is unready and nothing reaches it to be measured, as the two tests below show."""
     spec = load("keda-scaledobject.yaml")["spec"]
     assert spec["minReplicaCount"] >= 1 and "idleReplicaCount" not in spec
     assert "cooldownPeriod" not in spec  # KEDA uses it only for the step to zero
