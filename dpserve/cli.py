@@ -29,7 +29,18 @@ def _add_router_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: all)")
     r.add_argument("--port", type=port_number, default=8000, help="HTTP port")
     r.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    r.add_argument("--max-inflight-per-replica", type=positive, default=2)
+    r.add_argument(
+        "--max-inflight-per-replica",
+        type=positive,
+        default=2,
+        help="requests per replica at once, times its --max-batch; then they wait in the router",
+    )
+    r.add_argument(
+        "--policy",
+        choices=("round_robin", "least_work"),  # dpserve.router.policies.POLICIES
+        default="least_work",
+        help="where a generation goes: the replica with the least estimated work, or in turn",
+    )
     r.add_argument("--max-waiting", type=positive, default=256, help="queued requests, then 429")
     r.add_argument("--output-dir", type=Path, default=None, help="enables response_format=url")
     r.add_argument("--public-url", default=None, help="base of image URLs (default: own address)")
@@ -171,6 +182,7 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
     pool = PoolSettings(
         request_timeout_s=args.request_timeout,
         max_inflight=args.max_inflight_per_replica,
+        policy=args.policy,
         max_queue=args.max_waiting,
         wire_key=_wire_key(args.wire_key_file),
     )

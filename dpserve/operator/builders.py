@@ -459,6 +459,7 @@ def router_args(svc: Svc) -> list[str]:
         "--request-timeout", str(r.requestTimeoutSeconds),
         "--max-inflight-per-replica", str(r.maxInflightPerReplica),
         "--max-waiting", str(r.maxWaiting),
+        "--policy", r.policy,
         "--served-model-name", svc.name,
         "--wire-key-file", WIRE_KEY_FILE,
         *auth,

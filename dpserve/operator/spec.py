@@ -144,6 +144,11 @@ class RouterSpec(_Model):
     requestTimeoutSeconds: int = Field(300, ge=1, le=86400)
     maxInflightPerReplica: int = Field(2, ge=1, le=1024)
     maxWaiting: int = Field(256, ge=1, le=100000)
+    policy: Literal["least_work", "round_robin"] = Field(
+        "least_work",
+        description="where a generation goes: the replica with the least estimated work, "
+        "or each in turn (docs/router.md, Routing policies)",
+    )
     resources: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
     auth: RouterAuth | None = Field(
         None, description="API keys; without it the router serves anyone who reaches it"

@@ -102,6 +102,30 @@ class RouterMetrics:
         self.queue_depth = Gauge(
             "dpserve_queue_depth", "Requests waiting for a replica slot", registry=self.registry
         )
+        # Autoscaling signals (docs/autoscaling.md): load as the replicas report it.
+        self.replica_queue_depth = Gauge(
+            "dpserve_replica_queue_depth",
+            "Requests queued at each replica, from every router (as of its last ping)",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.replica_work = Gauge(
+            "dpserve_replica_outstanding_work_seconds",
+            "Estimated seconds of work queued and running at each replica, from every router",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.replica_busy = Gauge(
+            "dpserve_replica_busy_fraction",
+            "Share of each replica's recent window (20 s) spent working, 0..1 (last ping)",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.work = Gauge(
+            "dpserve_outstanding_work_seconds",
+            "Estimated seconds of work queued and running, summed over the replicas",
+            registry=self.registry,
+        )
 
     def observe(
         self, route: str, method: str, status: int, seconds: float, disconnected: bool = False
@@ -113,14 +137,28 @@ class RouterMetrics:
 
     def render(self, pool: ReplicaPool) -> bytes:
         """Gauges are read from the pool at scrape time, so they are never stale."""
-        self.replica_inflight.clear()
-        self.replica_healthy.clear()
-        self.replica_sessions.clear()
+        per_replica = (
+            self.replica_inflight,
+            self.replica_healthy,
+            self.replica_sessions,
+            self.replica_queue_depth,
+            self.replica_work,
+            self.replica_busy,
+        )
+        for gauge in per_replica:
+            gauge.clear()
+        total = 0.0
         for replica in pool.replicas.values():
+            work = pool.outstanding_s(replica)
+            total += work
             self.replica_sessions.labels(replica.endpoint).set(replica.sessions)
             self.replica_inflight.labels(replica.endpoint).set(replica.inflight)
             self.replica_healthy.labels(replica.endpoint).set(1 if replica.serving else 0)
+            self.replica_queue_depth.labels(replica.endpoint).set(replica.queue_depth)
+            self.replica_work.labels(replica.endpoint).set(work)
+            self.replica_busy.labels(replica.endpoint).set(replica.busy_fraction)
         self.queue_depth.set(pool.queue_depth)
+        self.work.set(total)
         return generate_latest(self.registry)
 
 

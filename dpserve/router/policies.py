@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal, Protocol
 
 from dpserve.protocol import HTTP_STATUS, ErrorBody
+
+PolicyName = Literal["round_robin", "least_work"]
+POLICIES: Final[tuple[PolicyName, ...]] = ("round_robin", "least_work")
+# Seconds per cost unit while no replica has measured one: costs are then compared
+# in plain units (the ranking is what matters; the seconds shown are units).
+UNCALIBRATED_SECONDS_PER_UNIT: Final = 1.0
+
+
+class Policy(Protocol):
+    def pick(
+        self,
+        keys: Iterable[str],
+        eligible: Callable[[str], bool],
+        finish: Callable[[str], float] | None = None,
+    ) -> str | None:
+        """An eligible key, or None; ``finish``: a request's estimated completion
+        there, in seconds from now (its wait included)."""
+        ...
 
 
 class RoundRobin:
@@ -22,7 +41,12 @@ class RoundRobin:
     def __init__(self) -> None:
         self._last: str | None = None
 
-    def pick(self, keys: Iterable[str], eligible: Callable[[str], bool]) -> str | None:
+    def pick(
+        self,
+        keys: Iterable[str],
+        eligible: Callable[[str], bool],
+        finish: Callable[[str], float] | None = None,  # not read: cost-blind
+    ) -> str | None:
         order = sorted(keys)
         if not order:
             return None
@@ -35,6 +59,94 @@ class RoundRobin:
                 self._last = key
                 return key
         return None
+
+
+class LeastWork:
+    """The eligible replica where the request is estimated to finish first: its
+    outstanding work plus the request's own cost there (``finish``). Replicas within
+    ``tie_s`` of the best take turns (idle replicas alternate, as round-robin does).
+
+    **Decision** (docs/router.md, "Routing policies"): only replicas with a free
+    slot are eligible, so a request never waits in the router while a replica could
+    start it. Waiting for a better but full replica would help a little when every
+    waiter's choice counted the others' (a central schedule), and hurts when they
+    do not: they all wait for the same replica while another idles.
+    """
+
+    def __init__(self, tie_s: float = 1e-3) -> None:
+        self.tie_s = tie_s
+        self._turns = RoundRobin()
+
+    def pick(
+        self,
+        keys: Iterable[str],
+        eligible: Callable[[str], bool],
+        finish: Callable[[str], float] | None = None,
+    ) -> str | None:
+        candidates = [k for k in keys if eligible(k)]
+        if not candidates or finish is None:
+            return self._turns.pick(candidates, lambda k: True)
+        estimates = {k: finish(k) for k in candidates}
+        best = min(estimates.values())
+        return self._turns.pick(candidates, lambda k: estimates[k] <= best + self.tie_s)
+
+
+def make_policy(name: PolicyName) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_work":
+        return LeastWork()
+    raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(POLICIES)}")
+
+
+class WorkLedger:
+    """This router's requests at one replica: each one's cost units and estimated
+    seconds, in the order sent.
+
+    A replica runs its queue in order, so the oldest is the one running: its
+    estimate shrinks by the time since it started (when it was sent, or when the
+    one before it was answered), down to zero when it overruns. Work other routers
+    placed there is not in here (the pool adds what the replica's pings say).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, tuple[float, float]] = {}  # ticket -> (units, seconds)
+        self._started = 0.0  # when the oldest began, as far as this router can tell
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, ticket: int, units: float, seconds: float, now: float) -> None:
+        if not self._jobs:
+            self._started = now
+        self._jobs[ticket] = (units, seconds)
+
+    def remove(self, ticket: int, now: float) -> None:
+        oldest = next(iter(self._jobs), None)
+        self._jobs.pop(ticket, None)
+        if ticket == oldest:
+            self._started = now  # the next one starts now
+
+    @property
+    def units(self) -> float:
+        return sum(units for units, _ in self._jobs.values())
+
+    def seconds(self, now: float) -> float:
+        """Estimated seconds of this router's work left there."""
+        if not self._jobs:
+            return 0.0
+        total = sum(seconds for _, seconds in self._jobs.values())
+        head = next(iter(self._jobs.values()))[1]
+        return total - min(head, max(0.0, now - self._started))
+
+
+def seconds_per_unit(own: float | None, others: Iterable[float | None]) -> float:
+    """A replica's measured seconds per unit; until it has one, the median of the
+    other replicas' (same model, likely the same hardware); else plain units."""
+    if own is not None:
+        return own
+    known = [s for s in others if s is not None]
+    return statistics.median(known) if known else UNCALIBRATED_SECONDS_PER_UNIT
 
 
 def hrw_order(session_id: str, keys: Iterable[str]) -> list[str]:

@@ -6,8 +6,10 @@ through the pool's methods. Each replica has its own health task (one slow or
 stopped replica never delays another's pings) and, while it does not hold the
 desired control state, its own sync task. A replica serves only when it answers
 pings, reports ``ok``, and holds the desired control state. Generation requests
-take a slot on a serving replica (round-robin, at most ``max_inflight`` each) or
-wait in a bounded FIFO.
+take a slot on a serving replica (the routing policy picks: least estimated work,
+or round-robin; at most ``max_inflight`` x the replica's batch size each) or wait
+in a bounded FIFO. Each slot carries the request's estimated cost, so the pool
+knows every replica's outstanding work (dpserve.cost, docs/router.md).
 """
 
 from __future__ import annotations
@@ -25,9 +27,16 @@ import zmq.asyncio
 
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc, parse_doc
+from dpserve.cost import cost_units
 from dpserve.router.connection import ReplicaConnection, ReplicaLost
 from dpserve.router.desired import DesiredState, OutOfSync
-from dpserve.router.policies import ReplicaOutcome, RoundRobin
+from dpserve.router.policies import (
+    PolicyName,
+    ReplicaOutcome,
+    WorkLedger,
+    make_policy,
+    seconds_per_unit,
+)
 from dpserve.wire import WireKey, plaintext_warning
 
 log = logging.getLogger(__name__)
@@ -45,7 +54,10 @@ class PoolSettings:
     abandon_after_missed_pings: int = 2
     control_timeout_s: float = 300.0
     sync_backoff_max_s: float = 30.0
-    max_inflight: int = 2  # per replica: one running, one queued keeps a gang busy
+    # Per replica, times its batch size (--max-batch, from its pings): one running
+    # batch and one queued keeps a gang busy.
+    max_inflight: int = 2
+    policy: PolicyName = "least_work"  # or "round_robin" (docs/router.md, Routing policies)
     max_queue: int = 256  # requests waiting for a slot, router-wide
     # The service's wire key: the router is a CURVE client of every driver with it.
     # None: plaintext (only for a wire nobody else can reach; warned at start).
@@ -72,6 +84,13 @@ class Replica:
     sessions: int = 0  # realtime sessions it holds, as of its last ping
     max_sessions: int = 0
     session_bytes: int = 0
+    # Load, as of its last ping, and this router's own work there (the cost model).
+    max_batch: int = 1
+    cost: p.CostReport = field(default_factory=p.CostReport)
+    queue_depth: int = 0  # requests queued at the replica (every router's)
+    busy_fraction: float = 0.0
+    others_units: float = 0.0  # units there that are not this router's
+    ledger: WorkLedger = field(default_factory=WorkLedger)
     # One control conversation at a time, so a sync and a fan-out never interleave.
     control: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -84,6 +103,16 @@ class Replica:
         return self.replica_id or self.endpoint
 
 
+@dataclass(frozen=True)
+class Slot:
+    """A generation's place on a replica, and its cost there, until :meth:`ReplicaPool.release`."""
+
+    replica: Replica
+    ticket: int
+    units: float
+    seconds: float
+
+
 @dataclass
 class ReplicaPool:
     settings: PoolSettings
@@ -92,7 +121,8 @@ class ReplicaPool:
     replicas: dict[str, Replica] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._rr = RoundRobin()
+        self._policy = make_policy(self.settings.policy)
+        self._tickets = 0
         self._leaving: dict[str, tuple[Replica, asyncio.Task[None]]] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._health: dict[str, asyncio.Task[None]] = {}
@@ -217,6 +247,13 @@ class ReplicaPool:
         replica.replica_id, replica.held = str(ping.replica), held
         replica.sessions, replica.max_sessions = ping.sessions, ping.max_sessions
         replica.session_bytes = ping.session_bytes
+        replica.max_batch, replica.queue_depth = max(1, ping.max_batch), ping.queue_depth
+        replica.busy_fraction = ping.busy_fraction
+        if ping.cost is not None:
+            replica.cost = ping.cost
+        # The replica counts every router's work, ours included (in flight now, give
+        # or take what is on the wire): the rest is other routers'.
+        replica.others_units = max(0.0, ping.outstanding_units - replica.ledger.units)
         if ping.boot_id != replica.boot_id:
             if replica.boot_id:
                 log.warning(
@@ -413,26 +450,55 @@ class ReplicaPool:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
-    def _pick(self, avoid: set[str]) -> Replica | None:
+    def cap(self, replica: Replica) -> int:
+        return self.settings.max_inflight * replica.max_batch
+
+    def seconds_per_unit(self, replica: Replica) -> float:
+        others = (r.cost.seconds_per_unit for r in self.members() if r is not replica)
+        return seconds_per_unit(replica.cost.seconds_per_unit, others)
+
+    def estimate(self, replica: Replica, params: p.GenerateParams) -> tuple[float, float]:
+        """The request's cost units and estimated seconds on ``replica``."""
+        units = cost_units(params, replica.cost)
+        return units, units * self.seconds_per_unit(replica)
+
+    def outstanding_s(self, replica: Replica, now: float | None = None) -> float:
+        """Estimated seconds of work queued and running there: this router's (the
+        running one shrinking as it runs) and other routers' (as of the last ping)."""
+        now = time.monotonic() if now is None else now
+        others = replica.others_units * self.seconds_per_unit(replica)
+        return replica.ledger.seconds(now) + others
+
+    def _pick(self, avoid: set[str], params: p.GenerateParams) -> Replica | None:
         def free(endpoint: str, allow_avoided: bool) -> bool:
             r = self.replicas[endpoint]
-            ok = r.serving and r.inflight < self.settings.max_inflight
+            ok = r.serving and r.inflight < self.cap(r)
             return ok and (allow_avoided or endpoint not in avoid)
 
-        key = self._rr.pick(self.replicas, lambda e: free(e, False))
+        now = time.monotonic()
+
+        def finish(endpoint: str) -> float:
+            replica = self.replicas[endpoint]
+            return self.outstanding_s(replica, now) + self.estimate(replica, params)[1]
+
+        key = self._policy.pick(self.replicas, lambda e: free(e, False), finish)
         # A retry prefers another replica, but takes the same one if it is the only one.
         if key is None and avoid and not any(r.endpoint not in avoid for r in self.serving()):
-            key = self._rr.pick(self.replicas, lambda e: free(e, True))
+            key = self._policy.pick(self.replicas, lambda e: free(e, True), finish)
         return self.replicas[key] if key is not None else None
 
-    async def acquire(self, avoid: set[str], timeout_s: float) -> Replica:
-        """A slot on a serving replica, waiting in FIFO order; 429 when the queue is full."""
+    async def acquire(self, avoid: set[str], timeout_s: float, params: p.GenerateParams) -> Slot:
+        """A slot on a serving replica for ``params``, waiting in FIFO order; 429 when
+        the queue is full."""
         deadline = time.monotonic() + timeout_s
         while True:
-            replica = self._pick(avoid)
+            replica = self._pick(avoid, params)
             if replica is not None:
                 replica.inflight += 1
-                return replica
+                units, seconds = self.estimate(replica, params)
+                self._tickets += 1
+                replica.ledger.add(self._tickets, units, seconds, time.monotonic())
+                return Slot(replica, self._tickets, units, seconds)
             if len(self._waiters) >= self.settings.max_queue:
                 raise p.RequestError(
                     p.OVERLOADED, f"all replicas are busy and {len(self._waiters)} requests wait"
@@ -449,8 +515,10 @@ class ReplicaPool:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
 
-    def release(self, replica: Replica) -> None:
-        replica.inflight -= 1
+    def release(self, slot: Slot) -> None:
+        """The slot's request was answered (or failed): its work leaves the replica."""
+        slot.replica.inflight -= 1
+        slot.replica.ledger.remove(slot.ticket, time.monotonic())
         self._wake()
 
     def note_served(self, replica: Replica) -> None:
@@ -477,7 +545,20 @@ class ReplicaPool:
             "state": state,
             "status": replica.status,
             "in_flight": replica.inflight,
+            "max_in_flight": self.cap(replica),
             "served": replica.served,
+            "queue_depth": replica.queue_depth,
+            "busy_fraction": replica.busy_fraction,
+            "outstanding_work_s": round(self.outstanding_s(replica), 3),
+            "outstanding_units": {
+                "this_router": round(replica.ledger.units, 4),
+                "other_routers": round(replica.others_units, 4),
+            },
+            "calibration": {
+                "seconds_per_unit": replica.cost.seconds_per_unit,
+                "samples": replica.cost.samples,
+                "used_seconds_per_unit": self.seconds_per_unit(replica),
+            },
             "control_state": {"version": held.version, "digest": held.state.digest()}
             if held
             else None,

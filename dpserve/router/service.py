@@ -17,7 +17,7 @@ from dpserve.control_state import reduce
 from dpserve.router.coalesce import Coalescer, retrieve
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import FanoutAnswer, ReplicaOutcome, merge_fanout
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.pool import Replica, ReplicaPool, Slot
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class RouterService:
                 break
             if stage is not None:
                 stage.queued()
-            replica = await self.pool.acquire(tried, max(0.0, deadline - time.monotonic()))
+            slot = await self.pool.acquire(tried, max(0.0, deadline - time.monotonic()), params)
+            replica = slot.replica
             tried.add(replica.endpoint)
             if stage is not None:
                 stage.at_replica()
@@ -90,7 +91,7 @@ class RouterService:
             # (a client that went away) stops waiting for it: then the replica is told
             # to cancel, answers at its next denoising step, and the slot is free.
             call = asyncio.create_task(
-                self._call(replica, params, request_id, deadline, blobs, on_partial)
+                self._call(slot, params, request_id, deadline, blobs, on_partial)
             )
             call.add_done_callback(retrieve)
             try:
@@ -117,13 +118,14 @@ class RouterService:
 
     async def _call(
         self,
-        replica: Replica,
+        slot: Slot,
         params: p.GenerateParams,
         request_id: str,
         deadline: float,
         blobs: list[bytes] | None,
         on_partial: Callable[[p.Message], None] | None,
     ) -> Generated:
+        replica = slot.replica
         try:
             left = deadline - time.monotonic()
             reply = await replica.conn.request(
@@ -147,7 +149,7 @@ class RouterService:
         except IndexError:
             raise p.RequestError(p.INTERNAL, f"reply from {replica.name} lacks images") from None
         finally:
-            self.pool.release(replica)
+            self.pool.release(slot)
         self.pool.note_served(replica)
         return Generated(result, images, replica.name)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+import pytest
+
 from dpserve.operator import builders as b
 from dpserve.operator.spec import DiffusionServiceSpec
 
@@ -449,6 +451,21 @@ def test_router_worker_and_probe_args_parse_with_the_cli() -> None:
     flags = {o for a in sub.choices["router"]._actions for o in a.option_strings}
     with_auth = b.router_args(svc(router={"auth": {"secretName": "keys"}}))
     assert {a for a in with_auth if a.startswith("--")} <= flags
+
+
+def test_router_policy_reaches_the_router_and_the_crd_names_the_clis_choices() -> None:
+    from dpserve.cli import build_parser
+    from dpserve.operator.spec import RouterSpec
+    from dpserve.router.policies import POLICIES
+
+    parser = build_parser()
+    assert parser.parse_args(b.router_args(svc())).policy == "least_work"  # the default
+    chosen = parser.parse_args(b.router_args(svc(router={"policy": "round_robin"})))
+    assert chosen.policy == "round_robin"
+    schema = RouterSpec.model_json_schema()["properties"]["policy"]
+    assert sorted(schema["enum"]) == sorted(POLICIES)
+    with pytest.raises(ValueError, match="policy"):
+        svc(router={"policy": "random"})
 
 
 def test_a_new_pod_shape_rolls_the_replicas(monkeypatch: Any) -> None:
