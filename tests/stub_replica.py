@@ -2,7 +2,9 @@
 
 It holds a control state the way a worker does (dpserve.control_state: documents
 ordered by version, whole states applied, refusals for older documents) and
-answers pings, model_info (with features), control ops, and generations and edits:
+answers pings (with its load: cost units in flight, a calibration, a busy share and
+a batch size, as a driver reports them), model_info (with features), control ops,
+and generations and edits:
 a fixed PNG per image (an edit echoes its first upload), after ``partial_images``
 previews per image (PARTIAL replies), a step at a time (``step_s``) so tests can
 cancel mid-way; cancels (its own clients', and any client's) are answered as a
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from PIL import Image
 
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc, answer, parse_doc, reduce
+from dpserve.cost import cost_units
 from dpserve.transport import bind_router
 from dpserve.wire import Gatekeeper, WireKey
 
@@ -65,6 +69,10 @@ class StubReplica:
     )
     received: list[tuple[p.GenerateParams, int]] = field(default_factory=list)  # and blobs
     cancelled: list[str] = field(default_factory=list)  # request ids it dropped
+    # What its pings say about its load (outstanding_units: its generations in flight).
+    cost: p.CostReport = field(default_factory=lambda: p.CostReport(seconds_per_unit=1.0))
+    max_batch: int = 1
+    busy_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         # A gatekeeper is one per context: a secured stub has a context of its own.
@@ -75,6 +83,7 @@ class StubReplica:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._generating: set[asyncio.Task[None]] = set()
         self._work: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # generations by sender
+        self._units: dict[tuple[bytes, str], float] = {}  # their cost units
         self._task = asyncio.create_task(self._serve())
         self._png = _png()
 
@@ -116,7 +125,7 @@ class StubReplica:
                 key = (identity, message.id)
                 task = asyncio.create_task(self._generate(identity, message))
                 self._work[key] = task
-                task.add_done_callback(lambda _, key=key: self._work.pop(key, None))
+                task.add_done_callback(functools.partial(self._done, key))
                 continue
             if message.kind == p.CANCEL:
                 await self._cancel(identity, message)
@@ -126,6 +135,10 @@ class StubReplica:
             except p.RequestError as exc:
                 reply = p.encode_error(message.id, exc)
             await self.sock.send_multipart([identity, *reply])
+
+    def _done(self, key: tuple[bytes, str], _: object = None) -> None:
+        self._work.pop(key, None)
+        self._units.pop(key, None)
 
     async def _late(self, identity: bytes, message: p.Message) -> None:
         await asyncio.sleep(self.late_ping_s)
@@ -161,6 +174,7 @@ class StubReplica:
             await self.sock.send_multipart([identity, *p.encode_error(message.id, exc)])
             return
         self.received.append((params, len(message.blobs)))
+        self._units[(identity, message.id)] = cost_units(params, self.cost)
         await asyncio.sleep(self.generate_s)
         steps = params.num_inference_steps or 4
         width, height = params.width or 16, params.height or 16
@@ -207,11 +221,15 @@ class StubReplica:
                 boot_id=self.boot_id,
                 status="ok",
                 busy=False,
-                queue_depth=0,
+                queue_depth=max(0, len(self._units) - self.max_batch),  # beyond one batch
                 served=self.generated,
                 released=self.held.state.released,
                 progress_age_s=0.0,
                 control=self.held.to_builtins(),
+                max_batch=self.max_batch,
+                cost=self.cost,
+                outstanding_units=sum(self._units.values()),
+                busy_fraction=self.busy_fraction,
             )
             return p.encode(p.RESULT, message.id, ping)
         request: p.ControlRequest = message.body_as(p.ControlRequest)

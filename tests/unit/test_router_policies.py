@@ -1,11 +1,23 @@
-"""Routing policies: round-robin, rendezvous hashing, fan-out merging."""
+"""Routing policies: round-robin, least work, rendezvous hashing, fan-out merging."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from dpserve.protocol import ErrorBody
-from dpserve.router.policies import ReplicaOutcome, RoundRobin, hrw_owner, merge_fanout
+from dpserve.router.policies import (
+    UNCALIBRATED_SECONDS_PER_UNIT,
+    LeastWork,
+    ReplicaOutcome,
+    RoundRobin,
+    WorkLedger,
+    hrw_owner,
+    make_policy,
+    merge_fanout,
+    seconds_per_unit,
+)
 
 KEYS = ["tcp://a:1", "tcp://b:1", "tcp://c:1", "tcp://d:1"]
 
@@ -91,3 +103,59 @@ def test_read_only_fanout_flags_the_odd_replica() -> None:
     assert answer.body["disagreeing_replicas"] == ["0"]
     same = merge_fanout("list_loras", [_ok("0", loras=[]), _ok("1", loras=[])], read_only=True)
     assert same.body["consistent"] is True and same.body["disagreeing_replicas"] == []
+
+
+# ---------------------------------------------------------------- least work
+
+
+def test_least_work_picks_the_earliest_finish_among_free_replicas() -> None:
+    lw = LeastWork()
+    finish = {"tcp://a:1": 9.0, "tcp://b:1": 1.5, "tcp://c:1": 0.5, "tcp://d:1": 3.0}
+    assert lw.pick(KEYS, lambda k: True, finish.__getitem__) == "tcp://c:1"
+    # A full (or down, or avoided) replica is not waited for, however little its work.
+    assert lw.pick(KEYS, lambda k: k != "tcp://c:1", finish.__getitem__) == "tcp://b:1"
+    assert lw.pick(KEYS, lambda k: False, finish.__getitem__) is None
+    assert lw.pick([], lambda k: True, finish.__getitem__) is None
+
+
+def test_least_work_ties_take_turns_like_round_robin() -> None:
+    lw = LeastWork()
+    idle = [lw.pick(KEYS, lambda k: True, lambda k: 0.0) for _ in range(8)]
+    assert Counter(idle) == dict.fromkeys(KEYS, 2)
+    near = {"tcp://a:1": 1.0, "tcp://b:1": 1.0 + 1e-4, "tcp://c:1": 2.0, "tcp://d:1": 2.0}
+    picks = {lw.pick(KEYS, lambda k: True, near.__getitem__) for _ in range(4)}
+    assert picks == {"tcp://a:1", "tcp://b:1"}
+    # Without estimates it is round-robin.
+    assert lw.pick(KEYS, lambda k: True) in KEYS
+
+
+def test_policies_by_name() -> None:
+    assert isinstance(make_policy("least_work"), LeastWork)
+    assert isinstance(make_policy("round_robin"), RoundRobin)
+    with pytest.raises(ValueError, match="least_work"):
+        make_policy("fastest")  # type: ignore[arg-type]
+
+
+def test_the_ledger_shrinks_the_running_request_and_starts_the_next_at_its_answer() -> None:
+    ledger = WorkLedger()
+    assert ledger.seconds(0.0) == 0.0 and ledger.units == 0.0 and len(ledger) == 0
+    ledger.add(1, units=1.0, seconds=10.0, now=100.0)
+    ledger.add(2, units=0.1, seconds=1.0, now=101.0)
+    assert ledger.units == pytest.approx(1.1) and len(ledger) == 2
+    assert ledger.seconds(101.0) == pytest.approx(10.0)  # 1 s of the first done
+    assert ledger.seconds(104.0) == pytest.approx(7.0)
+    assert ledger.seconds(130.0) == pytest.approx(1.0)  # overran: only the queued one is left
+    ledger.remove(1, now=112.0)  # answered: the second starts now
+    assert ledger.seconds(112.5) == pytest.approx(0.5)
+    ledger.add(3, units=0.5, seconds=5.0, now=113.0)
+    ledger.remove(3, now=114.0)  # answered out of order: the running one's start stands
+    assert ledger.seconds(112.5) == pytest.approx(0.5)
+    ledger.remove(2, now=115.0)
+    ledger.remove(2, now=115.0)  # twice is harmless
+    assert ledger.seconds(115.0) == 0.0 and ledger.units == 0.0
+
+
+def test_an_uncalibrated_replica_borrows_the_others_median_else_plain_units() -> None:
+    assert seconds_per_unit(2.0, [5.0]) == 2.0
+    assert seconds_per_unit(None, [1.0, None, 3.0, 8.0]) == 3.0
+    assert seconds_per_unit(None, [None]) == UNCALIBRATED_SECONDS_PER_UNIT
