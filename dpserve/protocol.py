@@ -83,6 +83,13 @@ MAX_PARTIAL_IMAGES: Final = 3  # OpenAI's bound on previews per image
 MAX_EDIT_IMAGES: Final = 16
 MAX_EDIT_IMAGE_BYTES: Final = 8 << 20  # per file, like a realtime session's first frame
 MAX_EDIT_PIXELS: Final = 4096 * 4096  # per image; read from its header before decoding
+# Step caches (docs/worker.md "Step caching"): each kind a request may name, with its
+# one knob and the knob's bounds; "none" turns off the service's default for a request.
+STEP_CACHE_OFF: Final = "none"
+STEP_CACHE_KNOBS: Final[Mapping[str, tuple[str, float, float]]] = {
+    "first_block_cache": ("threshold", 0.0, 1.0),  # relative change of the first block
+    "taylorseer": ("interval", 2, 50),  # steps from one full computation to the next
+}
 _MSGPACK_EMPTY_MAP: Final = b"\x80"
 # Frame size caps (zmq.MAXMSGSIZE, per frame): a peer that sends a bigger frame is
 # disconnected by libzmq before the frame is buffered whole. A request's biggest
@@ -175,6 +182,15 @@ class EditInput(msgspec.Struct, frozen=True, kw_only=True):
     strength: float | None = None
 
 
+class StepCache(msgspec.Struct, frozen=True, kw_only=True):
+    """A step cache asked for: ``type`` is a ``STEP_CACHE_KNOBS`` kind or "none"; the
+    kind's knob (``threshold`` or ``interval``) is None for the replica's default."""
+
+    type: str
+    threshold: float | None = None
+    interval: int | None = None
+
+
 class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     """A validated generation request; ``None`` means "the model's default"."""
 
@@ -193,6 +209,8 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     # Previews per image, sent as PARTIAL replies at evenly spread denoising steps.
     partial_images: int = 0
     edit: EditInput | None = None
+    # None: the replica's default step cache (its --step-cache); STEP_CACHE_OFF: none.
+    step_cache: StepCache | None = None
 
 
 class PartialImage(msgspec.Struct, frozen=True, kw_only=True):
@@ -396,6 +414,7 @@ _GENERATE_FIELDS: Final = frozenset(
         "output_format",
         "output_compression",
         "partial_images",
+        "step_cache",
     }
 )
 
@@ -433,6 +452,7 @@ def parse_generate(
         check.bad("output_compression", f"applies to jpeg and webp only, not {fmt}")
     partials = check.integer("partial_images", 0, MAX_PARTIAL_IMAGES)
     edit = _parse_edit(check, blobs) if blobs is not None else None
+    step_cache = parse_step_cache(check, check.body.get("step_cache"))
     if check.errors:
         raise invalid_fields(check.errors)
     assert prompt is not None  # a missing prompt was recorded as an error above
@@ -450,7 +470,42 @@ def parse_generate(
         output_compression=compression,
         partial_images=partials or 0,
         edit=edit,
+        step_cache=step_cache,
     )
+
+
+def parse_step_cache(check: FieldChecker, raw: Any) -> StepCache | None:
+    """``step_cache``: a kind's name (its default knob), ``{"type": kind, knob: value}``,
+    or "none". Which kinds a replica offers is its own check (worker/step_cache.py)."""
+    if raw is None:
+        return None
+    kinds = ", ".join([*STEP_CACHE_KNOBS, STEP_CACHE_OFF])
+    body = {"type": raw} if isinstance(raw, str) else raw
+    kind = body.get("type") if isinstance(body, Mapping) else None
+    if not isinstance(kind, str) or (kind != STEP_CACHE_OFF and kind not in STEP_CACHE_KNOBS):
+        shape = 'a name or {"type": name, ...}'
+        check.bad("step_cache", f"must be {shape} with a name of {kinds}, got {raw!r}")
+        return None
+    assert isinstance(body, Mapping)
+    knob, low, high = STEP_CACHE_KNOBS.get(kind, ("", 0.0, 0.0))
+    extra = sorted(str(k) for k in body if k not in ("type", knob))
+    if extra:
+        takes = f"takes only {knob}" if knob else "takes no settings"
+        check.bad("step_cache", f"{kind} {takes}, not {', '.join(extra)}")
+        return None
+    value = body.get(knob)
+    is_int = knob == "interval"
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, int if is_int else int | float)
+        or not low <= value <= high
+    ):
+        what = "an integer" if is_int else "a number"
+        check.bad("step_cache", f"{kind}'s {knob} must be {what} in [{low:g}, {high:g}]")
+        return None
+    if value is None:
+        return StepCache(type=kind)
+    return StepCache(type=kind, **{knob: int(value) if is_int else float(value)})
 
 
 def _parse_edit(check: FieldChecker, blobs: int) -> EditInput | None:

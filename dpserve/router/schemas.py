@@ -47,6 +47,14 @@ class _ImageFields(BaseModel):
     partial_images: int = Field(
         0, ge=0, le=p.MAX_PARTIAL_IMAGES, description="previews per image, with stream"
     )
+    step_cache: str | dict[str, str | float] | None = Field(
+        None,
+        description='a step cache for this request: "first_block_cache" or "taylorseer" '
+        '(its default knob), {"type": "first_block_cache", "threshold": 0.08}, '
+        '{"type": "taylorseer", "interval": 3}, or "none" (off, whatever the service\'s '
+        "default); which ones a service offers: GET /v1/models features.step_caches. "
+        "In an edit's form, a name only",
+    )
     model: str | None = Field(None, description="accepted and ignored (one model per service)")
     user: str | None = None
     quality: str | None = None

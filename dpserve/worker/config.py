@@ -23,6 +23,8 @@ from typing import Any, Literal, get_args
 from dpserve.layout import ParallelConfig
 
 Device = Literal["auto", "cpu", "cuda"]
+# protocol.STEP_CACHE_KNOBS's kinds (spelled here: this module is stdlib only).
+StepCacheKind = Literal["first_block_cache", "taylorseer"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -38,6 +40,14 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def compile_size(text: str) -> str:
+    """``WxH``, both positive whole numbers."""
+    width, sep, height = text.partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and int(width) and int(height)):
+        raise argparse.ArgumentTypeError(f'must look like "512x512", got {text!r}')
+    return f"{int(width)}x{int(height)}"
 
 
 def port_number(text: str) -> int:
@@ -64,6 +74,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     gang: bool = True  # shared by every replica of a set; False: where one replica runs
     many: bool = False  # repeatable: the field is a tuple, one flag per item
+    switch: bool = False  # a boolean: the bare flag turns it on
 
 
 def _flag(help: str, parse: Callable[[str], Any] = str, **kw: Any) -> dict[str, Flag]:
@@ -163,6 +174,32 @@ class WorkerConfig:
         default=60.0,
         metadata=_flag("seconds before an idle release", float, name="--session-idle-timeout"),
     )
+    # Step caching and compile (docs/worker.md): the step cache a request that names
+    # none gets, with its knob (None: the kind's default); torch.compile of the
+    # denoiser, warmed at these sizes (none: the pipeline's default size).
+    step_cache: StepCacheKind | None = field(
+        default=None,
+        metadata=_flag(
+            "step cache for requests that name none (default: none)",
+            choices=get_args(StepCacheKind),
+        ),
+    )
+    step_cache_threshold: float | None = field(
+        default=None, metadata=_flag("first_block_cache's threshold", float)
+    )
+    step_cache_interval: int | None = field(
+        default=None, metadata=_flag("taylorseer's steps between full computations", int)
+    )
+    compile: bool = field(default=False, metadata=_flag("torch.compile the denoiser", switch=True))
+    compile_sizes: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "WxH the warm-up compiles (repeatable; default: the pipeline's default size)",
+            compile_size,
+            name="--compile-size",
+            many=True,
+        ),
+    )
     # Tuning that is no flag.
     warmup_steps: int = 2
     tick_s: float = 2.0  # idle heartbeat through the gang, also keeps collectives from timing out
@@ -210,6 +247,9 @@ def _name(f: dataclasses.Field[Any], flag: Flag) -> str:
 def _add(parser: argparse.ArgumentParser, gang_only: bool) -> None:
     for f, flag in _flags(gang_only):
         name = _name(f, flag)
+        if flag.switch:
+            parser.add_argument(name, dest=f.name, action="store_true", help=flag.help)
+            continue
         kw: dict[str, Any] = {"dest": f.name, "type": flag.parse, "help": flag.help}
         if flag.choices is not None:
             kw["choices"] = flag.choices
@@ -257,7 +297,8 @@ def worker_flags(options: Mapping[str, object]) -> list[str]:
 
     Flags come in field order; an option that is None is left out (the worker's
     default applies: for ``ulysses``/``ring`` derived from ``sp``, for
-    ``max_sequence_length`` the pipeline's). A name that is no flag is an error.
+    ``max_sequence_length`` the pipeline's), and so is a switch that is off. A name
+    that is no flag is an error.
     """
     unknown = set(options) - {f.name for f, _ in _flags()}
     if unknown:
@@ -266,6 +307,9 @@ def worker_flags(options: Mapping[str, object]) -> list[str]:
     for f, flag in _flags():
         value = options.get(f.name)
         if value is None:
+            continue
+        if flag.switch:  # on: the bare flag; off: nothing
+            out += [_name(f, flag)] if value else []
             continue
         items = value if flag.many and isinstance(value, tuple | list) else [value]
         for item in items:  # a repeatable flag: once per item (none for an empty tuple)

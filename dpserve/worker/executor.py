@@ -28,13 +28,15 @@ from dpserve.protocol import (
     encode,
     encode_error,
 )
+from dpserve.worker import step_cache
 from dpserve.worker.batch import split
 from dpserve.worker.batch_call import batch_kwargs
 from dpserve.worker.comm import GangComm
 from dpserve.worker.commands import GangStatus, Generation
+from dpserve.worker.compile import Compiler
 from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
 from dpserve.worker.cost_shape import cost_shape
-from dpserve.worker.denoiser import DenoiserPatch, HaltCheck, Halted, StopGate
+from dpserve.worker.denoiser import DenoiserPatch, Forward, HaltCheck, Halted, StopGate
 from dpserve.worker.edit import edit_call
 from dpserve.worker.encode import encode_image
 from dpserve.worker.features import Features, features_of
@@ -42,6 +44,7 @@ from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.pipeline import Pipeline, cfg_requested, size_factor
 from dpserve.worker.preview import Emit, Previews, can_preview, output_size
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
+from dpserve.worker.step_cache import StepCaches
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
@@ -75,24 +78,36 @@ class Executor:
     fixed_kwargs: dict[str, Any]  # pipeline arguments set at start-up, for every request
     session_limits: SessionLimits = field(default_factory=SessionLimits)
     parallel: ModelParallel | None = None
+    step_caches: StepCaches = field(default_factory=lambda: StepCaches(()))  # what it offers
+    compiler: Compiler | None = None  # --compile
     _gate: StopGate | None = field(default=None, init=False, repr=False)  # while generating
+    _cached: bool = field(default=False, init=False, repr=False)  # the running call's
 
     def __post_init__(self) -> None:
-        wrap = self.parallel.wrap if self.parallel is not None else (lambda forward, lend: forward)
         self.patch = DenoiserPatch(
-            self.comm.info.cfg_rank, self.comm.cfg_group, self._progress, wrap
+            self.comm.info.cfg_rank, self.comm.cfg_group, self._progress, self._wrap
         )
         self.split_ok = self.patch.can_split(denoiser_of(self.pipe))
         self.status.control = self.ops.held().to_builtins()
         self.sessions = SessionHost(
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
         )
-        self.features: Features = features_of(self.pipe)
+        self.features: Features = features_of(self.pipe, step_caches=self.step_caches)
         shape = cost_shape(self.pipe, self.call_defaults, self.fixed_kwargs)
         self.status.calibration.configure(shape)
 
     def _progress(self) -> None:
         self.status.progress_at = time.monotonic()
+
+    def _wrap(self, forward: Forward, lend: bool) -> Forward:
+        """The denoiser's forward for one call: compiled (--compile), then split by the
+        layout. A compiled or cached call is never lent to a sequence split of the CFG
+        ranks: the split's exchanges would run inside the graph, and ranks holding
+        different slices could decide differently whether to skip (step_cache.py)."""
+        if self.compiler is not None:
+            forward = self.compiler.compiled(forward)
+        lend = lend and self.compiler is None and not self._cached
+        return forward if self.parallel is None else self.parallel.wrap(forward, lend)
 
     # ------------------------------------------------------------ generation
 
@@ -101,9 +116,21 @@ class Executor:
         (and, for a generation, its stop gate)."""
         self.ops.require_weights()
         split = self.split_ok and cfg_requested(params, self.call_defaults)
+        cache = self.step_caches.resolve(params.step_cache)
+        denoiser = denoiser_of(pipe)
+        stance = self.compiler.stance() if self.compiler else contextlib.nullcontext()
         reset_peak_memory(self.device)
-        with torch.inference_mode(), self.patch.applied(denoiser_of(pipe), split, self._gate):
-            return pipe(**kwargs).images
+        self._cached = cache is not None
+        try:
+            with (
+                torch.inference_mode(),
+                stance,
+                step_cache.applied(denoiser, cache),
+                self.patch.applied(denoiser, split, self._gate),
+            ):
+                return pipe(**kwargs).images
+        finally:
+            self._cached = False
 
     def generate(
         self,

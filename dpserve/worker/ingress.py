@@ -430,6 +430,8 @@ class Ingress:
                 + ("" if limit else " (it cannot preview)"),
                 [p.FieldError("partial_images", f"must be at most {limit}")],
             )
+        if features is not None:
+            features.step_caches.check(params.step_cache)
         if params.edit is None:
             return params
         size = check_edit(params.edit, blobs, features.edit if features is not None else None)

@@ -10,6 +10,7 @@ no receiver: the supervisor's heartbeats find it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -32,9 +33,11 @@ from dpserve.worker.config import WorkerConfig
 from dpserve.worker.heartbeat import Heartbeats
 
 if TYPE_CHECKING:
+    from dpserve.worker.compile import Compiler
     from dpserve.worker.executor import Executor
     from dpserve.worker.ingress import Ingress, Work
     from dpserve.worker.parallel.encoders import EncoderRelay
+    from dpserve.worker.step_cache import StepCaches
 
 log = logging.getLogger("dpserve.worker")
 
@@ -180,7 +183,11 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     limits = SessionLimits(
         cfg.max_sessions, int(cfg.max_session_mb * (1 << 20)), cfg.session_idle_timeout_s
     )
-    executor = Executor(pipe, comm, ops, GangStatus(), device, defaults, fixed, limits, parallel)
+    caches, compiler = _accel(cfg, pipe)
+    executor = Executor(
+        pipe, comm, ops, GangStatus(), device, defaults, fixed, limits, parallel, caches, compiler
+    )
+    info["compile"] = compiler.info() if compiler is not None else None
     info["realtime"] = executor.sessions.unsupported() or "supported"
     info["features"] = executor.features.info()
     if cfg.cfg > 1 and not executor.split_ok:
@@ -192,9 +199,41 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
         )
     info["cfg_parallel"] = "off" if cfg.cfg == 1 else "split"
     # Requests without true CFG: split over the CFG ranks' sequence too, or run twice.
-    lent = parallel.lending
+    # (Never a compiled or step-cached call: executor._wrap.)
+    lent = parallel.lending if compiler is None else None
     info["without_true_cfg"] = f"lent to sequence parallel ({lent})" if lent else "whole"
     return executor
+
+
+def _accel(cfg: WorkerConfig, pipe: Any) -> tuple[StepCaches, Compiler | None]:
+    """The step caches this replica offers and its compiler; a set-up that cannot
+    have what its flags ask is refused at start (docs/worker.md)."""
+    from dpserve.worker import compile, step_cache
+    from dpserve.worker.executor import denoiser_of
+    from dpserve.worker.parallel import ParallelUnsupported
+    from dpserve.worker.pipeline import size_factor
+    from dpserve.worker.preview import output_size
+
+    try:
+        default = step_cache.service_default(
+            cfg.step_cache, cfg.step_cache_threshold, cfg.step_cache_interval
+        )
+        refused = step_cache.refusal(cfg.tp, cfg.sp, cfg.compile)
+        caches = step_cache.offer(denoiser_of(pipe), refused)
+        if default is not None and default.type not in caches.offered:
+            raise ValueError(f"--step-cache {default.type}: {caches.refusal}")
+        caches = dataclasses.replace(caches, default=default)
+        if not cfg.compile:
+            return caches, None
+        problem = compile.refusal(cfg.tp, cfg.sp, cfg.step_cache)
+        if problem is not None:
+            raise ValueError(problem)
+        sizes = compile.compile_sizes(
+            cfg.compile_sizes, output_size(pipe, {}), size_factor(pipe), cfg.max_side
+        )
+    except ValueError as exc:
+        raise ParallelUnsupported(str(exc)) from None
+    return caches, compile.Compiler(sizes)
 
 
 def _encoder_relay(cfg: WorkerConfig, comm: Any) -> EncoderRelay | None:
@@ -210,7 +249,10 @@ def _encoder_relay(cfg: WorkerConfig, comm: Any) -> EncoderRelay | None:
 
 
 def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
-    """One small generation through the real path (CFG split included) before serving."""
+    """Generations through the real path (CFG split included) before serving: one small
+    one, or with --compile one at each compile size, which compiles its graph there
+    (worker/compile.py); then the compiler is sealed."""
+    from dpserve.worker.compile import graphs
     from dpserve.worker.pipeline import size_factor
 
     # The smallest square from 64 px whose image tokens the sp ranks can split evenly.
@@ -218,20 +260,27 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
     side = max(factor, 64)
     while ((side // factor) ** 2) % cfg.sp:
         side += factor
-    params = p.GenerateParams(
-        prompt="warmup",
-        negative_prompt="blurry" if cfg.cfg > 1 else None,
-        true_cfg_scale=2.0 if cfg.cfg > 1 else None,
-        width=side,
-        height=side,
-        num_inference_steps=cfg.warmup_steps,
-        seed=[0],
-    )
-    started = time.perf_counter()
-    frames = executor.generate("warmup", params, 0.0)
-    if frames and p.decode(frames).kind == p.ERROR:
-        raise RuntimeError(f"warmup failed: {p.decode_error(p.decode(frames))}")
-    log.info("warmup done in %.2fs", time.perf_counter() - started)
+    compiler = executor.compiler
+    sizes = compiler.sizes if compiler is not None else ((side, side),)
+    compiled_before = graphs()
+    for width, height in sizes:
+        params = p.GenerateParams(
+            prompt="warmup",
+            negative_prompt="blurry" if cfg.cfg > 1 else None,
+            true_cfg_scale=2.0 if cfg.cfg > 1 else None,
+            width=width,
+            height=height,
+            num_inference_steps=cfg.warmup_steps,
+            seed=[0],
+        )
+        started = time.perf_counter()
+        frames = executor.generate("warmup", params, 0.0)
+        if frames and p.decode(frames).kind == p.ERROR:
+            raise RuntimeError(f"warmup failed: {p.decode_error(p.decode(frames))}")
+        log.info("warmup at %dx%d done in %.2fs", width, height, time.perf_counter() - started)
+    if compiler is not None:
+        compiler.seal(compiled_before)
+        executor.ops.info["compile"] = compiler.info()
 
 
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
