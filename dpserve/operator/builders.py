@@ -182,6 +182,11 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
         "max_sequence_length": spec.maxSequenceLength,  # None: the pipeline's default
         "max_batch": spec.maxBatch,
         "batch_wait_ms": spec.batchWaitMs,
+        "step_cache": spec.stepCache.type if spec.stepCache else None,
+        "step_cache_threshold": spec.stepCache.threshold if spec.stepCache else None,
+        "step_cache_interval": spec.stepCache.interval if spec.stepCache else None,
+        "compile": spec.compile,
+        "compile_sizes": tuple(spec.compileSizes),
         "drain_timeout_s": spec.router.requestTimeoutSeconds,  # finish what the router waits on
         "max_sessions": rt.maxSessions,
         "max_session_mb": rt.maxSessionMB,

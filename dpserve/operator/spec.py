@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
+from dpserve.worker.config import StepCacheKind
 from dpserve.worker.config import default as worker_default
 
 GROUP = "dpserve.dev"
@@ -119,6 +120,31 @@ class Parallelism(_Model):
     @property
     def gang_size(self) -> int:
         return self.tp * self.sp * self.cfg
+
+
+class StepCacheSpec(_Model):
+    """The step cache requests that name none get (docs/worker.md, Step caching)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "!has(self.threshold) || self.type == 'first_block_cache'",
+                "stepCache.threshold is first_block_cache's knob",
+            ),
+            cel(
+                "!has(self.interval) || self.type == 'taylorseer'",
+                "stepCache.interval is taylorseer's knob",
+            ),
+        )
+    )
+
+    type: StepCacheKind
+    threshold: float | None = Field(
+        None, ge=0, le=1, description="first_block_cache: relative change that skips the rest"
+    )
+    interval: int | None = Field(
+        None, ge=2, le=50, description="taylorseer: steps from one full computation to the next"
+    )
 
 
 class ServiceSpec(_Model):
@@ -229,6 +255,16 @@ class DiffusionServiceSpec(_Model):
         ge=0,
         le=10000,
         description="ms a partly filled batch waits for more compatible requests",
+    )
+    stepCache: StepCacheSpec | None = Field(
+        None, description="the default step cache; requests may name another or none"
+    )
+    compile: bool = Field(False, description="torch.compile the denoiser (docs/worker.md)")
+    compileSizes: list[str] = Field(
+        default_factory=list,
+        max_length=8,
+        description='"WxH" sizes the warm-up compiles (none: the pipeline\'s default size)',
+        json_schema_extra={"items": {"type": "string", "pattern": "^[0-9]{1,5}x[0-9]{1,5}$"}},
     )
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
     realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, json_schema_extra={"default": {}})

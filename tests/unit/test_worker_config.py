@@ -49,6 +49,12 @@ ODD = WorkerConfig(
     max_sessions=2,
     max_session_mb=64.5,
     session_idle_timeout_s=9.0,
+    # (Both knobs, and compile with sp: the flags parse; the worker's start refuses them.)
+    step_cache="taylorseer",
+    step_cache_threshold=0.2,
+    step_cache_interval=4,
+    compile=True,
+    compile_sizes=("512x512", "768x512"),
 )
 
 
@@ -74,7 +80,7 @@ def test_every_gang_option_is_a_flag_of_worker_and_serve_with_its_default(comman
         action = actions[name]
         assert action.default == FIELDS[name].default, name
         assert action.help == FLAGS[name].help and action.help, name
-        assert action.type is FLAGS[name].parse, name
+        assert action.type is (None if FLAGS[name].switch else FLAGS[name].parse), name
     if command == "worker":
         assert set(FLAGS) <= set(actions)
     else:  # serve picks these per replica; its own --model and --port (HTTP) are no gang's,
