@@ -84,6 +84,8 @@ def _psnr(a: bytes, b: bytes) -> float:
 def test_compatible_requests_share_one_call_and_repeat_their_bytes(
     one_rank: WorkerProcess, cfg_gang: WorkerProcess
 ) -> None:
+    with one_rank.client() as client:
+        assert client.ping().max_batch == 4  # what the router sizes its cap by
     first = _batched(one_rank)
     # One pipeline call: one inference time; each request its own images, seeds, queue time.
     assert len({r.inference_time_s for r, _ in first.values()}) == 1
