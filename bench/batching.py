@@ -13,7 +13,8 @@ better matmul efficiency at a larger batch; the arithmetic per image stays. The 
 model at 64x64 is almost nothing but that overhead and would overstate the gain,
 while larger sizes drift toward the arithmetic alone on a CPU; 128x128 on the small
 model (the size bench/image_api.py measured n=4 against four n=1 at) is in between.
-A GPU gains more: a small batch leaves most of it idle.
+On a GPU, where one small image leaves most of the device idle, the gain should be
+larger (run it there with bigger sizes).
 
 Each request is rendered on both replicas with the same seed, so the run also says
 how a batched image relates to the same request alone (bytes equal, least PSNR).
