@@ -98,12 +98,16 @@ class StepCaches:
             return
         if requested.type in self.offered:
             return
-        offered = ", ".join(self.offered) or "none"
         why = f" ({self.refusal})" if self.refusal else ""
+        allowed = (
+            f"must be one of: {', '.join(self.offered)}, or none"
+            if self.offered
+            else "must be none or left out"
+        )
         raise RequestError(
             UNSUPPORTED,
             f"this replica does not offer the step cache {requested.type}{why}",
-            [FieldError("step_cache", f"must be one of: {offered}, or none")],
+            [FieldError("step_cache", allowed)],
         )
 
     def resolve(self, requested: StepCache | None) -> StepCache | None:

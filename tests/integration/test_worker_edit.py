@@ -86,6 +86,8 @@ def test_features_say_what_the_tiny_flux_serves(executor: Executor) -> None:
         "output_formats": ["png", "jpeg", "webp"],
         "output_compression": True,
         "max_n": 10,
+        "step_caches": {"first_block_cache": {"threshold": 0.08}, "taylorseer": {"interval": 3}},
+        "step_cache_default": None,
     }
 
 

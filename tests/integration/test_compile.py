@@ -1,0 +1,90 @@
+"""--compile on a real one-rank executor in process (the tiny Flux model): warm-up
+compiles one graph per compile size and nothing compiles afterwards; other shapes run
+eager and give the eager image. Inductor on a CPU: ~70 s cold, ~15 s with its cache."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dpserve import protocol as p
+from tests.workers import free_port
+
+torch = pytest.importorskip("torch")
+
+from dpserve.worker.compile import graphs  # noqa: E402
+from dpserve.worker.executor import Executor  # noqa: E402
+
+BASE = dict(prompt="a red fox", width=64, height=64, num_inference_steps=3, seed=[5])
+
+
+@pytest.fixture(scope="module")
+def executors(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A compiled executor (warmed at 64x64 by rank.py's warm-up) and an eager one."""
+    import torch.distributed as dist
+
+    from dpserve.worker.comm import init_gang
+    from dpserve.worker.config import WorkerConfig
+    from dpserve.worker.rank import _build_executor, _warmup
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eager_cfg = WorkerConfig(model=tiny_model, port=free_port(), device="cpu")
+    compiled_cfg = WorkerConfig(
+        model=tiny_model, port=free_port(), device="cpu", compile=True, compile_sizes=("64x64",)
+    )
+    store = str(tmp_path_factory.mktemp("gang") / "store")
+    device = torch.device("cpu")
+    comm = init_gang(eager_cfg.parallel, 0, store, device, 60.0)
+    try:
+        eager = _build_executor(eager_cfg, comm, device, torch.float32)
+        compiled = _build_executor(compiled_cfg, comm, device, torch.float32)
+        before = graphs()
+        _warmup(compiled, compiled_cfg)
+        yield compiled, eager, graphs() - before
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def _image(executor: Executor, **fields: Any) -> bytes:
+    params = p.GenerateParams(**{**BASE, **fields})
+    reply = p.decode(executor.generate("r", params, 0.0))
+    if reply.kind == p.ERROR:
+        raise p.decode_error(reply)
+    return reply.blobs[0]
+
+
+def _max_diff(a: bytes, b: bytes) -> int:
+    x, y = (np.asarray(Image.open(io.BytesIO(i)), dtype=np.int16) for i in (a, b))
+    return int(np.abs(x - y).max())
+
+
+def test_warmup_compiles_the_sizes_and_requests_compile_nothing(executors: Any) -> None:
+    compiled, eager, warmup_graphs = executors
+    assert warmup_graphs == 1
+    assert compiled.ops.info["compile"] == {
+        "sizes": ["64x64"],
+        "warmup_graphs": 1,
+        "other_shapes": "eager",
+    }
+    after_warmup = graphs()
+    # The warmed size runs its graph: eager's image within float rounding.
+    assert _max_diff(_image(compiled), _image(eager)) <= 1
+    # Another size and a batch of two: eager, so the eager images exactly.
+    assert _image(compiled, width=96) == _image(eager, width=96)
+    two = dict(n=2, seed=[1, 2])
+    assert _image(compiled, **two) == _image(eager, **two)
+    assert graphs() == after_warmup
+    # CFG in one process: both branches through the same graph.
+    cfg = dict(negative_prompt="blurry", true_cfg_scale=3.0)
+    assert _max_diff(_image(compiled, **cfg), _image(eager, **cfg)) <= 1
+    assert graphs() == after_warmup

@@ -1,0 +1,165 @@
+"""Step caches on a real one-rank executor in process (the tiny Flux model), and the
+ingress refusing a kind the replica does not offer. CFG-parallel: test_step_cache_gang.py."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dpserve import protocol as p
+from dpserve.client import ReplicaClient
+from dpserve.worker.commands import GangStatus
+from dpserve.worker.edit import EditSupport
+from dpserve.worker.features import Features
+from dpserve.worker.ingress import Ingress
+from dpserve.worker.step_cache import StepCaches
+from tests.workers import free_port
+
+torch = pytest.importorskip("torch")
+
+from dpserve.worker.executor import Executor  # noqa: E402
+
+BASE = dict(prompt="a red fox", width=64, height=64, num_inference_steps=8, seed=[5])
+# On random weights the first block's residual changes by ~60 % a step, so Flux's usual
+# thresholds skip nothing here; 1.0 skips about every other step.
+SKIPPING = p.StepCache(type="first_block_cache", threshold=1.0)
+OFF = p.StepCache(type="none")
+
+
+@pytest.fixture(scope="module")
+def executors(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two executors on one one-rank gang: one whose service default is a skipping
+    first-block-cache, one without a default."""
+    import torch.distributed as dist
+
+    from dpserve.worker.comm import init_gang
+    from dpserve.worker.config import WorkerConfig
+    from dpserve.worker.rank import _build_executor
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker's rank runs (bytes depend on it)
+    plain = WorkerConfig(model=tiny_model, port=free_port(), device="cpu")
+    cached = WorkerConfig(
+        model=tiny_model,
+        port=free_port(),
+        device="cpu",
+        step_cache="first_block_cache",
+        step_cache_threshold=1.0,
+    )
+    store = str(tmp_path_factory.mktemp("gang") / "store")
+    device = torch.device("cpu")
+    comm = init_gang(plain.parallel, 0, store, device, 60.0)
+    try:
+        build = [_build_executor(c, comm, device, torch.float32) for c in (plain, cached)]
+        yield build[0], build[1], plain
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def _image(executor: Executor, **fields: Any) -> bytes:
+    params = p.GenerateParams(**{**BASE, **fields})
+    reply = p.decode(executor.generate("r", params, 0.0))
+    if reply.kind == p.ERROR:
+        raise p.decode_error(reply)
+    return reply.blobs[0]
+
+
+def _psnr_db(a: bytes, b: bytes) -> float:
+    x, y = (np.asarray(Image.open(io.BytesIO(i)), dtype=np.float64) / 255 for i in (a, b))
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1 / mse)
+
+
+def _hooks(executor: Executor) -> list[str]:
+    """Diffusers hooks left on any module of the transformer."""
+    return [
+        f"{name}:{hook}"
+        for name, module in executor.pipe.transformer.named_modules()
+        for hook in getattr(getattr(module, "_diffusers_hook", None), "hooks", {})
+    ]
+
+
+def test_model_info_lists_the_offered_caches_and_the_default(executors: Any) -> None:
+    plain, cached, _ = executors
+    assert plain.ops.info["features"]["step_caches"] == {
+        "first_block_cache": {"threshold": 0.08},
+        "taylorseer": {"interval": 3},
+    }
+    assert plain.ops.info["features"]["step_cache_default"] is None
+    default = cached.ops.info["features"]["step_cache_default"]
+    assert default == {"type": "first_block_cache", "threshold": 1.0}
+
+
+def test_each_cache_changes_the_image_a_little_and_leaves_nothing_behind(executors: Any) -> None:
+    plain, _, _ = executors
+    uncached = _image(plain)
+    for cache in (SKIPPING, p.StepCache(type="taylorseer", interval=2)):
+        first = _image(plain, step_cache=cache)
+        assert first != uncached, cache  # it skipped work
+        assert 20 < _psnr_db(first, uncached) < 80, cache  # close to the uncached image
+        assert _image(plain, step_cache=cache) == first  # no state carried over
+        assert _hooks(plain) == [] and not plain.pipe.transformer.is_cache_enabled
+    assert _image(plain) == uncached
+
+
+def test_the_service_default_applies_unless_a_request_turns_it_off(executors: Any) -> None:
+    plain, cached, _ = executors
+    assert _image(cached) == _image(plain, step_cache=SKIPPING)
+    assert _image(cached, step_cache=OFF) == _image(plain)
+    other = p.StepCache(type="taylorseer", interval=2)
+    assert _image(cached, step_cache=other) == _image(plain, step_cache=other)
+
+
+def test_layouts_and_compile_refuse_a_service_default_at_start(executors: Any) -> None:
+    import dataclasses
+
+    from dpserve.worker.parallel import ParallelUnsupported
+    from dpserve.worker.rank import _accel
+
+    plain, _, config = executors
+    tp = dataclasses.replace(config, tp=2, step_cache="taylorseer")
+    with pytest.raises(ParallelUnsupported, match="--step-cache taylorseer: not under tensor"):
+        _accel(tp, plain.pipe)
+    both = dataclasses.replace(config, compile=True, step_cache="taylorseer")
+    with pytest.raises(ParallelUnsupported, match="not with --compile"):
+        _accel(both, plain.pipe)
+    odd = dataclasses.replace(config, compile=True, compile_sizes=("72x64",))
+    with pytest.raises(ParallelUnsupported, match="multiples of 16"):
+        _accel(odd, plain.pipe)
+    caches, compiler = _accel(dataclasses.replace(config, tp=2), plain.pipe)
+    assert caches.offered == () and "tp=2" in str(caches.refusal) and compiler is None
+
+
+def test_the_ingress_refuses_a_cache_the_replica_lacks_before_it_queues() -> None:
+    refusal = "not under tensor or sequence parallel (tp=2, sp=1)"
+    features = Features(
+        EditSupport(edits=False, inpainting=False, max_images=0),
+        partial_images=0,
+        step_caches=StepCaches((), refusal=refusal),
+    )
+    url = f"tcp://127.0.0.1:{free_port()}"
+    front = Ingress(url, 0, p.Limits(), GangStatus(), 8, 120.0, 2, features=features)
+    front.start()
+    body = {"prompt": "x", "width": 64, "height": 64, "seed": 1}
+    try:
+        with ReplicaClient(front.endpoint, timeout_s=5) as client:
+            with pytest.raises(p.RequestError) as err:
+                client.call(p.GENERATE, {**body, "step_cache": "first_block_cache"})
+            assert err.value.code == p.UNSUPPORTED and refusal in str(err.value)
+            assert err.value.fields == [p.FieldError("step_cache", "must be none or left out")]
+            assert front.work.qsize() == 0
+            client.send_raw(p.encode(p.GENERATE, "ok", {**body, "step_cache": "none"}))
+            client.send_raw(p.encode(p.PING, "ping", {}))
+            client.recv()  # the ping's answer: the generation before it was handled
+            assert front.work.qsize() == 1
+    finally:
+        front.close()
