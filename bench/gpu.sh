@@ -19,6 +19,8 @@
 #   dp_pair.json    two replicas on GPU 0: a concurrent pair vs one request (pair_ratio)
 #   parallel_modes.txt  (>= 2 GPUs) each NCCL layout's speed-up and per-rank memory
 #   parallel_math.txt   sp/tp code paths on CUDA tensors as co-located ranks (pytest)
+#   step_cache.txt  bench/step_cache.py: each step cache's speed-up and PSNR vs uncached
+#   compile.txt     bench/compile.py: --compile vs eager after warm-up, first request's ratio
 #   logs/*.log      every step's full output
 #
 # Environment (for a CPU dry run of the run half, and for odd machines):
@@ -227,6 +229,22 @@ print("diffusers", diffusers.__version__, "torch", torch.__version__)'; then
   else
     log "parallel math: tests/integration/test_parallel_math.py is missing"
   fi
+  # Step caches and compile on one GPU (bench/step_cache.py, bench/compile.py): the same
+  # benchmarks as on a CPU, at the GPU's size in bfloat16; their figure lines last.
+  local -a accel=(--model "$MODEL" --device "$device" --dtype "$dtype" --size "$size")
+  [[ -n $tokens ]] && accel+=(--max-sequence-length "$tokens")
+  local cache_steps=20
+  [[ ${DPSERVE_GPU_DRYRUN:-0} == 1 ]] && cache_steps=8
+  # shellcheck disable=SC2016  # $@ and $OUT expand in the inner shell
+  step step_cache 150 bash -c 'exec "$@" >"$OUT/step_cache.txt"' _ \
+    "$PY" "$ROOT/bench/step_cache.py" "${accel[@]}" --steps "$cache_steps" --rounds 2 ||
+    log "step_cache: failed (logs/step_cache.log)"
+  log "step caches: $(tail -n 1 "$OUT/step_cache.txt" 2>/dev/null)"
+  # shellcheck disable=SC2016
+  step compile 200 bash -c 'exec "$@" >"$OUT/compile.txt"' _ \
+    "$PY" "$ROOT/bench/compile.py" "${accel[@]}" --steps "$cache_steps" --rounds 3 ||
+    log "compile: failed (logs/compile.log)"
+  log "compile: $(tail -n 1 "$OUT/compile.txt" 2>/dev/null)"
   log "total: $((SECONDS - START))s of ${BUDGET}s budget; steps: $(tr '\n' ';' <"$OUT/steps.txt")"
 }
 
