@@ -505,7 +505,9 @@ def parse_step_cache(check: FieldChecker, raw: Any) -> StepCache | None:
         return None
     if value is None:
         return StepCache(type=kind)
-    return StepCache(type=kind, **{knob: int(value) if is_int else float(value)})
+    if is_int:
+        return StepCache(type=kind, interval=int(value))
+    return StepCache(type=kind, threshold=float(value))
 
 
 def _parse_edit(check: FieldChecker, blobs: int) -> EditInput | None:

@@ -52,8 +52,7 @@ class _ImageFields(BaseModel):
         description='a step cache for this request: "first_block_cache" or "taylorseer" '
         '(its default knob), {"type": "first_block_cache", "threshold": 0.08}, '
         '{"type": "taylorseer", "interval": 3}, or "none" (off, whatever the service\'s '
-        "default); which ones a service offers: GET /v1/models features.step_caches. "
-        "In an edit's form, a name only",
+        "default); which ones a service offers: GET /v1/models features.step_caches",
     )
     model: str | None = Field(None, description="accepted and ignored (one model per service)")
     user: str | None = None

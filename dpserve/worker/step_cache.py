@@ -128,7 +128,9 @@ def filled(cache: StepCache) -> StepCache:
     if getattr(cache, knob) is not None:
         return cache
     value = DEFAULTS[cache.type]
-    return StepCache(type=cache.type, **{knob: int(value) if knob == "interval" else value})
+    if knob == "interval":
+        return StepCache(type=cache.type, interval=int(value))
+    return StepCache(type=cache.type, threshold=value)
 
 
 def knobs(cache: StepCache) -> dict[str, Any]:

@@ -137,6 +137,11 @@ def test_layouts_and_compile_refuse_a_service_default_at_start(executors: Any) -
         _accel(odd, plain.pipe)
     caches, compiler = _accel(dataclasses.replace(config, tp=2), plain.pipe)
     assert caches.offered == () and "tp=2" in str(caches.refusal) and compiler is None
+    caches, compiler = _accel(dataclasses.replace(config, compile=True), plain.pipe)
+    assert caches.offered == () and "--compile" in str(caches.refusal)
+    from dpserve.worker.preview import output_size
+
+    assert compiler is not None and compiler.sizes == (output_size(plain.pipe, {}),)
 
 
 def test_the_ingress_refuses_a_cache_the_replica_lacks_before_it_queues() -> None:
