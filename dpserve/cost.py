@@ -80,6 +80,12 @@ class Calibration:
         with self._lock:
             self._shape = shape
 
+    def forget(self) -> None:
+        """Drop every sample: what was measured no longer says what a request costs
+        (a compiling warm-up takes many times a steady call)."""
+        with self._lock:
+            self._first, self._log, self._samples = [], None, 0
+
     def units(self, params: GenerateParams) -> float:
         return cost_units(params, self._shape)
 

@@ -281,6 +281,7 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
     if compiler is not None:
         compiler.seal(compiled_before)
         executor.ops.info["compile"] = compiler.info()
+        executor.status.calibration.forget()  # compiling calls: no measure of a request
 
 
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:

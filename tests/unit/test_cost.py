@@ -89,6 +89,17 @@ def test_a_slow_first_sample_counts_only_until_a_normal_one_comes() -> None:
     assert cal.seconds_per_unit == pytest.approx(2.0, rel=0.01)
 
 
+def test_forget_drops_every_sample_and_keeps_the_shape() -> None:
+    cal = Calibration(SHAPE)
+    for seconds in (70.0, 60.0, 65.0):  # compiling warm-ups
+        cal.observe(1.0, seconds)
+    cal.forget()
+    assert cal.seconds_per_unit is None and cal.report().samples == 0
+    assert cal.report().default_height == 512
+    cal.observe(1.0, 0.5)
+    assert cal.seconds_per_unit == pytest.approx(0.5)
+
+
 def test_one_stall_moves_the_estimate_a_bounded_step_and_a_lasting_change_is_followed() -> None:
     cal = Calibration(alpha=0.2, max_ratio=4.0)
     for _ in range(5):
