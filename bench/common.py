@@ -1,7 +1,9 @@
-"""Shared pieces of the benchmarks: cached models, CPU-share sampling, medians."""
+"""Shared pieces of the benchmarks: cached models, model flags, requests, CPU-share sampling,
+medians."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -28,16 +30,43 @@ def cached_model(variant: str, seed: int = 0) -> Path:
     return path
 
 
-def true_cfg_request(size: int, steps: int) -> dict[str, object]:
-    """The benchmarks' request with true CFG (two guidance branches a step), fixed seed."""
+def add_model_args(parser: argparse.ArgumentParser, *, steps: int, rounds: int) -> None:
+    """The flags of a bench that runs its own replicas of one model: which model, where and
+    in what dtype, the request's size and steps, the timed rounds, the prompt's tokens."""
+    parser.add_argument("--model", type=Path, help="a model folder (default: --variant's)")
+    parser.add_argument("--variant", default="small", choices=("tiny", "small"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--max-sequence-length", type=int, default=77)
+
+
+def model_and_flags(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The model folder and the worker flags that :func:`add_model_args`' flags chose."""
+    flags = ["--device", args.device, "--dtype", args.dtype]
+    flags += ["--max-sequence-length", str(args.max_sequence_length)]
+    return args.model or cached_model(args.variant), flags
+
+
+def one_request(size: int, steps: int) -> dict[str, object]:
+    """The benchmarks' request: one square image, fixed prompt and seed."""
     return {
         "prompt": "a watercolor lighthouse at dusk",
-        "negative_prompt": "blurry, low quality",
-        "true_cfg_scale": 4.0,
         "width": size,
         "height": size,
         "num_inference_steps": steps,
         "seed": 1234,
+    }
+
+
+def true_cfg_request(size: int, steps: int) -> dict[str, object]:
+    """The benchmarks' request with true CFG (two guidance branches a step), fixed seed."""
+    return {
+        **one_request(size, steps),
+        "negative_prompt": "blurry, low quality",
+        "true_cfg_scale": 4.0,
     }
 
 
@@ -75,7 +104,8 @@ def _machine_busy() -> float:
     return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
 
 
-def _own_cpu(procs: list[psutil.Process]) -> float:
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """User and system CPU seconds of ``procs`` so far (those gone count nothing)."""
     total = 0.0
     for proc in procs:
         try:
@@ -95,11 +125,11 @@ def timed_round(procs: list[psutil.Process], call: Callable[[], T]) -> tuple[flo
     round measured the code or the machine.
     """
     mine = [*procs, psutil.Process()]
-    busy0, own0 = _machine_busy(), _own_cpu(mine)
+    busy0, own0 = _machine_busy(), cpu_seconds(mine)
     start = time.perf_counter()
     result = call()
     wall = time.perf_counter() - start
-    busy1, own1 = _machine_busy(), _own_cpu(mine)
+    busy1, own1 = _machine_busy(), cpu_seconds(mine)
     foreign = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
     return wall, foreign, result
 

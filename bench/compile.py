@@ -18,33 +18,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model, median
+from bench.common import add_model_args, median, model_and_flags, one_request
 from dpserve.local import WorkerProcess
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, help="a model folder (default: --variant's)")
-    parser.add_argument("--variant", default="small", choices=("tiny", "small"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-sequence-length", type=int, default=77)
+    add_model_args(parser, steps=8, rounds=5)
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="compile is slow")
     args = parser.parse_args()
 
-    model = args.model or cached_model(args.variant)
-    request = {
-        "prompt": "a watercolor lighthouse at dusk",
-        "width": args.size,
-        "height": args.size,
-        "num_inference_steps": args.steps,
-        "seed": 1234,
-    }
-    flags = ["--device", args.device, "--dtype", args.dtype]
-    flags += ["--max-sequence-length", str(args.max_sequence_length)]
+    model, flags = model_and_flags(args)
+    request = one_request(args.size, args.steps)
     compiling = ["--compile", "--compile-size", f"{args.size}x{args.size}"]
     started = time.perf_counter()
     with (

@@ -128,6 +128,7 @@ def _write(out: Path, name: str, data: dict[str, Any]) -> None:
 
 def serve_checks(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.common import one_request
     from dpserve.local import WorkerProcess
 
     out: Path = args.out
@@ -135,13 +136,7 @@ def serve_checks(args: argparse.Namespace) -> None:
     flags: tuple[str, ...] = ("--device", args.device, "--dtype", args.dtype, "--first-gpu", "0")
     if args.max_sequence_length:
         flags += ("--max-sequence-length", str(args.max_sequence_length))
-    request = {
-        "prompt": "a watercolor lighthouse at dusk",
-        "width": args.size,
-        "height": args.size,
-        "num_inference_steps": args.steps,
-        "seed": 1234,
-    }
+    request = one_request(args.size, args.steps)
     started = time.perf_counter()
     # Both replicas on device 0 (--first-gpu 0): dp=2 sharing one GPU. Started together.
     with (

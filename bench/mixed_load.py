@@ -33,7 +33,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model, timed_round, wait_ready
+from bench.common import cached_model, cpu_seconds, timed_round, wait_ready
 from dpserve.local import free_port
 from dpserve.wire import WireKey
 
@@ -150,17 +150,6 @@ class Stack:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=120)
-
-
-def cpu_seconds(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for proc in procs:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def run_phase(stack: Stack, policy: str, plan: list[Arrival]) -> Phase:

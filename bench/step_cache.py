@@ -23,7 +23,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model, median
+from bench.common import add_model_args, median, model_and_flags, one_request
 from dpserve.local import WorkerProcess
 
 
@@ -35,33 +35,18 @@ def psnr_db(a: bytes, b: bytes) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, help="a model folder (default: --variant's)")
-    parser.add_argument("--variant", default="small", choices=("tiny", "small"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_model_args(parser, steps=20, rounds=3)
     parser.add_argument("--fbc-threshold", type=float, default=0.6)
     parser.add_argument("--taylorseer-interval", type=int, default=3)
-    parser.add_argument("--max-sequence-length", type=int, default=77)
     args = parser.parse_args()
 
-    model = args.model or cached_model(args.variant)
+    model, flags = model_and_flags(args)
     caches: dict[str, Any] = {
         "uncached": "none",
         "fbc": {"type": "first_block_cache", "threshold": args.fbc_threshold},
         "taylorseer": {"type": "taylorseer", "interval": args.taylorseer_interval},
     }
-    request = {
-        "prompt": "a watercolor lighthouse at dusk",
-        "width": args.size,
-        "height": args.size,
-        "num_inference_steps": args.steps,
-        "seed": 1234,
-    }
-    flags = ["--device", args.device, "--dtype", args.dtype]
-    flags += ["--max-sequence-length", str(args.max_sequence_length)]
+    request = one_request(args.size, args.steps)
     times: dict[str, list[float]] = {name: [] for name in caches}
     pngs: dict[str, bytes] = {}
     with WorkerProcess(model, *flags) as worker, worker.client(timeout_s=600) as client:
