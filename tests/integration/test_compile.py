@@ -5,7 +5,6 @@ eager and give the eager image. Inductor on a CPU: ~70 s cold, ~15 s with its ca
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
+from dpserve.worker.config import WorkerConfig
+from tests.executors import one_rank_executors, reply_to
 from tests.workers import free_port
 
 torch = pytest.importorskip("torch")
@@ -28,39 +28,21 @@ BASE = dict(prompt="a red fox", width=64, height=64, num_inference_steps=3, seed
 @pytest.fixture(scope="module")
 def executors(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A compiled executor (warmed at 64x64 by rank.py's warm-up) and an eager one."""
-    import torch.distributed as dist
+    from dpserve.worker.rank import _warmup
 
-    from dpserve.worker.comm import init_gang
-    from dpserve.worker.config import WorkerConfig
-    from dpserve.worker.rank import _build_executor, _warmup
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     eager_cfg = WorkerConfig(model=tiny_model, port=free_port(), device="cpu")
     compiled_cfg = WorkerConfig(
         model=tiny_model, port=free_port(), device="cpu", compile=True, compile_sizes=("64x64",)
     )
-    store = str(tmp_path_factory.mktemp("gang") / "store")
-    device = torch.device("cpu")
-    comm = init_gang(eager_cfg.parallel, 0, store, device, 60.0)
-    try:
-        eager = _build_executor(eager_cfg, comm, device, torch.float32)
-        compiled = _build_executor(compiled_cfg, comm, device, torch.float32)
+    configs = (eager_cfg, compiled_cfg)
+    with one_rank_executors(configs, tmp_path_factory.mktemp("gang")) as (eager, compiled):
         before = graphs()
         _warmup(compiled, compiled_cfg)
         yield compiled, eager, graphs() - before
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 def _image(executor: Executor, **fields: Any) -> bytes:
-    params = p.GenerateParams(**{**BASE, **fields})
-    reply = p.decode(executor.generate("r", params, 0.0))
-    if reply.kind == p.ERROR:
-        raise p.decode_error(reply)
-    return reply.blobs[0]
+    return reply_to(executor, {**BASE, **fields}).blobs[0]
 
 
 def _max_diff(a: bytes, b: bytes) -> int:

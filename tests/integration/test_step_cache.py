@@ -4,7 +4,6 @@ ingress refusing a kind the replica does not offer. CFG-parallel: test_step_cach
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,12 @@ from PIL import Image
 from dpserve import protocol as p
 from dpserve.client import ReplicaClient
 from dpserve.worker.commands import GangStatus
+from dpserve.worker.config import WorkerConfig
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features
 from dpserve.worker.ingress import Ingress
 from dpserve.worker.step_cache import StepCaches
+from tests.executors import one_rank_executors, reply_to
 from tests.workers import free_port
 
 torch = pytest.importorskip("torch")
@@ -37,15 +38,6 @@ OFF = p.StepCache(type="none")
 def executors(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Two executors on one one-rank gang: one whose service default is a skipping
     first-block-cache, one without a default."""
-    import torch.distributed as dist
-
-    from dpserve.worker.comm import init_gang
-    from dpserve.worker.config import WorkerConfig
-    from dpserve.worker.rank import _build_executor
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a worker's rank runs (bytes depend on it)
     plain = WorkerConfig(model=tiny_model, port=free_port(), device="cpu")
     cached = WorkerConfig(
         model=tiny_model,
@@ -54,23 +46,12 @@ def executors(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         step_cache="first_block_cache",
         step_cache_threshold=1.0,
     )
-    store = str(tmp_path_factory.mktemp("gang") / "store")
-    device = torch.device("cpu")
-    comm = init_gang(plain.parallel, 0, store, device, 60.0)
-    try:
-        build = [_build_executor(c, comm, device, torch.float32) for c in (plain, cached)]
-        yield build[0], build[1], plain
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
+    with one_rank_executors((plain, cached), tmp_path_factory.mktemp("gang")) as built:
+        yield built[0], built[1], plain
 
 
 def _image(executor: Executor, **fields: Any) -> bytes:
-    params = p.GenerateParams(**{**BASE, **fields})
-    reply = p.decode(executor.generate("r", params, 0.0))
-    if reply.kind == p.ERROR:
-        raise p.decode_error(reply)
-    return reply.blobs[0]
+    return reply_to(executor, {**BASE, **fields}).blobs[0]
 
 
 def _psnr_db(a: bytes, b: bytes) -> float:

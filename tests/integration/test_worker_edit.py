@@ -5,9 +5,8 @@ test_gang_edit.py for those)."""
 from __future__ import annotations
 
 import io
-import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,9 @@ import pytest
 from PIL import Image
 
 from dpserve import protocol as p
+from dpserve.worker.config import WorkerConfig
+from tests.executors import one_rank_executors, reply_to
+from tests.workers import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -26,36 +28,16 @@ BASE = dict(prompt="a red fox", width=64, height=64, num_inference_steps=4, seed
 
 @pytest.fixture(scope="module")
 def executor(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Executor]:
-    import torch.distributed as dist
-
-    from dpserve.worker.comm import init_gang
-    from dpserve.worker.config import WorkerConfig
-    from dpserve.worker.rank import _build_executor
-    from tests.workers import free_port
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a worker's rank runs (bytes depend on it)
     cfg = WorkerConfig(model=tiny_model, port=free_port(), device="cpu")
-    store = str(tmp_path_factory.mktemp("gang") / "store")
-    device = torch.device("cpu")
-    comm = init_gang(cfg.parallel, 0, store, device, 60.0)
-    try:
-        yield _build_executor(cfg, comm, device, torch.float32)
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
+    with one_rank_executors([cfg], tmp_path_factory.mktemp("gang")) as (built,):
+        yield built
 
 
 def _run(
-    executor: Executor, blobs: list[bytes] = (), **fields: Any
+    executor: Executor, blobs: Sequence[bytes] = (), **fields: Any
 ) -> tuple[p.Message, list[p.Message]]:
     partials: list[list[bytes]] = []
-    params = p.GenerateParams(**{**BASE, **fields})
-    frames = executor.generate("r", params, 0.0, None, blobs, partials.append)
-    reply = p.decode(frames)
-    if reply.kind == p.ERROR:
-        raise p.decode_error(reply)
+    reply = reply_to(executor, {**BASE, **fields}, blobs, partials.append)
     return reply, [p.decode(f) for f in partials]
 
 
