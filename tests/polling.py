@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -22,3 +23,12 @@ def eventually(check: Callable[[], T], timeout_s: float = 60, what: str = "") ->
             last = exc
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what or check}: {last}")
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Until ``check()`` holds, yielding to the event loop between looks: for state that
+    this process's own tasks change (no errors to wait out, short timeouts)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)

@@ -19,8 +19,9 @@ import contextlib
 import functools
 import io
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -31,6 +32,8 @@ from dpserve.control_state import StateDoc, answer, parse_doc, reduce
 from dpserve.cost import cost_units
 from dpserve.transport import bind_router
 from dpserve.wire import Gatekeeper, WireKey
+
+T = TypeVar("T")
 
 
 def _png() -> bytes:
@@ -264,3 +267,17 @@ class StubReplica:
 def direct_state(op: str, args: dict[str, Any], base: StateDoc) -> StateDoc:
     """The document a router would make for ``op`` over ``base``."""
     return base.successor(op, reduce(base.state, op, args, base.version + 1))
+
+
+def run_in_context(scenario: Callable[[zmq.asyncio.Context], Awaitable[T]]) -> T:
+    """``scenario`` run to its end with a ZMQ context for its stubs and pools, the
+    context terminated after (which waits for every socket in it to be closed)."""
+
+    async def main() -> T:
+        ctx = zmq.asyncio.Context()
+        try:
+            return await scenario(ctx)
+        finally:
+            ctx.term()
+
+    return asyncio.run(main())

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -24,18 +24,11 @@ from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.desired import DesiredState, MemoryStore
 from dpserve.router.pool import PoolSettings, ReplicaPool
 from dpserve.router.service import RouterService
-from tests.stub_replica import StubReplica
+from tests.polling import until
+from tests.stub_replica import StubReplica, run_in_context
 
-T = TypeVar("T")
 FAST = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.5, control_timeout_s=5)
 LORA = {"lora_nickname": "style", "lora_path": "/loras/style"}
-
-
-async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 @asynccontextmanager
@@ -46,21 +39,10 @@ async def _router(
     await pool.set_endpoints(s.endpoint for s in stubs)
     await pool.start()
     try:
-        await _until(lambda: len(pool.serving()) == len(stubs))
+        await until(lambda: len(pool.serving()) == len(stubs))
         yield RouterService(pool)
     finally:
         await pool.close()
-
-
-def _run(scenario: Callable[[zmq.asyncio.Context], Awaitable[T]]) -> T:
-    async def main() -> T:
-        ctx = zmq.asyncio.Context()
-        try:
-            return await scenario(ctx)
-        finally:
-            ctx.term()
-
-    return asyncio.run(main())
 
 
 async def _stubs(ctx: zmq.asyncio.Context, n: int, **kw: Any) -> list[StubReplica]:
@@ -94,7 +76,7 @@ def test_a_restarted_router_applies_ops_and_never_skips_them() -> None:
             assert stub.held.state.active == {"other": 1.0}
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_two_routers_follow_each_others_ops() -> None:
@@ -104,16 +86,16 @@ def test_two_routers_follow_each_others_ops() -> None:
             assert (await b.control("set_lora", LORA)).status == 200
             # a sees newer documents in the replicas' pings and adopts them, rather than
             # "repairing" the replicas back to what it last knew.
-            await _until(lambda: a.pool.desired.doc == b.pool.desired.doc)
+            await until(lambda: a.pool.desired.doc == b.pool.desired.doc)
             await asyncio.sleep(0.3)
             assert len(a.pool.serving()) == 2
             assert all(s.held == b.pool.desired.doc for s in stubs)
             assert (await a.control("release_memory_occupation", {})).status == 200
-            await _until(lambda: b.pool.desired.doc == a.pool.desired.doc)
+            await until(lambda: b.pool.desired.doc == a.pool.desired.doc)
             assert all(s.held.state.released for s in stubs)
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_a_replica_that_cannot_reach_the_state_leaves_rotation_named() -> None:
@@ -133,16 +115,16 @@ def test_a_replica_that_cannot_reach_the_state_leaves_rotation_named() -> None:
             assert states["1"]["state"] == "out_of_sync"
             assert "does not exist" in states["1"]["last_error"]
             # Published for the operator's status: only replicas that failed, with why.
-            await _until(lambda: list(store.out_of_sync) == [stubs[1].endpoint])
+            await until(lambda: list(store.out_of_sync) == [stubs[1].endpoint])
             assert "does not exist" in store.out_of_sync[stubs[1].endpoint]
             # Fixed on the replica's side: the sync task's retry brings it back.
             stubs[1].fail_paths.clear()
-            await _until(lambda: len(pool.serving()) == 2, timeout_s=10)
+            await until(lambda: len(pool.serving()) == 2, timeout_s=10)
             assert stubs[1].held == pool.desired.doc
-            await _until(lambda: store.out_of_sync == {})
+            await until(lambda: store.out_of_sync == {})
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_an_op_no_replica_can_take_changes_nothing() -> None:
@@ -160,7 +142,7 @@ def test_an_op_no_replica_can_take_changes_nothing() -> None:
             assert len(router.pool.serving()) == 2
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_invalid_ops_are_refused_by_the_router_before_any_replica_sees_them() -> None:
@@ -183,7 +165,7 @@ def test_invalid_ops_are_refused_by_the_router_before_any_replica_sees_them() ->
             assert stubs[0].calls == calls
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 @pytest.mark.e2e  # 40,000 ops over real sockets: about a minute
@@ -204,14 +186,14 @@ def test_catch_up_is_one_call_whatever_the_history() -> None:
             stubs[1].reboot()
             calls = len(stubs[1].calls)
             started = time.perf_counter()
-            await _until(lambda: stubs[1].held == router.pool.desired.doc)
-            await _until(lambda: len(router.pool.serving()) == 2)
+            await until(lambda: stubs[1].held == router.pool.desired.doc)
+            await until(lambda: len(router.pool.serving()) == 2)
             caught_up = time.perf_counter() - started
             assert stubs[1].calls[calls:].count(p.SYNC_STATE) == 1
             assert caught_up < 2.0
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_a_stopped_driver_fails_its_requests_over_within_the_ping_deadline() -> None:
@@ -227,10 +209,10 @@ def test_a_stopped_driver_fails_its_requests_over_within_the_ping_deadline() -> 
             assert {d.replica for d in done} == {"1"}
             assert took < 5.0  # ping deadline (2 missed pings), not the 120 s timeout
             stubs[0].stopped.clear()  # SIGCONT: back after a good ping
-            await _until(lambda: len(router.pool.serving()) == 2)
+            await until(lambda: len(router.pool.serving()) == 2)
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_one_late_ping_keeps_a_replica_in_rotation() -> None:
@@ -250,11 +232,11 @@ def test_one_late_ping_keeps_a_replica_in_rotation() -> None:
             assert not seen_down and replica.missed_pings == 0
             assert "timed out" in str(replica.last_error)
             stubs[0].late_pings = 2
-            await _until(lambda: not replica.serving)
-            await _until(lambda: replica.serving)
+            await until(lambda: not replica.serving)
+            await until(lambda: replica.serving)
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_one_replica_stopped_does_not_delay_another_replicas_health() -> None:
@@ -270,7 +252,7 @@ def test_one_replica_stopped_does_not_delay_another_replicas_health() -> None:
             stubs[0].stopped.clear()
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def test_http_answers_say_what_the_state_is() -> None:
@@ -296,7 +278,7 @@ def test_http_answers_say_what_the_state_is() -> None:
                 assert bad.status_code == 400 and "strength" in bad.text
         await _close(stubs)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 async def _ready(http: httpx.AsyncClient) -> bool:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -26,31 +26,13 @@ from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.policies import POLICIES, PolicyName
 from dpserve.router.pool import PoolSettings, ReplicaPool
 from dpserve.router.service import RouterService
-from tests.stub_replica import StubReplica
+from tests.polling import until
+from tests.stub_replica import StubReplica, run_in_context
 
-T = TypeVar("T")
 FAST = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.5, control_timeout_s=5)
 SMALL = p.GenerateParams(prompt="s", width=64, height=64, num_inference_steps=2, seed=[1])
 LARGE = p.GenerateParams(prompt="l", width=512, height=512, num_inference_steps=30, seed=[2])
 STEP_S = 0.05  # the stubs' step: LARGE takes 1.5 s, SMALL 0.1 s
-
-
-async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
-def _run(scenario: Callable[[zmq.asyncio.Context], Awaitable[T]]) -> T:
-    async def main() -> T:
-        ctx = zmq.asyncio.Context()
-        try:
-            return await scenario(ctx)
-        finally:
-            ctx.term()
-
-    return asyncio.run(main())
 
 
 @asynccontextmanager
@@ -71,7 +53,7 @@ async def _router(
     await pool.set_endpoints(s.endpoint for s in stubs)
     await pool.start()
     try:
-        await _until(lambda: len(pool.serving()) == len(stubs))
+        await until(lambda: len(pool.serving()) == len(stubs))
         yield RouterService(pool)
     finally:
         await pool.close()
@@ -85,15 +67,15 @@ def test_the_cap_is_max_inflight_times_the_replicas_batch_size(policy: PolicyNam
             _router(stubs, policy, max_inflight=1) as r,
         ):
             pool = r.pool
-            await _until(lambda: all(x.max_batch == 2 for x in pool.members()))
+            await until(lambda: all(x.max_batch == 2 for x in pool.members()))
             calls = [asyncio.create_task(r.generate(SMALL)) for _ in range(5)]
-            await _until(lambda: pool.queue_depth == 1)  # 2 x 2 slots taken, one waits
+            await until(lambda: pool.queue_depth == 1)  # 2 x 2 slots taken, one waits
             assert sorted(x.inflight for x in pool.members()) == [2, 2]
             assert {pool.snapshot(x)["max_in_flight"] for x in pool.members()} == {2}
             assert len(await asyncio.gather(*calls)) == 5
             assert pool.queue_depth == 0 and all(len(x.ledger) == 0 for x in pool.members())
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -106,17 +88,17 @@ def test_a_stopped_replica_fails_over_and_a_leaving_one_drains(policy: PolicyNam
             done = await asyncio.gather(*(router.generate(SMALL) for _ in range(3)))
             assert {d.replica for d in done} == {"1"}
             stubs[0].stopped.clear()
-            await _until(lambda: len(pool.serving()) == 2)
+            await until(lambda: len(pool.serving()) == 2)
             # Leaving: discovery drops replica 0 while it renders; its answer still comes.
             running = asyncio.create_task(router.generate(LARGE))
-            await _until(lambda: any(q == LARGE for s in stubs for q, _ in s.received))
+            await until(lambda: any(q == LARGE for s in stubs for q, _ in s.received))
             (busy,) = [s for s in stubs if any(q == LARGE for q, _ in s.received)]
             await pool.set_endpoints([s.endpoint for s in stubs if s is not busy])
             others = await asyncio.gather(*(router.generate(SMALL) for _ in range(3)))
             assert {d.replica for d in others} == {str(1 - busy.replica)}
             assert (await running).replica == str(busy.replica)
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -128,7 +110,7 @@ def test_a_cheap_request_goes_where_no_expensive_one_runs_with_least_work(
     async def scenario(ctx: zmq.asyncio.Context) -> list[str]:
         async with _stubs(ctx, 2) as stubs, _router(stubs, policy) as router:
             large = asyncio.create_task(router.generate(LARGE))
-            await _until(lambda: any(s.received for s in stubs))
+            await until(lambda: any(s.received for s in stubs))
             (busy,) = [s for s in stubs if s.received]
             small = []
             for _ in range(4):  # one at a time: both replicas always have a free slot
@@ -136,7 +118,7 @@ def test_a_cheap_request_goes_where_no_expensive_one_runs_with_least_work(
             assert (await large).replica == str(busy.replica)
             return [str(busy.replica), *small]
 
-    busy, *small = _run(scenario)
+    busy, *small = run_in_context(scenario)
     if policy == "least_work":
         assert busy not in small
     else:
@@ -151,10 +133,10 @@ def test_least_work_counts_what_other_routers_placed_there() -> None:
             _router(stubs, "least_work") as two,
         ):
             large = asyncio.create_task(one.generate(LARGE))
-            await _until(lambda: any(s.received for s in stubs))
+            await until(lambda: any(s.received for s in stubs))
             (busy,) = [s for s in stubs if s.received]
             seen = next(r for r in two.pool.members() if r.endpoint == busy.endpoint)
-            await _until(lambda: seen.others_units > 0)  # from its next ping
+            await until(lambda: seen.others_units > 0)  # from its next ping
             assert two.pool.outstanding_s(seen) == pytest.approx(
                 seen.others_units * busy.cost.seconds_per_unit  # type: ignore[operator]
             )
@@ -164,7 +146,7 @@ def test_least_work_counts_what_other_routers_placed_there() -> None:
             assert mine.others_units == 0  # its own work is not counted twice
             await large
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 def _gauges(text: str) -> dict[tuple[str, str], float]:
@@ -186,7 +168,7 @@ def test_metrics_and_health_show_each_replicas_load_and_calibration() -> None:
                     await _until_ready(http)
                     body = {"prompt": "l", "size": "512x512", "num_inference_steps": 30}
                     post = asyncio.create_task(http.post("/v1/images/generations", json=body))
-                    await _until(lambda: any(s.received for s in stubs))
+                    await until(lambda: any(s.received for s in stubs))
                     (busy,) = [s for s in stubs if s.received]
                     await asyncio.sleep(0.2)  # a ping or two
                     gauges = _gauges((await http.get("/metrics")).text)
@@ -207,7 +189,7 @@ def test_metrics_and_health_show_each_replicas_load_and_calibration() -> None:
             units, 1e-4
         )
 
-    _run(scenario)
+    run_in_context(scenario)
 
 
 async def _until_ready(http: httpx.AsyncClient) -> None:
