@@ -271,13 +271,18 @@ def direct_state(op: str, args: dict[str, Any], base: StateDoc) -> StateDoc:
 
 def run_in_context(scenario: Callable[[zmq.asyncio.Context], Awaitable[T]]) -> T:
     """``scenario`` run to its end with a ZMQ context for its stubs and pools, the
-    context terminated after (which waits for every socket in it to be closed)."""
+    context terminated after (which waits for every socket in it to be closed). A
+    scenario that fails leaves sockets open: they are closed at once, so the failure
+    is reported instead of hanging in ``term`` until the test's timeout."""
 
     async def main() -> T:
         ctx = zmq.asyncio.Context()
         try:
-            return await scenario(ctx)
-        finally:
-            ctx.term()
+            result = await scenario(ctx)
+        except BaseException:
+            ctx.destroy(linger=0)
+            raise
+        ctx.term()
+        return result
 
     return asyncio.run(main())

@@ -20,6 +20,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from dpserve import protocol as p
+from dpserve.router.waiting import wait_within
 from dpserve.transport import connect_dealer
 from dpserve.wire import WireKey
 
@@ -93,8 +94,7 @@ class ReplicaConnection:
                 )
             except zmq.Again:
                 raise ReplicaLost(f"{self.endpoint} is not connected") from None
-            # shield: a cancelled caller must not cancel the future other code may await
-            reply = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            reply = await wait_within(future, timeout_s)
         except (TimeoutError, asyncio.CancelledError, ReplicaLost):
             # Given up on without a reply (an abandoned replica may yet come back).
             replied = future.done() and not future.cancelled() and future.exception() is None

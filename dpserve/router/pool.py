@@ -37,6 +37,7 @@ from dpserve.router.policies import (
     make_policy,
     seconds_per_unit,
 )
+from dpserve.router.waiting import wait_within
 from dpserve.wire import WireKey, plaintext_warning
 
 log = logging.getLogger(__name__)
@@ -506,7 +507,7 @@ class ReplicaPool:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
+                await wait_within(waiter, deadline - time.monotonic())
             except TimeoutError:
                 raise p.RequestError(
                     p.UNAVAILABLE, f"no replica could take the request within {timeout_s:.0f}s"
