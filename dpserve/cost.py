@@ -81,8 +81,8 @@ class Calibration:
             self._shape = shape
 
     def forget(self) -> None:
-        """Drop every sample: what was measured no longer says what a request costs
-        (a compiling warm-up takes many times a steady call)."""
+        """Drop every sample: what was measured says nothing of a request's cost (the
+        warm-up: first-call costs, and with --compile the compilation)."""
         with self._lock:
             self._first, self._log, self._samples = [], None, 0
 

@@ -8,7 +8,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, NamedTuple, Protocol
 
 from dpserve.protocol import HTTP_STATUS, ErrorBody
 
@@ -19,15 +19,25 @@ POLICIES: Final[tuple[PolicyName, ...]] = ("round_robin", "least_work")
 UNCALIBRATED_SECONDS_PER_UNIT: Final = 1.0
 
 
+class Estimate(NamedTuple):
+    """A request at one replica: the work ahead of it there and its own, in seconds."""
+
+    wait_s: float
+    own_s: float
+
+    @property
+    def finish_s(self) -> float:
+        return self.wait_s + self.own_s
+
+
 class Policy(Protocol):
     def pick(
         self,
         keys: Iterable[str],
         eligible: Callable[[str], bool],
-        finish: Callable[[str], float] | None = None,
+        estimate: Callable[[str], Estimate] | None = None,
     ) -> str | None:
-        """An eligible key, or None; ``finish``: a request's estimated completion
-        there, in seconds from now (its wait included)."""
+        """An eligible key, or None; ``estimate``: the request's wait and own cost there."""
         ...
 
 
@@ -45,7 +55,7 @@ class RoundRobin:
         self,
         keys: Iterable[str],
         eligible: Callable[[str], bool],
-        finish: Callable[[str], float] | None = None,  # not read: cost-blind
+        estimate: Callable[[str], Estimate] | None = None,  # not read: cost-blind
     ) -> str | None:
         order = sorted(keys)
         if not order:
@@ -63,8 +73,13 @@ class RoundRobin:
 
 class LeastWork:
     """The eligible replica where the request is estimated to finish first: its
-    outstanding work plus the request's own cost there (``finish``). Replicas within
-    ``tie_s`` of the best take turns (idle replicas alternate, as round-robin does).
+    outstanding work plus the request's own cost there (``estimate``).
+
+    Replicas whose finish is within ``tie_frac`` of the request's own cost of the
+    best take turns, as round-robin does. **Decision:** identical replicas' measured
+    calibrations differ by noise, and sequential traffic must not pile onto whichever
+    measured a few percent faster: idle replicas alternate, while a replica with work
+    ahead worth more than a quarter of the request is passed over.
 
     **Decision** (docs/router.md, "Routing policies"): only replicas with a free
     slot are eligible, so a request never waits in the router while a replica could
@@ -73,22 +88,23 @@ class LeastWork:
     do not: they all wait for the same replica while another idles.
     """
 
-    def __init__(self, tie_s: float = 1e-3) -> None:
-        self.tie_s = tie_s
+    def __init__(self, tie_frac: float = 0.25, tie_s: float = 1e-3) -> None:
+        self.tie_frac, self.tie_s = tie_frac, tie_s
         self._turns = RoundRobin()
 
     def pick(
         self,
         keys: Iterable[str],
         eligible: Callable[[str], bool],
-        finish: Callable[[str], float] | None = None,
+        estimate: Callable[[str], Estimate] | None = None,
     ) -> str | None:
         candidates = [k for k in keys if eligible(k)]
-        if not candidates or finish is None:
+        if not candidates or estimate is None:
             return self._turns.pick(candidates, lambda k: True)
-        estimates = {k: finish(k) for k in candidates}
-        best = min(estimates.values())
-        return self._turns.pick(candidates, lambda k: estimates[k] <= best + self.tie_s)
+        estimates = {k: estimate(k) for k in candidates}
+        best = min(estimates.values(), key=lambda e: e.finish_s)
+        bound = best.finish_s + max(self.tie_s, self.tie_frac * best.own_s)
+        return self._turns.pick(candidates, lambda k: estimates[k].finish_s <= bound)
 
 
 def make_policy(name: PolicyName) -> Policy:

@@ -31,6 +31,7 @@ from dpserve.cost import cost_units
 from dpserve.router.connection import ReplicaConnection, ReplicaLost
 from dpserve.router.desired import DesiredState, OutOfSync
 from dpserve.router.policies import (
+    Estimate,
     PolicyName,
     ReplicaOutcome,
     WorkLedger,
@@ -478,14 +479,14 @@ class ReplicaPool:
 
         now = time.monotonic()
 
-        def finish(endpoint: str) -> float:
+        def there(endpoint: str) -> Estimate:
             replica = self.replicas[endpoint]
-            return self.outstanding_s(replica, now) + self.estimate(replica, params)[1]
+            return Estimate(self.outstanding_s(replica, now), self.estimate(replica, params)[1])
 
-        key = self._policy.pick(self.replicas, lambda e: free(e, False), finish)
+        key = self._policy.pick(self.replicas, lambda e: free(e, False), there)
         # A retry prefers another replica, but takes the same one if it is the only one.
         if key is None and avoid and not any(r.endpoint not in avoid for r in self.serving()):
-            key = self._policy.pick(self.replicas, lambda e: free(e, True), finish)
+            key = self._policy.pick(self.replicas, lambda e: free(e, True), there)
         return self.replicas[key] if key is not None else None
 
     async def acquire(self, avoid: set[str], timeout_s: float, params: p.GenerateParams) -> Slot:

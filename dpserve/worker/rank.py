@@ -281,7 +281,10 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
     if compiler is not None:
         compiler.seal(compiled_before)
         executor.ops.info["compile"] = compiler.info()
-        executor.status.calibration.forget()  # compiling calls: no measure of a request
+    # A warm-up pays first-call costs (and compiles): no measure of a request. An
+    # uncalibrated replica borrows the others' figure, so it is not passed over until
+    # its own traffic calibrates it (dpserve.cost, docs/router.md).
+    executor.status.calibration.forget()
 
 
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:

@@ -78,7 +78,7 @@ def test_calibration_starts_unknown_and_reports_its_shape() -> None:
 
 def test_a_slow_first_sample_counts_only_until_a_normal_one_comes() -> None:
     cal = Calibration()
-    cal.observe(1.0, 30.0)  # the warm-up: first-call costs
+    cal.observe(1.0, 30.0)  # a first request that paid for new shapes
     assert cal.seconds_per_unit == pytest.approx(30.0)
     cal.observe(1.0, 2.0)
     assert cal.seconds_per_unit == pytest.approx(2.0)  # the lower of two
@@ -91,7 +91,7 @@ def test_a_slow_first_sample_counts_only_until_a_normal_one_comes() -> None:
 
 def test_forget_drops_every_sample_and_keeps_the_shape() -> None:
     cal = Calibration(SHAPE)
-    for seconds in (70.0, 60.0, 65.0):  # compiling warm-ups
+    for seconds in (70.0, 60.0, 65.0):  # warm-ups (compiling)
         cal.observe(1.0, seconds)
     cal.forget()
     assert cal.seconds_per_unit is None and cal.report().samples == 0
