@@ -75,11 +75,13 @@ class LeastWork:
     """The eligible replica where the request is estimated to finish first: its
     outstanding work plus the request's own cost there (``estimate``).
 
-    Replicas whose finish is within ``tie_frac`` of the request's own cost of the
-    best take turns, as round-robin does. **Decision:** identical replicas' measured
-    calibrations differ by noise, and sequential traffic must not pile onto whichever
-    measured a few percent faster: idle replicas alternate, while a replica with work
-    ahead worth more than a quarter of the request is passed over.
+    **Decision:** replicas with no work ahead take turns, as round-robin does,
+    whatever their calibrations say: one service's replicas share model and layout,
+    their measured figures differ by noise (a loaded host, a first request at a new
+    size), and sequential traffic must not pile onto whichever measured faster while
+    the other idles and never gets the traffic that would correct its figure. Among
+    busy replicas, those within ``tie_frac`` of the request's own cost of the best
+    take turns; one with work ahead worth more than that is passed over.
 
     **Decision** (docs/router.md, "Routing policies"): only replicas with a free
     slot are eligible, so a request never waits in the router while a replica could
@@ -102,6 +104,9 @@ class LeastWork:
         if not candidates or estimate is None:
             return self._turns.pick(candidates, lambda k: True)
         estimates = {k: estimate(k) for k in candidates}
+        idle = {k for k, e in estimates.items() if e.wait_s <= self.tie_s}
+        if idle:
+            return self._turns.pick(candidates, lambda k: k in idle)
         best = min(estimates.values(), key=lambda e: e.finish_s)
         bound = best.finish_s + max(self.tie_s, self.tie_frac * best.own_s)
         return self._turns.pick(candidates, lambda k: estimates[k].finish_s <= bound)

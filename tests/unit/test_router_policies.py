@@ -132,16 +132,23 @@ def test_least_work_ties_take_turns_like_round_robin() -> None:
     assert picks == {"tcp://a:1", "tcp://b:1"}
 
 
-def test_idle_replicas_whose_calibrations_differ_by_noise_still_alternate() -> None:
-    """Sequential requests on idle replicas share them, though one measured 10 %
-    faster; work ahead worth more than a quarter of the request is passed over."""
+def test_idle_replicas_take_turns_whatever_their_calibrations_say() -> None:
+    """Sequential requests share idle replicas though one measured twice as fast (a
+    loaded host's figure); among busy ones, work ahead worth more than a quarter of
+    the request is passed over, less is a tie."""
     lw = LeastWork()
-    own = {"tcp://a:1": 1.0, "tcp://b:1": 1.1}
     two = ["tcp://a:1", "tcp://b:1"]
+    own = {"tcp://a:1": 1.0, "tcp://b:1": 2.0}
     picks = [lw.pick(two, lambda k: True, lambda k: Estimate(0.0, own[k])) for _ in range(4)]
     assert Counter(picks) == {"tcp://a:1": 2, "tcp://b:1": 2}
     ahead = {"tcp://a:1": 0.0, "tcp://b:1": 0.3}  # b is finishing a request
     picks = [lw.pick(two, lambda k: True, lambda k: Estimate(ahead[k], 1.0)) for _ in range(4)]
+    assert set(picks) == {"tcp://a:1"}
+    busy = {"tcp://a:1": 5.0, "tcp://b:1": 5.2}  # within a quarter of the request: a tie
+    picks = [lw.pick(two, lambda k: True, lambda k: Estimate(busy[k], 1.0)) for _ in range(4)]
+    assert Counter(picks) == {"tcp://a:1": 2, "tcp://b:1": 2}
+    busy = {"tcp://a:1": 5.0, "tcp://b:1": 6.0}
+    picks = [lw.pick(two, lambda k: True, lambda k: Estimate(busy[k], 1.0)) for _ in range(4)]
     assert set(picks) == {"tcp://a:1"}
 
     # Without estimates it is round-robin.
