@@ -53,7 +53,7 @@ class Calibration:
     """A replica's seconds per cost unit: an EWMA of measured ``seconds / units``.
 
     Robust to an odd sample: while it has fewer than ``seed`` samples the estimate
-    is the lower median of those (so the slow first call, the warm-up, counts only
+    is the lower median of those (so a slow first request, at a size new to the gang, counts only
     until a normal one comes: one sample is itself, two the smaller, three the
     middle); after that each sample moves the estimate in log space by ``alpha`` of
     its distance, that distance clipped to ``max_ratio`` either way (one stall moves
