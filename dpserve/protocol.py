@@ -27,7 +27,8 @@ CONTROL: Final = "control"
 PING: Final = "ping"
 SESSION: Final = "session"  # realtime sessions (dpserve.realtime): open, step, resume, close
 CANCEL: Final = "cancel"  # nobody waits for an earlier generation any more; never answered
-REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING, SESSION, CANCEL})
+VIDEO: Final = "video"  # video jobs (dpserve.video): submit, get, list, content, delete
+REQUEST_KINDS: Final = frozenset({GENERATE, CONTROL, PING, SESSION, CANCEL, VIDEO})
 # Message kinds, reply side.
 RESULT: Final = "result"
 ERROR: Final = "error"
@@ -191,6 +192,19 @@ class StepCache(msgspec.Struct, frozen=True, kw_only=True):
     interval: int | None = None
 
 
+class VideoSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What makes a generation a video (dpserve.video): its frames and their rate.
+
+    As a client asks, ``num_frames`` and ``seconds`` may both be None (the model's
+    default length) and ``fps`` None (the model's rate); the replica that accepts
+    the job fills all three, so a re-run elsewhere makes the same frames.
+    """
+
+    num_frames: int | None = None
+    seconds: float | None = None
+    fps: int | None = None
+
+
 class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     """A validated generation request; ``None`` means "the model's default"."""
 
@@ -211,6 +225,8 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     edit: EditInput | None = None
     # None: the replica's default step cache (its --step-cache); STEP_CACHE_OFF: none.
     step_cache: StepCache | None = None
+    # A video job's frames (dpserve.video); None: an image request.
+    video: VideoSpec | None = None
 
 
 class PartialImage(msgspec.Struct, frozen=True, kw_only=True):
@@ -262,6 +278,12 @@ class Limits:
     # Sequence-parallel ranks: the image tokens, one per size_factor x size_factor
     # patch, must split evenly over them.
     sequence_split: int = 1
+    # Video models (dpserve.video): frame counts are frame_factor * k + 1, at most
+    # max_frames; max_frames 0 means the model makes no videos.
+    max_frames: int = 0
+    frame_factor: int = 4
+    default_frames: int = 81
+    default_fps: int = 16
 
 
 def invalid_fields(errors: Sequence[FieldError]) -> RequestError:

@@ -200,6 +200,21 @@ class WorkerConfig:
             many=True,
         ),
     )
+    # Video jobs (docs/video.md): the longest video a job may ask for, and where a
+    # replica keeps finished ones (its disk), for how long, within how many bytes.
+    max_frames: int = field(default=129, metadata=_flag("most frames a video job makes", positive))
+    video_dir: Path | None = field(  # None: a temporary folder, removed when the worker exits
+        default=None,
+        metadata=_flag("folder finished videos are kept in (default: a temporary one)", Path),
+    )
+    video_ttl_s: float = field(
+        default=3600.0,
+        metadata=_flag("seconds a finished video stays retrievable", seconds, name="--video-ttl"),
+    )
+    video_max_bytes: int = field(
+        default=2 << 30,
+        metadata=_flag("bytes of finished videos kept; the oldest go first", positive),
+    )
     # Tuning that is no flag.
     warmup_steps: int = 2
     tick_s: float = 2.0  # idle heartbeat through the gang, also keeps collectives from timing out

@@ -1,0 +1,293 @@
+"""Video jobs: the wire contract between router and replica, and the request rules.
+
+A video takes from seconds to many minutes, so a client submits a job and polls it
+(OpenAI's video API: ``POST /v1/videos``, ``GET /v1/videos/{id}``, ``.../content``).
+The job lives on the replica that runs it, its *owner*: the owner keeps the job's
+record (status, progress, times, error) and, once done, its mp4 and thumbnail on
+disk for ``--video-ttl`` seconds within ``--video-max-bytes``. Nothing about a job
+lives in a router, so any router finds it (docs/video.md):
+
+- the job id carries the owner's endpoint and boot id (:func:`make_job_id`), so a
+  router asks that replica first, and every serving replica after it (a re-run
+  lives elsewhere under the same id);
+- the router that placed a job watches it to the end (router/videos.py) and, when
+  the owner is lost (unreachable, or restarted: its boot id changed), submits it
+  again elsewhere with the same id, seed and creation time.
+
+On the wire a job is one message kind, ``protocol.VIDEO``, whose body is a
+:class:`VideoRequest`; every action is answered at once by the driver's ingress
+thread, never behind the gang's queue. ``submit`` checks the job whole and queues
+it (a 4xx comes back before the client's POST is answered); the job then runs as
+a generation whose ``params.video`` is set, and the output rank hands its frames
+as a :class:`VideoResult` with the mp4 and thumbnail blobs, and its progress as
+``PARTIAL`` :class:`VideoProgress` replies, to the replica's job book.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from dpserve import protocol as p
+
+# VideoRequest.action
+SUBMIT: Final = "submit"
+GET: Final = "get"
+LIST: Final = "list"
+CONTENT: Final = "content"
+DELETE: Final = "delete"
+ACTIONS: Final = (SUBMIT, GET, LIST, CONTENT, DELETE)
+
+# VideoJob.status (OpenAI's)
+QUEUED: Final = "queued"
+IN_PROGRESS: Final = "in_progress"
+COMPLETED: Final = "completed"
+FAILED: Final = "failed"
+CANCELLED: Final = "cancelled"
+TERMINAL: Final = frozenset({COMPLETED, FAILED, CANCELLED})
+
+# Content variants (OpenAI's names) and their media types.
+VIDEO_VARIANT: Final = "video"
+THUMBNAIL: Final = "thumbnail"
+MEDIA_TYPES: Final[Mapping[str, str]] = {VIDEO_VARIANT: "video/mp4", THUMBNAIL: "image/jpeg"}
+
+# Error code in a job whose owner was lost and that no replica re-ran.
+OWNER_LOST: Final = "owner_lost"
+
+MAX_FPS: Final = 60
+MAX_SECONDS: Final = 600.0
+_JOB_ID: Final = re.compile(r"^video_[0-9a-f]{32}\.[A-Za-z0-9_-]{1,200}\.[0-9a-f]{8}$")
+_PREFIX: Final = "video_"
+
+
+# ---------------------------------------------------------------- job ids
+
+
+@dataclass(frozen=True)
+class JobOwner:
+    """Where a job id says its job was first placed."""
+
+    endpoint: str  # the owner driver's ZMQ endpoint
+    boot: str  # the first 8 hex digits of its boot id then
+
+
+def make_job_id(owner_endpoint: str, boot_id: str) -> str:
+    """``video_<128 random bits>.<owner endpoint, base64url>.<owner boot id, 8 hex>``."""
+    encoded = base64.urlsafe_b64encode(owner_endpoint.encode()).decode().rstrip("=")
+    return f"{_PREFIX}{secrets.token_hex(16)}.{encoded}.{boot_id[:8]}"
+
+
+def job_owner(job_id: str) -> JobOwner | None:
+    """The owner a job id names; None for a string this service never gave out."""
+    if len(job_id) > 300 or not _JOB_ID.match(job_id):
+        return None
+    _, encoded, boot = job_id.split(".")
+    try:
+        endpoint = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    return JobOwner(endpoint, boot) if endpoint.startswith("tcp://") else None
+
+
+# ---------------------------------------------------------------- wire bodies
+
+
+class VideoRequest(msgspec.Struct, kw_only=True):
+    """Body of a ``protocol.VIDEO`` message."""
+
+    action: str  # one of ACTIONS
+    job_id: str = ""  # every action but list
+    # submit: the job's generation (params.video set, seeds fixed by the router),
+    # and the input_reference image as blob 0 when params.edit names it.
+    params: p.GenerateParams | None = None
+    created_at: int = 0  # submit: unix seconds the router accepted the job; a re-run keeps it
+    attempt: int = 1  # submit: 2 and up is a re-run after the owner was lost
+    variant: str = VIDEO_VARIANT  # content: VIDEO_VARIANT or THUMBNAIL
+
+
+class VideoError(msgspec.Struct, frozen=True, kw_only=True):
+    code: str
+    message: str
+
+
+class VideoJob(msgspec.Struct, kw_only=True):
+    """A job's record as its owner holds it: the answer to submit, get and delete."""
+
+    id: str
+    status: str  # QUEUED, IN_PROGRESS, COMPLETED, FAILED or CANCELLED
+    progress: int = 0  # 0-100
+    created_at: int
+    completed_at: int | None = None  # unix seconds it reached a terminal status
+    expires_at: int | None = None  # unix seconds its output goes (completed jobs)
+    prompt: str = ""
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    seconds: float
+    seed: int
+    num_inference_steps: int | None = None
+    error: VideoError | None = None
+    replica: int = 0  # the owner's replica index
+    attempt: int = 1
+    bytes: int = 0  # the mp4's size, once completed
+    queue_time_s: float = 0.0
+    inference_time_s: float = 0.0  # the pipeline, without encoding
+    encode_time_s: float = 0.0  # mp4 and thumbnail
+
+
+class VideoList(msgspec.Struct, kw_only=True):
+    """Answer to list: every job record the replica holds, newest first."""
+
+    jobs: list[VideoJob]
+
+
+class VideoContent(msgspec.Struct, kw_only=True):
+    """Answer to content; the file is blob 0."""
+
+    id: str
+    variant: str
+    media_type: str
+
+
+class VideoProgress(msgspec.Struct, kw_only=True):
+    """A PARTIAL reply of a running video generation: denoising step ``step`` of ``steps``
+    is done."""
+
+    step: int
+    steps: int
+
+
+class VideoResult(msgspec.Struct, kw_only=True):
+    """The output rank's answer to a video generation; blob 0 is the mp4 (H.264),
+    blob 1 the thumbnail (JPEG of the first frame)."""
+
+    replica: int
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    seed: int
+    queue_time_s: float
+    inference_time_s: float
+    encode_time_s: float
+    peak_memory_mb: float
+
+
+# ---------------------------------------------------------------- request rules
+
+
+_VIDEO_FIELDS: Final = frozenset(
+    {
+        "prompt",
+        "negative_prompt",
+        "seconds",
+        "size",
+        "width",
+        "height",
+        "fps",
+        "num_frames",
+        "seed",
+        "num_inference_steps",
+        "guidance_scale",
+    }
+)
+
+
+def parse_video(
+    body: Any, limits: p.Limits, ignore: frozenset[str] = frozenset(), blobs: int = 0
+) -> p.GenerateParams:
+    """Validate a video job's body; raise ``RequestError`` naming every bad field.
+
+    ``ignore`` lists fields a front end handles itself (OpenAI's ``model``);
+    ``blobs`` is 1 when an ``input_reference`` image came with it (it becomes the
+    generation's ``edit`` input). Frame counts are checked against ``limits`` only
+    where the limits know the model (``max_frames`` > 0); the replica checks them
+    again, with its own, before it accepts the job.
+    """
+    if not isinstance(body, Mapping):
+        raise p.RequestError(p.INVALID_REQUEST, "the request body must be an object")
+    check = p.FieldChecker(body)
+    for key in sorted(str(k) for k in body if k not in _VIDEO_FIELDS | ignore):
+        check.bad(key, "is not a known field")
+    prompt = check.text("prompt", required=True)
+    negative = check.text("negative_prompt", required=False)
+    width, height = p.parse_size(check, limits)
+    steps = check.integer("num_inference_steps", 1, limits.max_steps)
+    guidance = check.number("guidance_scale", 0.0, limits.max_scale)
+    fps = check.integer("fps", 1, MAX_FPS)
+    seconds = _seconds(check)
+    top = limits.max_frames or 100_000
+    frames = check.integer("num_frames", 1, top)
+    seed = check.integer("seed", 0, p.MAX_SEED)
+    if check.errors:
+        raise p.invalid_fields(check.errors)
+    assert prompt is not None
+    spec = p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps)
+    if limits.max_frames:
+        spec = resolve_frames(spec, limits)
+    return p.GenerateParams(
+        prompt=prompt,
+        negative_prompt=negative,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seed=None if seed is None else [seed],
+        edit=p.EditInput(images=[0]) if blobs else None,
+        video=spec,
+    )
+
+
+def _seconds(check: p.FieldChecker) -> float | None:
+    """OpenAI sends ``seconds`` as a string ("4"); a number is taken too."""
+    raw = check.body.get("seconds")
+    if raw is None:
+        return None
+    try:
+        value = float(raw) if isinstance(raw, str | int | float) and raw is not True else None
+    except ValueError:
+        value = None
+    if value is None or raw is False or not 0.0 < value <= MAX_SECONDS:
+        check.bad("seconds", f"must be a number of seconds in (0, {MAX_SECONDS:g}], got {raw!r}")
+        return None
+    return value
+
+
+def resolve_frames(spec: p.VideoSpec, limits: p.Limits) -> p.VideoSpec:
+    """The frames, rate and length a job gets on a model with these limits.
+
+    ``num_frames`` wins over ``seconds``; ``seconds`` rounds to the nearest frame
+    count the model makes (``frame_factor * k + 1``); neither gives the model's
+    default. A count the model cannot make is a 400 naming what it can.
+    """
+    fps = spec.fps or limits.default_fps
+    factor = limits.frame_factor
+    top = limits.max_frames - (limits.max_frames - 1) % factor
+    what = (
+        f"this model makes {factor}*k+1 frames, 1 to {top} (at {fps} fps up to "
+        f"{(top - 1) / fps:g} s)"
+    )
+    if spec.num_frames is not None:
+        frames = spec.num_frames
+        if frames % factor != 1 % factor or not 1 <= frames <= top:
+            raise p.invalid_fields([p.FieldError("num_frames", f"is {frames}, but {what}")])
+    elif spec.seconds is not None:
+        frames = round(spec.seconds * fps / factor) * factor + 1
+        if frames > top:
+            raise p.invalid_fields([p.FieldError("seconds", f"is {spec.seconds:g}, but {what}")])
+    else:
+        frames = min(limits.default_frames, top)
+    return p.VideoSpec(num_frames=frames, seconds=round((frames - 1) / fps, 3), fps=fps)
+
+
+def seconds_text(seconds: float) -> str:
+    """OpenAI's ``seconds`` is a string: "4", or "5.06" where it is not whole."""
+    return f"{seconds:.2f}".rstrip("0").rstrip(".")
