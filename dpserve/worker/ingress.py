@@ -32,19 +32,25 @@ import zmq
 
 from dpserve import protocol as p
 from dpserve import realtime as rt
+from dpserve import video as v
 from dpserve.transport import bind_router, bound_endpoint, inproc_pair
 from dpserve.wire import Gatekeeper, WireKey, plaintext_warning
 from dpserve.worker.batch import Batching
 from dpserve.worker.commands import GangCommand, GangStatus, Generation
-from dpserve.worker.edit import check_edit, fitted_size
+from dpserve.worker.edit import check_edit, fitted_size, upload_size
 
 if TYPE_CHECKING:
     from dpserve.worker.features import Features
+    from dpserve.worker.video_jobs import VideoBook
 
 log = logging.getLogger(__name__)
 
 # A request that stops while others of its batch run on (Ingress.halt).
 _LEFT_BATCH = "dropped from its batch at a denoising step, the others went on"
+# The identity of a video job's work: its answers go to the job book, not a client
+# (a ZMQ ROUTER never gives a peer an empty identity).
+JOB_IDENTITY = b""
+_IMAGE_MODEL = "this model makes images, not videos: use /v1/images/generations"
 
 
 @dataclass(frozen=True)
@@ -203,12 +209,15 @@ class Ingress:
         key: WireKey | None = None,
         features: Features | None = None,
         batching: Batching | None = None,
+        videos: VideoBook | None = None,
     ) -> None:
         """``key``: the service's wire key; the socket is then a CURVE server that
         admits only clients holding it. None: a plaintext wire (warned loudly).
         ``features``: what the model serves (edits, previews), checked before work
         queues; None: not known here (uploads are still checked). ``batching``: how
-        generations gather into batches (None: one at a time)."""
+        generations gather into batches (None: one at a time). ``videos``: the job
+        book of a video model (None: the model makes no videos)."""
+        self.videos = videos
         self.replica = replica
         self.features = features
         self.limits = limits
@@ -258,6 +267,10 @@ class Ingress:
             for work, error in late:
                 self.reply(work.identity, p.encode_error(work.command.id, error))
             if len(late) < len(batch):
+                if self.videos is not None:
+                    for work in batch:
+                        if work.identity == JOB_IDENTITY:
+                            self.videos.started(work.command.id)
                 return self.work.discard([work for work, _ in late])
             self.work.finish()
         return []
@@ -292,7 +305,14 @@ class Ingress:
                 self.reply(work.identity, frames)
 
     def reply(self, identity: bytes, frames: list[bytes]) -> None:
-        self._replies_out.send_multipart([identity, *frames])
+        if identity == JOB_IDENTITY:
+            self._to_book(frames)
+        else:
+            self._replies_out.send_multipart([identity, *frames])
+
+    def _to_book(self, frames: list[bytes]) -> None:
+        if self.videos is not None:
+            self.videos.answer(frames)
 
     def close(self) -> None:
         # Work that slipped in after the loop's last look is refused, not lost silently.
@@ -308,6 +328,8 @@ class Ingress:
         if self.gate is not None:
             self.gate.close()
         self._ctx.term()
+        if self.videos is not None:
+            self.videos.close()
 
     # ------------------------------------------------------------ ingress thread
 
@@ -327,6 +349,8 @@ class Ingress:
                 except Exception:  # never let one message end the ingress
                     log.exception("dropping a message that could not be handled")
             self._expire(time.monotonic())
+            if self.videos is not None:
+                self.videos.prune()
 
     def _expire(self, now: float) -> None:
         """Answer queued work whose deadline passed: its client stopped waiting."""
@@ -353,7 +377,10 @@ class Ingress:
         )
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
-        self._sock.send_multipart([identity, *frames])
+        if identity == JOB_IDENTITY:
+            self._to_book(frames)
+        else:
+            self._sock.send_multipart([identity, *frames])
 
     def _handle(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
@@ -383,6 +410,8 @@ class Ingress:
             return p.encode(p.RESULT, message.id, self.ping())
         if message.kind == p.CANCEL:  # answered only when any_client asks, draining or not
             return self._cancel(identity, message)
+        if message.kind == p.VIDEO:  # answered at once; a submit queues the job's generation
+            return self._video(message)
         if message.kind == p.GENERATE:
             params = p.fill_seeds(self._generate(message))
             blobs = list(message.blobs) if params.edit is not None else []
@@ -442,6 +471,99 @@ class Ingress:
             params = p.parse_generate(
                 {**body, "width": width, "height": height}, self.limits, blobs=len(blobs)
             )
+        return params
+
+    def _video(self, message: p.Message) -> list[bytes]:
+        request: v.VideoRequest = message.body_as(v.VideoRequest)
+        book = self.videos
+        if request.action not in v.ACTIONS:
+            raise _invalid(
+                f"unknown video action {request.action!r}; known: {', '.join(v.ACTIONS)}"
+            )
+        if book is None:
+            if request.action == v.LIST:
+                return p.encode(p.RESULT, message.id, v.VideoList(jobs=[]))
+            if request.action == v.SUBMIT:
+                raise p.RequestError(p.UNSUPPORTED, _IMAGE_MODEL)
+            raise p.RequestError(p.NOT_FOUND, f"video job {request.job_id} is not held here")
+        blobs: list[bytes] = []
+        if request.action == v.SUBMIT:
+            body: Any = self._submit_video(request, list(message.blobs))
+        elif request.action == v.GET:
+            body = book.get(request.job_id)
+        elif request.action == v.LIST:
+            body = book.list()
+        elif request.action == v.CONTENT:
+            body, data = book.content(request.job_id, request.variant)
+            blobs = [data]
+        else:
+            # Queued: it leaves the queue; running: the gang stops it at its next step
+            # (its answer then finds no record, and is dropped).
+            self.work.cancel(request.job_id, None)
+            body = book.delete(request.job_id)
+        return p.encode(p.RESULT, message.id, body, blobs)
+
+    def _submit_video(self, request: v.VideoRequest, blobs: list[bytes]) -> v.VideoJob:
+        """Check a job whole with this replica's limits, record it, queue its generation."""
+        book = self.videos
+        assert book is not None
+        if request.params is None or request.params.video is None:
+            raise _invalid("a video submit needs params with video set")
+        if v.job_owner(request.job_id) is None:
+            raise _invalid(f"{request.job_id[:80]!r} is not a video job id")
+        if self.draining.is_set():
+            raise p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
+        if book.holds(request.job_id):  # a re-run sent twice: the job is here already
+            return book.get(request.job_id)
+        params = p.fill_seeds(self._video_params(request.params, blobs))
+        command = GangCommand(
+            kind=p.GENERATE,
+            id=request.job_id,
+            batch=[Generation(id=request.job_id, params=params)],
+            blobs=blobs[:1] if params.edit is not None else [],
+        )
+        # Recorded first, so the gang that starts it at once finds the record.
+        job = book.submit(request.job_id, params, request.created_at, request.attempt)
+        try:
+            self.work.put_nowait(Work(JOB_IDENTITY, command, time.monotonic()))
+        except queue.Full:
+            book.withdraw(request.job_id)
+            raise p.RequestError(
+                p.OVERLOADED, f"replica {self.replica} queue is full ({self.work.maxsize})"
+            ) from None
+        return job
+
+    def _video_params(self, asked: p.GenerateParams, blobs: list[bytes]) -> p.GenerateParams:
+        """The router's checks again, with this model's limits: sizes, steps, frames;
+        an input_reference must be an image, and the model must take one."""
+        spec = asked.video
+        assert spec is not None
+        fields = {
+            "prompt": asked.prompt,
+            "negative_prompt": asked.negative_prompt,
+            "width": asked.width,
+            "height": asked.height,
+            "num_inference_steps": asked.num_inference_steps,
+            "guidance_scale": asked.guidance_scale,
+            "seed": asked.seed[0] if asked.seed else None,
+            "num_frames": spec.num_frames,
+            "seconds": spec.seconds if spec.num_frames is None else None,
+            "fps": spec.fps,
+        }
+        body = {k: value for k, value in fields.items() if value is not None}
+        reference = asked.edit is not None
+        if reference and not blobs:
+            raise _invalid("input_reference names a blob the message lacks")
+        params = v.parse_video(body, self.limits, blobs=1 if reference else 0)
+        if reference:
+            upload_size(blobs[0], "input_reference")
+            video = getattr(self.features, "video", None)  # helper W's Features field
+            if not video or not video.get("image_to_video"):
+                raise p.RequestError(
+                    p.UNSUPPORTED,
+                    "this model makes videos from text only: send the job without input_reference",
+                    [p.FieldError("input_reference", "is not supported by this model")],
+                )
         return params
 
     def _session(self, message: p.Message) -> GangCommand:

@@ -291,6 +291,7 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
     from dpserve.wire import WireKey
     from dpserve.worker.batch import Batching
     from dpserve.worker.ingress import Ingress
+    from dpserve.worker.video_jobs import VideoBook
 
     limits = p.Limits(
         size_factor=int(executor.ops.info["size_factor"]),
@@ -311,6 +312,10 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         key=None if cfg.wire_key_file is None else WireKey.load(cfg.wire_key_file),
         features=executor.features,
         batching=Batching(cfg.max_batch, cfg.batch_wait_ms / 1000),
+        # A video model's jobs and their files (docs/video.md).
+        videos=VideoBook(cfg.video_dir, cfg.video_ttl_s, cfg.video_max_bytes, cfg.replica)
+        if limits.max_frames
+        else None,
     )
     executor.status.max_batch = cfg.max_batch
     if not ingress.endpoint.endswith(f":{cfg.port}"):

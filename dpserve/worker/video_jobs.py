@@ -1,0 +1,315 @@
+"""The replica's video job book: each job's record, and the finished files on disk.
+
+The driver owns it (dpserve/video.py says why jobs live on their replica). The
+ingress thread reads it and submits, deletes and lists; the gang loop's thread
+reports through it (started, progress, the output rank's answer). One lock covers
+the records; files are written before a record says ``completed``, so a reader
+never sees a completed job without its file.
+
+Kept within bounds: a finished job's record and files go ``ttl_s`` after it
+finished; past ``max_bytes`` of files the oldest finished videos go first; a video
+bigger than the bound, or than one reply frame may carry, fails its job instead.
+At most ``max_records`` records are kept (the oldest finished go first). A deleted
+or expired id is remembered (``max_records`` of them), so the router that placed
+the job can tell "gone for good" from "the owner lost it" (router/videos.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from dpserve import protocol as p
+from dpserve import video as v
+
+log = logging.getLogger(__name__)
+
+# Progress up to the last denoising step; decoding and encoding take the rest.
+_DENOISE_SHARE: Final = 95
+_PRUNE_EVERY_S: Final = 5.0
+MAX_RECORDS: Final = 4096
+
+
+@dataclass
+class _Entry:
+    job: v.VideoJob
+    finished_at: float | None = None  # unix seconds; when it reached a terminal status
+    files: tuple[Path, Path] | None = None  # mp4, thumbnail: a completed job's
+
+
+class VideoBook:
+    def __init__(
+        self,
+        root: Path | None,
+        ttl_s: float,
+        max_bytes: int,
+        replica: int,
+        max_records: int = MAX_RECORDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``root`` None: a temporary folder, removed by :meth:`close`."""
+        self._own_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="dpserve-videos-")) if root is None else root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.replica = replica
+        self.max_records = max_records
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # in submission order
+        self._gone: OrderedDict[str, str] = OrderedDict()  # id -> why it is not held
+        self._pruned_at = 0.0
+
+    # ------------------------------------------------------------ ingress thread
+
+    def submit(
+        self, job_id: str, params: p.GenerateParams, created_at: int, attempt: int
+    ) -> v.VideoJob:
+        """Record a job the ingress queued; ``params`` resolved (frames, seed)."""
+        spec = params.video
+        assert spec is not None and spec.num_frames and spec.fps and params.seed
+        job = v.VideoJob(
+            id=job_id,
+            status=v.QUEUED,
+            created_at=created_at or int(self.clock()),
+            prompt=params.prompt,
+            width=params.width or 0,
+            height=params.height or 0,
+            num_frames=spec.num_frames,
+            fps=spec.fps,
+            seconds=spec.seconds or 0.0,
+            seed=params.seed[0],
+            num_inference_steps=params.num_inference_steps,
+            replica=self.replica,
+            attempt=attempt,
+        )
+        with self._lock:
+            self._gone.pop(job_id, None)
+            self._entries[job_id] = _Entry(job)
+            self._trim_records()
+            return _copy(job)
+
+    def withdraw(self, job_id: str) -> None:
+        """Forget a job the queue refused right after :meth:`submit`."""
+        with self._lock:
+            self._entries.pop(job_id, None)
+
+    def holds(self, job_id: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(job_id)
+            return entry is not None and entry.job.status not in v.TERMINAL
+
+    def get(self, job_id: str) -> v.VideoJob:
+        with self._lock:
+            return _copy(self._entry(job_id).job)
+
+    def list(self) -> v.VideoList:
+        with self._lock:
+            jobs = [_copy(e.job) for e in reversed(self._entries.values())]
+        return v.VideoList(jobs=jobs)
+
+    def content(self, job_id: str, variant: str) -> tuple[v.VideoContent, bytes]:
+        if variant not in v.MEDIA_TYPES:
+            offered = ", ".join(v.MEDIA_TYPES)
+            raise p.RequestError(
+                p.INVALID_REQUEST,
+                f"variant {variant!r} is not offered; variants: {offered}",
+                [p.FieldError("variant", f"must be one of {offered}")],
+            )
+        with self._lock:
+            entry = self._entry(job_id)
+            if entry.job.status != v.COMPLETED or entry.files is None:
+                raise p.RequestError(p.CONFLICT, _unfinished(entry.job))
+            path = entry.files[0 if variant == v.VIDEO_VARIANT else 1]
+            # Read under the lock: a prune or delete cannot remove it half-read.
+            data = path.read_bytes()
+        return v.VideoContent(id=job_id, variant=variant, media_type=v.MEDIA_TYPES[variant]), data
+
+    def delete(self, job_id: str) -> v.VideoJob:
+        """Forget the job and remove its files; the record as it was. The ingress
+        has taken it from the queue or told the gang to stop it first."""
+        with self._lock:
+            entry = self._entry(job_id)
+            self._forget(job_id, "was deleted")
+        if entry.job.status in (v.QUEUED, v.IN_PROGRESS):
+            entry.job.status = v.CANCELLED
+        return entry.job
+
+    def prune(self) -> None:
+        """Drop finished jobs past their time; cheap to call often."""
+        now = self.clock()
+        if now - self._pruned_at < _PRUNE_EVERY_S:
+            return
+        self._pruned_at = now
+        with self._lock:
+            for job_id, entry in list(self._entries.items()):
+                if entry.finished_at is not None and now - entry.finished_at >= self.ttl_s:
+                    self._forget(job_id, "expired (--video-ttl)")
+
+    # ------------------------------------------------------------ gang loop thread
+
+    def started(self, job_id: str) -> None:
+        with self._lock:
+            entry = self._entries.get(job_id)
+            if entry is not None and entry.job.status == v.QUEUED:
+                entry.job.status = v.IN_PROGRESS
+
+    def answer(self, frames: Sequence[bytes]) -> None:
+        """The gang's (or the ingress's) reply to a job's generation, as it would go to
+        a client: progress, the finished video, or why it stopped. A reply to a
+        deleted job is dropped."""
+        try:
+            message = p.decode(frames)
+        except p.ProtocolError as exc:  # never from this process's own encoder
+            log.error("dropping an unreadable answer to a video job: %s", exc)
+            return
+        job_id = message.id
+        try:
+            if message.kind == p.PARTIAL:
+                self._progress(job_id, message.body_as(v.VideoProgress))
+            elif message.kind == p.RESULT:
+                result: v.VideoResult = message.body_as(v.VideoResult)
+                self._completed(job_id, result, message.blobs)
+            else:
+                self._failed(job_id, p.decode_error(message))
+        except p.ProtocolError as exc:
+            log.error("video job %s: unreadable answer from the gang: %s", job_id, exc)
+            self._failed(job_id, p.RequestError(p.INTERNAL, f"unreadable answer: {exc}"))
+
+    def _progress(self, job_id: str, step: v.VideoProgress) -> None:
+        with self._lock:
+            entry = self._entries.get(job_id)
+            if entry is not None and entry.job.status in (v.QUEUED, v.IN_PROGRESS):
+                entry.job.status = v.IN_PROGRESS
+                entry.job.progress = _DENOISE_SHARE * step.step // max(1, step.steps)
+
+    def _completed(self, job_id: str, result: v.VideoResult, blobs: Sequence[bytes]) -> None:
+        if len(blobs) < 2:
+            self._failed(job_id, p.RequestError(p.INTERNAL, "the gang's answer lacks its files"))
+            return
+        video, thumbnail = blobs[0], blobs[1]
+        too_big = _too_big(len(video), self.max_bytes)
+        if too_big is not None:
+            self._failed(job_id, p.RequestError(p.INVALID_REQUEST, too_big))
+            return
+        with self._lock:
+            if job_id not in self._entries:
+                return  # deleted while it ran
+        files = self._write(job_id, video, thumbnail)
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(job_id)
+            if entry is None:  # deleted while its files were written
+                _remove(files)
+                return
+            entry.files, entry.finished_at = files, now
+            job = entry.job
+            job.status, job.progress = v.COMPLETED, 100
+            job.completed_at = int(now)
+            job.expires_at = int(now + self.ttl_s)
+            job.bytes = len(video)
+            job.width, job.height, job.num_frames = result.width, result.height, result.num_frames
+            job.queue_time_s = round(result.queue_time_s, 3)
+            job.inference_time_s = round(result.inference_time_s, 3)
+            job.encode_time_s = round(result.encode_time_s, 3)
+            self._keep_within_bytes(job_id)
+
+    def _failed(self, job_id: str, error: p.RequestError) -> None:
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(job_id)
+            if entry is None or entry.job.status in v.TERMINAL:
+                return
+            job = entry.job
+            job.status = v.CANCELLED if error.code == p.CANCELLED else v.FAILED
+            job.error = v.VideoError(code=error.code, message=str(error))
+            job.completed_at = int(now)
+            entry.finished_at = now
+
+    # ------------------------------------------------------------ under the lock
+
+    def _entry(self, job_id: str) -> _Entry:
+        entry = self._entries.get(job_id)
+        if entry is None:
+            why = self._gone.get(job_id, "is not held by this replica")
+            raise p.RequestError(p.NOT_FOUND, f"video job {job_id} {why}")
+        return entry
+
+    def _forget(self, job_id: str, why: str) -> None:
+        entry = self._entries.pop(job_id, None)
+        if entry is not None and entry.files is not None:
+            _remove(entry.files)
+        self._gone[job_id] = why
+        while len(self._gone) > self.max_records:
+            self._gone.popitem(last=False)
+
+    def _trim_records(self) -> None:
+        finished = [k for k, e in self._entries.items() if e.finished_at is not None]
+        for job_id in finished[: max(0, len(self._entries) - self.max_records)]:
+            self._forget(job_id, "was dropped: this replica keeps the newest records only")
+
+    def _keep_within_bytes(self, keep: str) -> None:
+        """Oldest finished videos go until the files fit ``max_bytes``."""
+        stored = [(k, e) for k, e in self._entries.items() if e.files is not None]
+        total = sum(e.job.bytes for _, e in stored)
+        for job_id, entry in stored:
+            if total <= self.max_bytes:
+                break
+            if job_id != keep:
+                total -= entry.job.bytes
+                self._forget(job_id, "was removed to keep finished videos within --video-max-bytes")
+
+    # ------------------------------------------------------------ files
+
+    def _write(self, job_id: str, video: bytes, thumbnail: bytes) -> tuple[Path, Path]:
+        stem = hashlib.sha256(job_id.encode()).hexdigest()[:32]
+        paths = (self.root / f"{stem}.mp4", self.root / f"{stem}.jpg")
+        for path, data in zip(paths, (video, thumbnail), strict=True):
+            partial = path.with_name(f".{path.name}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, path)
+        return paths
+
+    def close(self) -> None:
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _too_big(size: int, max_bytes: int) -> str | None:
+    if size > max_bytes:
+        kept = f"--video-max-bytes {max_bytes}"
+        return f"the video is {size} bytes, more than this replica keeps ({kept})"
+    if size > p.MAX_REPLY_FRAME_BYTES:
+        return (
+            f"the video is {size} bytes, more than one reply may carry ({p.MAX_REPLY_FRAME_BYTES})"
+        )
+    return None
+
+
+def _unfinished(job: v.VideoJob) -> str:
+    if job.status in (v.QUEUED, v.IN_PROGRESS):
+        return f"video job {job.id} is {job.status} ({job.progress}%): its content is not ready"
+    why = f": {job.error.message}" if job.error is not None else ""
+    return f"video job {job.id} is {job.status}{why}; it has no content"
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _copy(job: v.VideoJob) -> v.VideoJob:
+    return msgspec.structs.replace(job)
