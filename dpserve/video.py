@@ -224,8 +224,7 @@ def parse_video(
     guidance = check.number("guidance_scale", 0.0, limits.max_scale)
     fps = check.integer("fps", 1, MAX_FPS)
     seconds = _seconds(check)
-    top = limits.max_frames or 100_000
-    frames = check.integer("num_frames", 1, top)
+    frames = check.integer("num_frames", 1, 100_000)  # the model's bounds: resolve_frames
     seed = check.integer("seed", 0, p.MAX_SEED)
     if check.errors:
         raise p.invalid_fields(check.errors)
