@@ -455,7 +455,8 @@ def parse_generate(
         raise RequestError(INVALID_REQUEST, "the request body must be an object")
     check = FieldChecker(body)
     known = _GENERATE_FIELDS | ignore | ({"edit"} if blobs is not None else set())
-    unknown = sorted(str(k) for k in body if k not in known)
+    # GenerateParams' own "video" comes as null from a router; a set one is a job's.
+    unknown = sorted(str(k) for k in body if k not in known and (k, body[k]) != ("video", None))
     for key in unknown:
         check.bad(key, "is not a known field")
     prompt = check.text("prompt", required=True)

@@ -191,6 +191,9 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
         "max_sessions": rt.maxSessions,
         "max_session_mb": rt.maxSessionMB,
         "session_idle_timeout_s": rt.idleTimeoutSeconds,
+        "max_frames": spec.video.maxFrames,
+        "video_ttl_s": float(spec.video.ttlSeconds),
+        "video_max_bytes": spec.video.maxBytes,
     }
 
 

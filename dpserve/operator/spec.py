@@ -212,6 +212,26 @@ class RealtimeSpec(_Model):
     )
 
 
+class VideoJobsSpec(_Model):
+    """Video jobs each replica runs and keeps (docs/video.md); finished videos live in the
+    pod's scratch volume, so they go with the pod."""
+
+    maxFrames: int = Field(
+        _worker("max_frames"), ge=1, le=10000, description="most frames a video job makes"
+    )
+    ttlSeconds: int = Field(
+        int(_worker("video_ttl_s")),
+        ge=1,
+        le=30 * 86400,
+        description="seconds a finished video stays retrievable",
+    )
+    maxBytes: int = Field(
+        _worker("video_max_bytes"),
+        ge=1 << 20,
+        description="bytes of finished videos a replica keeps; the oldest go first",
+    )
+
+
 class EnvVar(_Model):
     name: str = Field(min_length=1)
     value: str | None = None
@@ -268,6 +288,7 @@ class DiffusionServiceSpec(_Model):
     )
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
     realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, json_schema_extra={"default": {}})
+    video: VideoJobsSpec = Field(default_factory=VideoJobsSpec, json_schema_extra={"default": {}})
     updateStrategy: UpdateStrategy = Field(
         default_factory=UpdateStrategy,
         json_schema_extra={"default": {"maxUnavailable": 1, "maxSurge": 0}},

@@ -128,6 +128,12 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         "256",
                         "--session-idle-timeout",
                         "60",
+                        "--max-frames",
+                        "129",
+                        "--video-ttl",
+                        "3600.0",
+                        "--video-max-bytes",
+                        str(2 << 30),
                         "--wire-key-file",
                         "/etc/dpserve/wire/wire.key",
                         "--allow-path",
@@ -209,6 +215,7 @@ def test_cpu_replica_requests_no_gpu_and_passes_layout_flags() -> None:
     assert args[args.index("--max-batch") + 1] == "4"  # dynamic batching (docs/worker.md)
     assert args[args.index("--batch-wait-ms") + 1] == "0"
     assert args[args.index("--device") + 1] == "cpu"
+    assert args[args.index("--video-ttl") + 1] == "3600.0"  # video jobs (docs/video.md)
 
 
 def test_spec_hash_ignores_scale_router_and_strategy() -> None:

@@ -55,6 +55,10 @@ ODD = WorkerConfig(
     step_cache_interval=4,
     compile=True,
     compile_sizes=("512x512", "768x512"),
+    max_frames=33,
+    video_dir=Path("/var/lib/dpserve/videos"),
+    video_ttl_s=60.0,
+    video_max_bytes=1 << 20,
 )
 
 
