@@ -30,6 +30,14 @@ def tiny4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_video_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Wan-style text-to-video pipeline with random weights (docs/video.md)."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-video", "video", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same architecture with other weights: what a weight update loads."""
     from dpserve.worker.tiny_model import build_tiny_pipeline
