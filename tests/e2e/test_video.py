@@ -1,0 +1,121 @@
+"""Video jobs end to end: `dpserve serve --dp-size 2` with a Wan-style video model, the
+official `openai` client, real mp4 files, and a job whose owner is killed mid-run."""
+
+from __future__ import annotations
+
+import io
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import av
+import openai
+import pytest
+
+from tests.polling import eventually
+from tests.servers import ServeProcess
+
+pytestmark = pytest.mark.e2e
+
+JOB: dict[str, Any] = {"prompt": "a paper boat on a pond", "size": "64x48", "seconds": "1"}
+EXTRA = {"seed": 7, "num_inference_steps": 3, "fps": 8}  # 1 s at 8 fps: 9 frames
+
+
+@pytest.fixture(scope="module")
+def dp2(tiny_video_model: Path) -> Iterator[ServeProcess]:
+    with ServeProcess(tiny_video_model, 2, timeout_s=300) as serve:
+        yield serve
+
+
+@pytest.fixture()
+def client(dp2: ServeProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{dp2.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _frames(mp4: bytes) -> list[Any]:
+    with av.open(io.BytesIO(mp4)) as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+def test_the_openai_client_makes_a_video_on_each_replica(client: openai.OpenAI) -> None:
+    first = client.videos.create(**JOB, extra_body=EXTRA)
+    second = client.videos.create(**JOB, extra_body=EXTRA)
+    assert (first.object, first.status, first.size, first.seconds) == (
+        "video",
+        "queued",
+        "64x48",
+        "1",
+    )
+    done = [_poll(client, v.id) for v in (first, second)]
+    assert [d.status for d in done] == ["completed", "completed"]
+    assert {_extra(d, "replica") for d in done} == {0, 1}  # placed on both replicas
+    videos = [client.videos.download_content(d.id).read() for d in done]
+    assert videos[0] == videos[1]  # same seed, same layout: the same frames, the same file
+    frames = _frames(videos[0])
+    assert len(frames) == 9 and frames[0].shape == (48, 64, 3)
+    thumbnail = client.videos.download_content(done[0].id, variant="thumbnail").read()
+    assert thumbnail[:3] == b"\xff\xd8\xff"  # a JPEG
+    listed = [v.id for v in client.videos.list(limit=10)]
+    assert {first.id, second.id} <= set(listed)
+    other_seed = _poll(client, client.videos.create(**JOB, extra_body={**EXTRA, "seed": 8}).id)
+    assert client.videos.download_content(other_seed.id).read() != videos[0]
+    deleted = client.videos.delete(first.id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(first.id)
+
+
+def test_bad_jobs_say_what_to_fix(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="4\\*k\\+1 frames"):
+        client.videos.create(**JOB, extra_body={**EXTRA, "num_frames": 10})
+    with pytest.raises(openai.BadRequestError, match="multiple of"):
+        client.videos.create(prompt="x", size="60x48")
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve("video_nope")
+    slow = client.videos.create(**JOB, extra_body={**EXTRA, "num_inference_steps": 40})
+    with pytest.raises(openai.ConflictError, match=r"queued|in_progress"):
+        client.videos.download_content(slow.id)
+    client.videos.delete(slow.id)  # cancelled at its next step, leaving the replica free
+
+
+def test_a_job_whose_owner_dies_is_run_again_elsewhere(
+    dp2: ServeProcess, client: openai.OpenAI
+) -> None:
+    """The owner's gang is killed mid-run; `serve` restarts it (a new boot id), and the
+    router that placed the job runs it again on the other replica: same id, same seed,
+    so the same file as a job that ran undisturbed."""
+    long = {**EXTRA, "num_inference_steps": 24}
+    job = client.videos.create(**JOB, extra_body=long)
+    running = eventually(lambda: _running(client, job.id), 120, "the job to start")
+    owner = _extra(running, "replica")
+    for process in [dp2.replica_supervisor(owner), *dp2.replica_supervisor(owner).children()]:
+        process.send_signal(signal.SIGKILL)
+    done = _poll(client, job.id, timeout_s=300)
+    assert done.status == "completed", done
+    assert _extra(done, "attempt") == 2 and _extra(done, "replica") != owner
+    rerun = client.videos.download_content(job.id).read()
+    calm = _poll(client, client.videos.create(**JOB, extra_body=long).id, timeout_s=300)
+    assert client.videos.download_content(calm.id).read() == rerun
+    dp2.wait_healthy(120)  # the killed replica came back
+
+
+def _running(client: openai.OpenAI, job_id: str) -> Any:
+    job = client.videos.retrieve(job_id)
+    return job if job.status == "in_progress" and job.progress > 0 else None
+
+
+def _poll(client: openai.OpenAI, job_id: str, timeout_s: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = client.videos.retrieve(job_id)
+        if job.status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
+            return job
+        time.sleep(0.2)
+
+
+def _extra(job: Any, name: str) -> Any:
+    """One of dpserve's fields beyond OpenAI's Video (the client keeps them)."""
+    return (job.model_extra or {})[name]
