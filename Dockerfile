@@ -153,12 +153,14 @@ LABEL dev.dpserve.image=worker
 RUN --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
     --mount=type=bind,from=wheel,source=/wheels,target=/run/wheels \
     sh /run/pip-run.sh /opt/venv/bin/pip install --no-deps --no-cache-dir /run/wheels/dpserve-*.whl
-# The tiny test model (seeded random weights, a few MiB; nothing is downloaded) and a
-# tiny LoRA for it, for the CPU example and the end-to-end tests: spec.model.path
-# /models/tiny, set_lora /models/loras/tiny (a worker loads only from under its model
-# mount, /models). Building them here also proves the image can import torch and
-# diffusers. Written by root, readable by everyone, so user 10001 can load them.
+# The tiny test models (seeded random weights, a few MiB; nothing is downloaded) and a
+# tiny LoRA, for the CPU example and the end-to-end tests: spec.model.path /models/tiny
+# (images) or /models/tiny-video (a Wan-style video model), set_lora /models/loras/tiny
+# (a worker loads only from under its model mount, /models). Building them here also
+# proves the image can import torch and diffusers. Written by root, readable by
+# everyone, so user 10001 can load them.
 RUN dpserve make-tiny-model /models/tiny \
+    && dpserve make-tiny-model --variant video /models/tiny-video \
     && dpserve make-tiny-lora --model /models/tiny /models/loras/tiny \
     && chmod -R a+rX /models \
     && rm -rf /tmp/* /root/.cache /home/dpserve/.cache

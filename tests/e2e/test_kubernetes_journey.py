@@ -87,11 +87,12 @@ class Load:
             t.join(timeout=180)
 
 
-def stage_models(root: Path, tiny_model: Path, tiny_lora: Path) -> Path:
+def stage_models(root: Path, tiny_model: Path, tiny_lora: Path, tiny_video: Path) -> Path:
     """The worker image's /models for the test kubelet, laid out as the image has it:
-    the model and a LoRA under the one folder workers may load from (the model's
+    the models and a LoRA under the one folder workers may load from (the model's
     mountPath), readable by the pods' user (10001), not only root."""
     shutil.copytree(tiny_model, root / tiny_model.name)
+    shutil.copytree(tiny_video, root / "tiny-video")
     shutil.copytree(tiny_lora, root / "loras" / "tiny")
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -105,9 +106,14 @@ def restricted_namespace(backend: Backend, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def k8s(
-    backend: Backend, tiny_model: Path, tiny_lora: Path, tmp_path_factory: pytest.TempPathFactory
+    backend: Backend,
+    tiny_model: Path,
+    tiny_lora: Path,
+    tiny_video_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Backend]:
-    models = stage_models(tmp_path_factory.mktemp("image-models"), tiny_model, tiny_lora)
+    root = tmp_path_factory.mktemp("image-models")
+    models = stage_models(root, tiny_model, tiny_lora, tiny_video_model)
     backend.provide_files({"/models": models})
     restricted_namespace(backend, OPERATOR_NS)
     restricted_namespace(backend, NS)
@@ -128,8 +134,8 @@ def status(k8s: Backend, name: str = "tiny") -> dict[str, Any]:
     return k8s.get(NS, "dsvc", name).get("status") or {}
 
 
-def serving(k8s: Backend) -> list[str]:
-    reps = httpx.get(f"{k8s.router_url(NS, 'tiny')}/health/replicas", timeout=5).json()
+def serving(k8s: Backend, name: str = "tiny") -> list[str]:
+    reps = httpx.get(f"{k8s.router_url(NS, name)}/health/replicas", timeout=5).json()
     return sorted(r["replica"] for r in reps["replicas"] if r["state"] == "serving")
 
 
@@ -376,6 +382,64 @@ def test_a_gang_of_two_ranks_serves_from_one_pod(k8s: Backend) -> None:
         assert image(served) == image(alone)
     finally:
         k8s.kubectl("-n", NS, "delete", "dsvc", "pair", "--wait=false", check=False)
+
+
+def test_a_video_job_outlives_its_owner_pod(k8s: Backend) -> None:
+    """A video job through the router pod; its owner pod is killed while it runs. The
+    router that placed it runs it again on the other replica (same id, same seed), the
+    operator recreates the pod, and status says so: docs/video.md."""
+    vid = {
+        "apiVersion": "dpserve.dev/v1alpha1",
+        "kind": "DiffusionService",
+        "metadata": {"name": "vid", "namespace": NS},
+        "spec": {"model": {"path": "/models/tiny-video"}, "device": "cpu", "replicas": 2,
+                 "threadsPerRank": 1, "video": {"maxFrames": 33, "ttlSeconds": 600}},
+    }  # fmt: skip
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(vid))
+    try:
+        k8s.kubectl("-n", NS, "wait", "--for=condition=Ready", "dsvc/vid", "--timeout=300s")
+        url = k8s.router_url(NS, "vid")
+        eventually(
+            lambda: serving(k8s, "vid") == ["0", "1"], 120, "router sees both video replicas"
+        )
+        job = {"prompt": "a kite in the wind", "size": "64x48", "num_frames": 9, "seed": 5,
+               "num_inference_steps": 40}  # fmt: skip
+        with httpx.Client(base_url=url, timeout=60) as http:
+            submitted = http.post("/v1/videos", json=job)
+            assert submitted.status_code == 200, submitted.text
+            job_id = submitted.json()["id"]
+            early = http.get(f"/v1/videos/{job_id}/content")
+            assert early.status_code == 409 and "content is not ready" in early.text
+
+            def running() -> dict[str, Any] | None:
+                now = http.get(f"/v1/videos/{job_id}").json()
+                return now if now["status"] == "in_progress" and now["progress"] > 0 else None
+
+            owner = eventually(running, 120, "the job to run")["replica"]
+            pods = replica_pods(k8s, "vid")
+            killed = pods[f"vid-replica-{owner}"]["metadata"]["uid"]
+            k8s.kubectl("-n", NS, "delete", "pod", f"vid-replica-{owner}", "--grace-period=0",
+                        "--force", "--wait=false")  # fmt: skip
+
+            def finished() -> dict[str, Any] | None:
+                now = http.get(f"/v1/videos/{job_id}").json()
+                return now if now["status"] in ("completed", "failed", "cancelled") else None
+
+            done = eventually(finished, 600, "the job to finish")
+            assert done["status"] == "completed", done
+            assert done["attempt"] == 2 and done["replica"] != owner
+            video = http.get(f"/v1/videos/{job_id}/content")
+            assert video.status_code == 200 and video.headers["content-type"] == "video/mp4"
+            assert video.content[4:8] == b"ftyp"  # an mp4 container
+        # Status is true throughout: the operator recreates the killed pod and reports
+        # both replicas ready again.
+        eventually(
+            lambda: replica_pods(k8s, "vid").get(f"vid-replica-{owner}", {}).get("metadata", {})
+            .get("uid") not in (None, killed), 180, "the owner pod recreated",
+        )  # fmt: skip
+        eventually(lambda: status(k8s, "vid").get("readyReplicas") == 2, 300, "both ready again")
+    finally:
+        k8s.kubectl("-n", NS, "delete", "dsvc", "vid", "--wait=false", check=False)
 
 
 def test_more_gpus_than_the_node_has_is_degraded(k8s: Backend) -> None:
