@@ -58,6 +58,12 @@ def _add_router_args(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--output-max-age", type=seconds, default=3600.0, help="seconds a url image is kept"
     )
+    r.add_argument(
+        "--video-poll",
+        type=seconds,
+        default=1.0,
+        help="seconds between looks at each video job this router placed (re-runs lost ones)",
+    )
     r.add_argument("--max-body", type=positive, default=1 << 20, help="body bytes, then 413")
     r.add_argument(
         "--max-upload-bytes",
@@ -201,6 +207,7 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
         backlog=args.backlog,
         output_max_files=args.output_max_files,
         output_max_age_s=args.output_max_age,
+        video_poll_s=args.video_poll,
     )
 
 

@@ -8,8 +8,12 @@ and generations and edits:
 a fixed PNG per image (an edit echoes its first upload), after ``partial_images``
 previews per image (PARTIAL replies), a step at a time (``step_s``) so tests can
 cancel mid-way; cancels (its own clients', and any client's) are answered as a
-driver does. What it leaves out is the model: tests that need pixels or gangs use
-real workers.
+driver does. Given ``video_limits`` it is a video model with a job book
+(dpserve.video): it checks a submit's frames and size against those limits, runs
+its jobs one at a time, a step each ``step_s`` (progress), keeps their records for
+get and list, serves fixed bytes as their mp4 and thumbnail, and drops a deleted
+one at its next step. What it leaves out is the model: tests that need pixels or
+gangs use real workers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import io
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,12 +33,17 @@ import zmq.asyncio
 from PIL import Image
 
 from dpserve import protocol as p
+from dpserve import video as v
 from dpserve.control_state import StateDoc, answer, parse_doc, reduce
 from dpserve.cost import cost_units
 from dpserve.transport import bind_router
 from dpserve.wire import Gatekeeper, WireKey
 
 T = TypeVar("T")
+# What a stub video model makes: an mp4's first bytes, and a JPEG thumbnail's.
+MP4 = b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + b"stub video" * 8
+JPEG = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + b"stub thumbnail" * 4 + b"\xff\xd9"
+_JOB = b""  # a video job's key among the work in flight (no client's identity)
 
 
 def _png() -> bytes:
@@ -76,6 +86,12 @@ class StubReplica:
     cost: p.CostReport = field(default_factory=lambda: p.CostReport(seconds_per_unit=1.0))
     max_batch: int = 1
     busy_fraction: float = 0.0
+    # A video model's frame limits (and max_side, its video sizes); None: an image model.
+    video_limits: p.Limits | None = None
+    video_max_queue: int = 8  # unfinished jobs it holds, then overloaded
+    video_submits: list[tuple[v.VideoRequest, int]] = field(default_factory=list)  # and blobs
+    video_cancelled: list[str] = field(default_factory=list)  # unfinished jobs deleted
+    draining: bool = False  # see drain()
 
     def __post_init__(self) -> None:
         # A gatekeeper is one per context: a secured stub has a context of its own.
@@ -89,15 +105,41 @@ class StubReplica:
         self._units: dict[tuple[bytes, str], float] = {}  # their cost units
         self._task = asyncio.create_task(self._serve())
         self._png = _png()
+        self._jobs: dict[str, v.VideoJob] = {}  # the job book, in submission order
+        self._runs: dict[str, asyncio.Task[None]] = {}  # unfinished jobs
+        self._video_turn = asyncio.Lock()  # one job runs at a time, in order
 
     def reboot(self) -> None:
-        """A restarted gang: same address, boot state."""
+        """A restarted gang: same address, boot state, no jobs."""
         self.held, self.boot_id = StateDoc(), uuid.uuid4().hex
+        for run in self._runs.values():
+            run.cancel()
+        self._jobs.clear()
+        self._runs.clear()
+
+    def job(self, job_id: str) -> v.VideoJob | None:
+        return self._jobs.get(job_id)
+
+    def drain(self) -> None:
+        """Shutting down, as a driver's ingress does: pings say so, submits are refused,
+        and its unfinished jobs fail ``unavailable`` (their router runs them again)."""
+        self.draining = True
+        for job_id, run in list(self._runs.items()):
+            run.cancel()
+            job = self._jobs[job_id]
+            job.status, job.completed_at = v.FAILED, int(time.time())
+            job.error = v.VideoError(code=p.UNAVAILABLE, message="the replica is shutting down")
+            self._units.pop((_JOB, job_id), None)
+        self._runs.clear()
 
     async def close(self) -> None:
         self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        runs = list(self._runs.values())
+        for task in [self._task, *runs]:
+            task.cancel()
+        for task in [self._task, *runs]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         self.sock.close(linger=0)
         if self.gate is not None:
             self.gate.close()
@@ -134,7 +176,7 @@ class StubReplica:
                 await self._cancel(identity, message)
                 continue
             try:
-                reply = self._answer(message)
+                reply = self._video(message) if message.kind == p.VIDEO else self._answer(message)
             except p.RequestError as exc:
                 reply = p.encode_error(message.id, exc)
             await self.sock.send_multipart([identity, *reply])
@@ -222,7 +264,7 @@ class StubReplica:
             ping = p.PingResult(
                 replica=self.replica,
                 boot_id=self.boot_id,
-                status="ok",
+                status="draining" if self.draining else "ok",
                 busy=False,
                 queue_depth=max(0, len(self._units) - self.max_batch),  # beyond one batch
                 served=self.generated,
@@ -247,7 +289,17 @@ class StubReplica:
     def _control(self, request: p.ControlRequest) -> dict[str, Any]:
         if request.op == "model_info":
             info = {"model_path": "/stub", "size_factor": 16, "parallel": {"sp": 1}}
-            return {**info, "features": self.features}
+            features = dict(self.features)
+            if self.video_limits is not None:
+                limits = self.video_limits
+                features["video"] = {
+                    "max_frames": limits.max_frames,
+                    "frame_factor": limits.frame_factor,
+                    "default_frames": limits.default_frames,
+                    "default_fps": limits.default_fps,
+                    "image_to_video": True,
+                }
+            return {**info, "features": features}
         if request.op == "list_loras":
             return {"loaded": sorted(self.held.state.loras)}
         if request.state is None:
@@ -262,6 +314,102 @@ class StubReplica:
         self.held = doc
         out = {} if request.op == p.SYNC_STATE else answer(request.op, request.args, doc.state)
         return {**out, "state": doc.to_builtins()}
+
+    # ------------------------------------------------------------ video jobs
+
+    def _video(self, message: p.Message) -> list[bytes]:
+        request: v.VideoRequest = message.body_as(v.VideoRequest)
+        blobs: list[bytes] = []
+        if request.action == v.SUBMIT:
+            body: Any = self._submit(request, len(message.blobs))
+        elif request.action == v.LIST:
+            body = v.VideoList(jobs=list(reversed(self._jobs.values())))
+        elif request.action == v.GET:
+            body = self._held(request.job_id)
+        elif request.action == v.CONTENT:
+            job = self._held(request.job_id)
+            if job.status != v.COMPLETED:
+                raise p.RequestError(p.CONFLICT, f"video job {job.id} is {job.status}")
+            body = v.VideoContent(
+                id=job.id, variant=request.variant, media_type=v.MEDIA_TYPES[request.variant]
+            )
+            blobs = [MP4 if request.variant == v.VIDEO_VARIANT else JPEG]
+        elif request.action == v.DELETE:
+            body = self._held(request.job_id)
+            del self._jobs[request.job_id]
+            run = self._runs.pop(request.job_id, None)
+            if run is not None:
+                run.cancel()
+                self._units.pop((_JOB, request.job_id), None)
+                self.video_cancelled.append(request.job_id)
+                body.status = v.CANCELLED
+        else:
+            raise p.RequestError(p.INVALID_REQUEST, f"unknown video action {request.action!r}")
+        return p.encode(p.RESULT, message.id, body, blobs)
+
+    def _held(self, job_id: str) -> v.VideoJob:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise p.RequestError(p.NOT_FOUND, f"video job {job_id} is not held by this replica")
+        return job
+
+    def _submit(self, request: v.VideoRequest, blobs: int) -> v.VideoJob:
+        limits = self.video_limits
+        if limits is None:
+            raise p.RequestError(p.UNSUPPORTED, "this model makes images, not videos")
+        params = request.params
+        if params is None or params.video is None:
+            raise p.RequestError(p.INVALID_REQUEST, "a video submit needs params.video")
+        if self.draining:
+            raise p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
+        if request.job_id in self._runs:  # a re-run sent twice
+            return self._jobs[request.job_id]
+        if len(self._runs) >= self.video_max_queue:
+            raise p.RequestError(p.OVERLOADED, f"replica {self.replica} queue is full")
+        spec = v.resolve_frames(params.video, limits)
+        width, height = params.width or 64, params.height or 64
+        if max(width, height) > limits.max_side:
+            raise p.invalid_fields(
+                [p.FieldError("size", f"is {width}x{height}; videos here are at most "
+                              f"{limits.max_side} a side")]
+            )  # fmt: skip
+        assert spec.num_frames is not None and spec.fps is not None and spec.seconds is not None
+        job = v.VideoJob(
+            id=request.job_id,
+            status=v.QUEUED,
+            created_at=request.created_at,
+            prompt=params.prompt,
+            width=width,
+            height=height,
+            num_frames=spec.num_frames,
+            fps=spec.fps,
+            seconds=spec.seconds,
+            seed=params.seed[0] if params.seed else 1,
+            num_inference_steps=params.num_inference_steps,
+            replica=self.replica,
+            attempt=request.attempt,
+        )
+        self.video_submits.append((request, blobs))
+        self._jobs[job.id] = job
+        self._units[(_JOB, job.id)] = cost_units(params, self.cost)
+        self._runs[job.id] = asyncio.create_task(self._run(job))
+        return job
+
+    async def _run(self, job: v.VideoJob) -> None:
+        steps = job.num_inference_steps or 4
+        async with self._video_turn:
+            job.status = v.IN_PROGRESS
+            for step in range(1, steps + 1):
+                await asyncio.sleep(self.step_s)
+                while self.stopped.is_set():  # a SIGSTOPped gang makes no progress
+                    await asyncio.sleep(0.01)
+                job.progress = step * 99 // steps
+            now = int(time.time())
+            job.status, job.progress, job.bytes = v.COMPLETED, 100, len(MP4)
+            job.completed_at, job.expires_at = now, now + 3600
+            job.inference_time_s = steps * self.step_s
+            self._runs.pop(job.id, None)
+            self._units.pop((_JOB, job.id), None)
 
 
 def direct_state(op: str, args: dict[str, Any], base: StateDoc) -> StateDoc:

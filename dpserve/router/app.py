@@ -30,12 +30,13 @@ from dpserve.router.openai_api import error_body
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
 from dpserve.router.request_ids import RequestIdMiddleware, of_scope
-from dpserve.router.routes import control, health, images, info, realtime
+from dpserve.router.routes import control, health, images, info, realtime, videos
 from dpserve.router.routes.images import REPLICA_HEADER
 from dpserve.router.service import RouterService
 from dpserve.router.sessions import SessionRouter
 from dpserve.router.settings import KubernetesDiscovery, RouterSettings
 from dpserve.router.store import OutputStore
+from dpserve.router.videos import VideoJobs
 
 __all__ = [
     "REPLICA_HEADER",
@@ -70,11 +71,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         discovery = kube.EndpointSliceDiscovery(k8s.namespace, k8s.service, pool.set_endpoints)
         await discovery.start()
     await pool.start()
-    app.state.running = Running(pool, RouterService(pool), SessionRouter(pool), Registry())
+    jobs = VideoJobs(pool, settings.video_poll_s)
+    app.state.metrics.video_jobs.set_function(lambda: jobs.watched)
+    app.state.running = Running(pool, RouterService(pool), SessionRouter(pool), Registry(), jobs)
     try:
         yield
     finally:
         app.state.running = None
+        await jobs.close()
         if discovery is not None:
             await discovery.stop()
         await pool.close()
@@ -96,7 +100,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         else None
     )
     _handle_errors(app)
-    for routes in (images, info, control, health, realtime):
+    for routes in (images, videos, info, control, health, realtime):
         routes.install(app)
 
     keys = Keys.of(settings.api_keys, settings.admin_keys)

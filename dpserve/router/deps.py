@@ -4,12 +4,13 @@ Every dependency is ``async def``: FastAPI runs a plain ``def`` dependency in a 
 thread, a thread hop per dependency per request for what is an attribute read.
 
 ``create_app`` sets the settings and the output store; the lifespan sets
-:class:`Running` (the pool, the service, the sessions, the request registry) while the
-app runs. Nothing here is module state: every app has its own.
+:class:`Running` (the pool, the service, the sessions, the request registry, the video
+jobs) while the app runs. Nothing here is module state: every app has its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -25,6 +26,7 @@ from dpserve.router.service import RouterService
 from dpserve.router.sessions import SessionRouter
 from dpserve.router.settings import RouterSettings
 from dpserve.router.store import OutputStore
+from dpserve.router.videos import VideoJobs
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Running:
     service: RouterService
     sessions: SessionRouter
     registry: Registry
+    videos: VideoJobs
 
 
 async def running(conn: HTTPConnection) -> Running:
@@ -75,10 +78,15 @@ async def registry(state: Annotated[Running, Depends(running)]) -> Registry:
     return state.registry
 
 
+async def videos(state: Annotated[Running, Depends(running)]) -> VideoJobs:
+    return state.videos
+
+
 RunningDep = Annotated[Running, Depends(running)]
 PoolDep = Annotated[ReplicaPool, Depends(pool)]
 ServiceDep = Annotated[RouterService, Depends(service)]
 RegistryDep = Annotated[Registry, Depends(registry)]
+VideosDep = Annotated[VideoJobs, Depends(videos)]
 SettingsDep = Annotated[RouterSettings, Depends(settings)]
 StoreDep = Annotated["OutputStore | None", Depends(store)]
 MetricsDep = Annotated[RouterMetrics, Depends(metrics)]
@@ -112,3 +120,18 @@ def limits(pool: ReplicaPool) -> p.Limits:
         max_steps=int(info.get("max_steps", 100)),
         sequence_split=int(info.get("parallel", {}).get("sp", 1)),
     )
+
+
+def video_limits(pool: ReplicaPool) -> p.Limits:
+    """``limits`` with the frames a video model makes (its features' ``video``); without
+    them, frames are left to the replica (``max_frames`` 0: not checked here)."""
+    base = limits(pool)
+    found = (features(pool) or {}).get("video")
+    if not isinstance(found, dict):
+        return base
+    known = {
+        name: value
+        for name in ("max_frames", "frame_factor", "default_frames", "default_fps")
+        if isinstance(value := found.get(name), int) and not isinstance(value, bool) and value > 0
+    }
+    return dataclasses.replace(base, **known)

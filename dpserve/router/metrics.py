@@ -126,6 +126,12 @@ class RouterMetrics:
             "Estimated seconds of work queued and running, summed over the replicas",
             registry=self.registry,
         )
+        # Read at scrape time from the running app's video jobs (app.py's lifespan).
+        self.video_jobs = Gauge(
+            "dpserve_video_jobs_watched",
+            "Video jobs this router placed and watches until they finish",
+            registry=self.registry,
+        )
 
     def observe(
         self, route: str, method: str, status: int, seconds: float, disconnected: bool = False

@@ -8,8 +8,9 @@ desired control state, its own sync task. A replica serves only when it answers
 pings, reports ``ok``, and holds the desired control state. Generation requests
 take a slot on a serving replica (the routing policy picks: least estimated work,
 or round-robin; at most ``max_inflight`` x the replica's batch size each) or wait
-in a bounded FIFO. Each slot carries the request's estimated cost, so the pool
-knows every replica's outstanding work (dpserve.cost, docs/router.md).
+in a bounded FIFO; video jobs are placed at once, past the cap (:meth:`place`).
+Each slot carries the request's estimated cost, so the pool knows every replica's
+outstanding work (dpserve.cost, docs/router.md).
 """
 
 from __future__ import annotations
@@ -496,11 +497,7 @@ class ReplicaPool:
         while True:
             replica = self._pick(avoid, params)
             if replica is not None:
-                replica.inflight += 1
-                units, seconds = self.estimate(replica, params)
-                self._tickets += 1
-                replica.ledger.add(self._tickets, units, seconds, time.monotonic())
-                return Slot(replica, self._tickets, units, seconds)
+                return self.take(replica, params)
             if len(self._waiters) >= self.settings.max_queue:
                 raise p.RequestError(
                     p.OVERLOADED, f"all replicas are busy and {len(self._waiters)} requests wait"
@@ -516,6 +513,35 @@ class ReplicaPool:
             finally:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
+
+    def place(self, avoid: set[str], params: p.GenerateParams) -> Slot:
+        """A slot for a video job (dpserve/router/videos.py): the policy's pick among
+        serving replicas, at once, past the in-flight cap. A job API answers at once and
+        the job queues at its replica, whose --max-queue bounds it; its slot puts its
+        work in the replica's ledger, so image requests and the autoscaling gauges see
+        it. Another replica than ``avoid`` when one serves; 503 when none does."""
+        now = time.monotonic()
+
+        def there(endpoint: str) -> Estimate:
+            replica = self.replicas[endpoint]
+            return Estimate(self.outstanding_s(replica, now), self.estimate(replica, params)[1])
+
+        serving = {r.endpoint for r in self.serving()}
+        fresh = serving - avoid
+        key = self._policy.pick(self.replicas, lambda e: e in fresh, there)
+        if key is None:
+            key = self._policy.pick(self.replicas, lambda e: e in serving, there)
+        if key is None:
+            raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet; retry shortly")
+        return self.take(self.replicas[key], params)
+
+    def take(self, replica: Replica, params: p.GenerateParams) -> Slot:
+        """A slot on ``replica``, whatever its load (the callers chose it)."""
+        replica.inflight += 1
+        units, seconds = self.estimate(replica, params)
+        self._tickets += 1
+        replica.ledger.add(self._tickets, units, seconds, time.monotonic())
+        return Slot(replica, self._tickets, units, seconds)
 
     def release(self, slot: Slot) -> None:
         """The slot's request was answered (or failed): its work leaves the replica."""

@@ -42,3 +42,6 @@ class RouterSettings:
     # response_format=url files: the oldest go past either bound (docs/router.md).
     output_max_files: int = 1000
     output_max_age_s: float = 3600.0
+    # How often this router polls each video job it placed (dpserve/router/videos.py):
+    # how soon it sees one finish, and re-runs one whose replica was lost.
+    video_poll_s: float = 1.0

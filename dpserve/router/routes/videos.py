@@ -1,0 +1,98 @@
+"""Video routes (OpenAI's ``/v1/videos``): each handler parses (dpserve/router/video_api.py),
+asks the video jobs service (dpserve/router/videos.py) and shapes the answer. The
+response models only document (JSONResponse skips FastAPI's checking of them)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from dpserve.router import deps, video_api, video_schemas
+from dpserve.router.bodies import read_body
+from dpserve.router.deps import PoolDep, SettingsDep, VideosDep
+from dpserve.router.forms import is_form
+from dpserve.router.routes.info import model_name
+
+
+async def create(
+    request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
+) -> JSONResponse:
+    content_type = request.headers.get("content-type")
+    limit = settings.max_upload_bytes if is_form(content_type) else settings.max_body_bytes
+    raw = await read_body(request, limit, settings.body_timeout_s)
+    asked = await video_api.read_create(raw, content_type)
+    params = video_api.parse_create(asked, deps.video_limits(pool), deps.features(pool))
+    job = await videos.submit(params, asked.blobs)
+    return JSONResponse(video_api.job_json(job, model_name(pool, settings)))
+
+
+async def retrieve(
+    video_id: str, settings: SettingsDep, pool: PoolDep, videos: VideosDep
+) -> JSONResponse:
+    held = await videos.find(video_id)
+    return JSONResponse(video_api.job_json(held.job, model_name(pool, settings)))
+
+
+async def list_videos(
+    request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
+) -> JSONResponse:
+    query = video_api.parse_list(request.query_params)
+    jobs, has_more = video_api.page(await videos.all_jobs(), query)
+    return JSONResponse(video_api.list_json(jobs, has_more, model_name(pool, settings)))
+
+
+async def content(video_id: str, videos: VideosDep, variant: str = "video") -> Response:
+    meta, data = await videos.content(video_id, variant)
+    disposition = f'attachment; filename="{video_api.filename(video_id, meta.variant)}"'
+    return Response(data, media_type=meta.media_type, headers={"Content-Disposition": disposition})
+
+
+async def delete(video_id: str, videos: VideosDep) -> JSONResponse:
+    job = await videos.delete(video_id)
+    return JSONResponse(video_api.deleted_json(job.id))
+
+
+def install(app: FastAPI) -> None:
+    """Add these routes to ``app``."""
+    schemas = video_schemas
+    app.post(
+        "/v1/videos",
+        openapi_extra=schemas.create_body(),
+        response_model=schemas.VideoObject,
+        responses=schemas.errors(400, 429, 503),
+    )(create)
+    app.get(
+        "/v1/videos",
+        response_model=schemas.VideoListResponse,
+        responses=schemas.errors(400),
+        openapi_extra={"parameters": _LIST_PARAMETERS},
+    )(list_videos)
+    app.get(
+        "/v1/videos/{video_id}",
+        response_model=schemas.VideoObject,
+        responses=schemas.errors(404),
+    )(retrieve)
+    app.get(
+        "/v1/videos/{video_id}/content",
+        response_class=Response,
+        responses={
+            200: {"content": {"video/mp4": {}, "image/jpeg": {}}, "description": "the file"},
+            **schemas.errors(400, 404, 409),
+        },
+    )(content)
+    app.delete(
+        "/v1/videos/{video_id}",
+        response_model=schemas.VideoDeleted,
+        responses=schemas.errors(404),
+    )(delete)
+
+
+_LIST_PARAMETERS = [
+    {"name": "after", "in": "query", "schema": {"type": "string"}, "description": "a video id"},
+    {
+        "name": "limit",
+        "in": "query",
+        "schema": {"type": "integer", "minimum": 1, "maximum": video_api.MAX_LIMIT},
+    },
+    {"name": "order", "in": "query", "schema": {"type": "string", "enum": list(video_api.ORDERS)}},
+]

@@ -1,0 +1,527 @@
+"""Video jobs through the router: placement, the watch that re-runs a lost job, and
+finding any job from any router (dpserve/video.py has the whole design).
+
+**Place.** A job takes a slot at once (:meth:`ReplicaPool.place`: the policy's pick,
+past the in-flight cap, no waiting): it queues at its replica, whose --max-queue
+bounds it, and its slot keeps its estimated work in that replica's ledger, so image
+requests see the replica busy and the autoscaling gauges count it. Its id names the
+replica and that replica's boot (:func:`video.make_job_id`). A replica that refuses
+for itself (overloaded, shutting down, unreachable) passes the job on, with a new
+id, to the next one; each serving replica is asked at most once.
+
+**Watch.** This router follows every job it placed, one task each, polling its
+holder every ``poll_s``; a terminal status, or the job gone from a holder that did
+not restart (deleted, expired), ends the watch and frees the slot. A holder that is
+lost (its connection dropped, it stopped answering, it left the pool, or it
+restarted: its boot id changed) lost the job with it, as did one that failed it
+because it was shutting down (``unavailable``): the job is submitted again
+elsewhere under the same id, with the same parameters and seed, creation time and
+``attempt`` + 1, so it makes the same frames. At most ``MAX_ATTEMPTS``; while no
+replica takes it, each poll tries again, for the request timeout. A lost holder
+that comes back with its boot unchanged (it was only unreachable) had kept the job:
+before the re-run it is simply watched again; after it, or when it had given the
+job up, its copy is deleted once it answers, so no router finds a stale one there.
+
+**Find.** Nothing about a job lives in a router, so any router finds any job: it
+asks the replica it watches the job on, then the owner the id names, and then every
+answering replica at once (a re-run lives elsewhere under the same id); the copy
+with the highest ``attempt`` wins. List, and delete, ask every answering replica.
+
+A job whose router goes away is not re-run if its holder is lost later (nobody
+watches it); it runs to its end where it is, and any router finds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Final, NoReturn
+
+import msgspec
+
+from dpserve import protocol as p
+from dpserve import video
+from dpserve.router.connection import ReplicaLost
+from dpserve.router.pool import Replica, ReplicaPool, Slot
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS: Final = 3
+# Submit carries an input image, content the mp4 (up to a reply frame): more than a
+# ping's time. Every other action is a record and is answered in a ping's time.
+TRANSFER_TIMEOUT_S: Final = 60.0
+# Refusals that say "this replica, not this job": the next one may take it.
+_PASS_ON: Final = frozenset({p.OVERLOADED, p.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class Held:
+    """A job's record and the replica that holds it (None: this router's last view of
+    a job it watches, whose holder does not answer now or which waits to run again)."""
+
+    job: video.VideoJob
+    replica: Replica | None
+
+
+@dataclass
+class _Watch:
+    """A job this router placed, and where it runs now."""
+
+    job_id: str
+    params: p.GenerateParams
+    created_at: int
+    blobs: list[bytes]
+    slot: Slot | None  # None: its holder was lost, and no replica has taken it again yet
+    boot: str  # the holder's boot id when it took the job
+    last: video.VideoJob  # its record as last seen
+    attempt: int = 1
+    misses: int = 0  # gets in a row that timed out
+    lost_at: float | None = None  # monotonic; when its holder was lost
+    lost: tuple[Replica, str] | None = None  # that holder, and its boot then
+    may_return: bool = False  # the lost holder was unreachable: it may still hold the job
+    stale: list[tuple[Replica, str]] = field(default_factory=list)  # copies left behind
+    task: asyncio.Task[None] | None = None
+
+
+class VideoJobs:
+    """Every video job action of one router; :meth:`close` ends its watches."""
+
+    def __init__(self, pool: ReplicaPool, poll_s: float = 1.0) -> None:
+        self.pool = pool
+        self.poll_s = poll_s
+        self._watches: dict[str, _Watch] = {}
+        self._submits: set[asyncio.Task[video.VideoJob]] = set()
+
+    @property
+    def watched(self) -> int:
+        """Jobs this router watches (placed here, not yet finished)."""
+        return len(self._watches)
+
+    async def close(self) -> None:
+        tasks = [*self._submits, *(w.task for w in self._watches.values() if w.task)]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # ------------------------------------------------------------ submit
+
+    async def submit(self, params: p.GenerateParams, blobs: list[bytes]) -> video.VideoJob:
+        """Place a new job and start watching it; its record as its replica took it.
+
+        The submission finishes even if its caller is cancelled (a client that left):
+        a job a replica took is then watched like any other, not orphaned there.
+        """
+        task = asyncio.ensure_future(self._submit(p.fill_seeds(params), blobs))
+        self._submits.add(task)
+        task.add_done_callback(self._submits.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await asyncio.shield(task)
+
+    async def _submit(self, params: p.GenerateParams, blobs: list[bytes]) -> video.VideoJob:
+        created_at = int(time.time())
+        tried: set[str] = set()
+        refusals: list[str] = []
+        busy = False
+        while True:
+            try:
+                slot = self.pool.place(tried, params)
+            except p.RequestError:
+                if not tried:
+                    raise
+                break
+            replica = slot.replica
+            if replica.endpoint in tried:  # every serving replica was asked
+                self.pool.release(slot)
+                break
+            tried.add(replica.endpoint)
+            job_id = video.make_job_id(replica.endpoint, replica.boot_id)
+            try:
+                job = await self._send(slot, job_id, params, created_at, 1, blobs)
+            except p.RequestError as exc:
+                self.pool.release(slot)
+                if exc.code not in _PASS_ON:
+                    raise
+                busy = busy or exc.code == p.OVERLOADED
+                refusals.append(f"{replica.name}: {exc}")
+                continue
+            except (ReplicaLost, TimeoutError) as exc:
+                self.pool.release(slot)
+                refusals.append(f"{replica.name}: {str(exc) or 'timed out'}")
+                continue
+            self._watch(_Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job))
+            return job
+        code = p.OVERLOADED if busy else p.UNAVAILABLE
+        raise p.RequestError(code, f"no replica took the job ({'; '.join(refusals)}); retry later")
+
+    async def _send(
+        self,
+        slot: Slot,
+        job_id: str,
+        params: p.GenerateParams,
+        created_at: int,
+        attempt: int,
+        blobs: list[bytes],
+    ) -> video.VideoJob:
+        """Submit to the slot's replica. A replica that cannot take work now (shutting
+        down, unreachable) leaves rotation until its pings say otherwise."""
+        replica = slot.replica
+        request = video.VideoRequest(
+            action=video.SUBMIT,
+            job_id=job_id,
+            params=params,
+            created_at=created_at,
+            attempt=attempt,
+        )
+        try:
+            reply = await self._ask(replica, request, TRANSFER_TIMEOUT_S, blobs)
+        except p.RequestError as exc:
+            if exc.code == p.UNAVAILABLE:
+                self.pool.mark_failed(replica, str(exc))
+            raise
+        except (ReplicaLost, TimeoutError) as exc:
+            self.pool.mark_failed(replica, f"video submit failed: {str(exc) or 'timed out'}")
+            raise
+        return _job(reply, replica)
+
+    # ------------------------------------------------------------ watch
+
+    def _watch(self, watch: _Watch) -> None:
+        self._watches[watch.job_id] = watch
+        watch.task = asyncio.create_task(self._follow(watch), name=f"video {watch.job_id}")
+
+    def stop_watching(self, job_id: str) -> None:
+        """Stop following a job (it was deleted); its slot is freed."""
+        watch = self._watches.get(job_id)
+        if watch is not None and watch.task is not None:
+            watch.task.cancel()
+
+    async def _follow(self, watch: _Watch) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.poll_s)
+                try:
+                    if await self._look(watch):
+                        return
+                except Exception:  # one bad look must not end the watch
+                    log.exception("watching video job %s failed", watch.job_id)
+        finally:
+            if watch.slot is not None:
+                self.pool.release(watch.slot)
+                watch.slot = None
+            if self._watches.get(watch.job_id) is watch:
+                del self._watches[watch.job_id]
+
+    async def _look(self, watch: _Watch) -> bool:
+        """One poll of the job; True when the watch is over."""
+        await self._delete_stale(watch)
+        if watch.slot is None:
+            return await self._rerun(watch)
+        holder = watch.slot.replica
+        if self._lost(holder, watch.boot):
+            why = "it left the pool, stopped answering or restarted"
+            return await self._lose(watch, why, may_return=holder.boot_id == watch.boot)
+        try:
+            job = _job(await self._ask(holder, _get(watch.job_id)), holder)
+        except ReplicaLost as exc:
+            return await self._lose(watch, str(exc), may_return=True)
+        except TimeoutError:
+            watch.misses += 1
+            if watch.misses >= self.pool.settings.abandon_after_missed_pings:
+                why = f"{watch.misses} polls timed out"
+                return await self._lose(watch, why, may_return=True)
+            return False
+        except p.RequestError as exc:
+            if exc.code != p.NOT_FOUND:
+                log.warning("video job %s: %s answered %s", watch.job_id, holder.name, exc)
+                return False
+            boot = await self._boot(holder)
+            if boot != watch.boot:  # not_found from a restart its pings have not shown yet
+                why = "it does not hold the job"
+                return await self._lose(watch, why, may_return=boot is None)
+            log.info("video job %s is gone from %s: %s", watch.job_id, holder.name, exc)
+            return True
+        watch.misses, watch.last = 0, job
+        if _given_up(job):
+            assert job.error is not None
+            return await self._lose(watch, job.error.message, may_return=False)
+        if job.status in video.TERMINAL:
+            log.info("video job %s %s on %s", job.id, job.status, holder.name)
+            return True
+        return False
+
+    def _lost(self, holder: Replica, boot: str) -> bool:
+        gone = self.pool.replicas.get(holder.endpoint) is not holder
+        return gone or not holder.answering or holder.boot_id != boot
+
+    async def _boot(self, replica: Replica) -> str | None:
+        """The replica's boot id, asked now; None when it does not answer."""
+        try:
+            reply = await replica.conn.request(p.PING, None, self.pool.settings.ping_timeout_s)
+            ping: p.PingResult = reply.body_as(p.PingResult)
+        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError):
+            return None
+        return ping.boot_id
+
+    async def _lose(self, watch: _Watch, why: str, may_return: bool) -> bool:
+        """The holder lost the job, or gave it up, or cannot be reached (``may_return``:
+        it may come back holding it): run it again."""
+        assert watch.slot is not None
+        holder = watch.slot.replica
+        log.warning("video job %s: its replica %s was lost (%s)", watch.job_id, holder.name, why)
+        self.pool.release(watch.slot)
+        watch.slot, watch.misses, watch.lost_at = None, 0, time.monotonic()
+        watch.lost, watch.may_return = (holder, watch.boot), may_return
+        return await self._rerun(watch)
+
+    async def _rerun(self, watch: _Watch) -> bool:
+        """Place the job again; True when it is given up."""
+        assert watch.lost is not None and watch.lost_at is not None
+        replica, boot = watch.lost
+        if watch.may_return and not self._lost(replica, boot):  # back, holding it: watch it
+            watch.slot, watch.boot = self.pool.take(replica, watch.params), boot
+            watch.lost = watch.lost_at = None
+            return False
+        waited = time.monotonic() - watch.lost_at
+        if watch.attempt >= MAX_ATTEMPTS or waited > self.pool.settings.request_timeout_s:
+            log.error(
+                "video job %s is given up: its replica was lost after %d attempts, and "
+                "%.0f s without a replica to run it again",
+                watch.job_id,
+                watch.attempt,
+                waited,
+            )
+            return True
+        try:
+            slot = self.pool.place({replica.endpoint}, watch.params)
+        except p.RequestError:
+            return False  # none serves now: next poll
+        attempt = watch.attempt + 1
+        try:
+            job = await self._send(
+                slot, watch.job_id, watch.params, watch.created_at, attempt, watch.blobs
+            )
+        except p.RequestError as exc:
+            self.pool.release(slot)
+            if exc.code in _PASS_ON:
+                return False
+            name = slot.replica.name
+            log.error("video job %s is given up: %s refused it: %s", watch.job_id, name, exc)
+            return True
+        except (ReplicaLost, TimeoutError):
+            self.pool.release(slot)
+            return False
+        name = slot.replica.name
+        log.warning("video job %s runs again on %s (attempt %d)", watch.job_id, name, attempt)
+        if slot.replica is not replica or slot.replica.boot_id != boot:
+            watch.stale.append(watch.lost)  # its copy, if it has one, goes when it answers
+        watch.slot, watch.boot, watch.attempt = slot, slot.replica.boot_id, attempt
+        watch.lost, watch.lost_at, watch.last = None, None, job
+        return False
+
+    async def _delete_stale(self, watch: _Watch) -> None:
+        """A holder that came back after the job ran again elsewhere drops its copy."""
+        for replica, boot in list(watch.stale):
+            if self.pool.replicas.get(replica.endpoint) is not replica or replica.boot_id != boot:
+                watch.stale.remove((replica, boot))  # restarted or gone: no copy left
+            elif replica.answering:
+                with contextlib.suppress(ReplicaLost, TimeoutError, p.RequestError):
+                    await self._ask(replica, _delete(watch.job_id))
+                    log.info("video job %s: the copy on %s is deleted", watch.job_id, replica.name)
+                watch.stale.remove((replica, boot))
+
+    # ------------------------------------------------------------ find, list, delete
+
+    async def find(self, job_id: str) -> Held:
+        """The job's newest copy, wherever it is; 404 when no replica holds it.
+
+        A job this router watches is never a 404 while its holder is being replaced:
+        its last view answers (queued again while it waits for a replica). Where the
+        owner did not answer at all, the job's fate is unknown: 503, retry."""
+        owner = _owner(job_id)
+        asked: set[str] = set()
+        silent: list[str] = []
+        for replica in self._first_asks(job_id, owner):
+            asked.add(replica.endpoint)
+            held = await self._held(replica, _get(job_id), silent)
+            if held is not None:
+                return held
+        others = [r for r in self.pool.members() if r.answering and r.endpoint not in asked]
+        found = await asyncio.gather(*(self._held(r, _get(job_id), silent) for r in others))
+        held = _newest(list(found))
+        if held is not None:
+            return held
+        watch = self._watches.get(job_id)
+        if watch is not None:
+            view = watch.last
+            if watch.slot is None:
+                view = msgspec.structs.replace(view, status=video.QUEUED, progress=0)
+            return Held(view, None)
+        if silent:
+            raise p.RequestError(
+                p.UNAVAILABLE,
+                f"video {job_id} could not be looked up: {', '.join(silent)} did not answer; "
+                "retry shortly",
+            )
+        self._missing(job_id, owner)
+
+    async def content(self, job_id: str, variant: str) -> tuple[video.VideoContent, bytes]:
+        """A completed job's mp4 or thumbnail; 409 while it is not completed."""
+        if variant not in video.MEDIA_TYPES:
+            offered = ", ".join(video.MEDIA_TYPES)
+            raise p.invalid_fields(
+                [p.FieldError("variant", f"is {variant[:40]!r}; this service offers {offered}")]
+            )
+        held = await self.find(job_id)
+        job, replica = held.job, held.replica
+        if job.status != video.COMPLETED:
+            why = f": {job.error.message}" if job.error is not None else ""
+            done = job.status in video.TERMINAL
+            raise p.RequestError(
+                p.CONFLICT,
+                f"video {job_id} is {job.status} ({job.progress}%){why}: "
+                + ("it has no content" if done else "its content is not ready"),
+            )
+        if replica is None:
+            raise p.RequestError(
+                p.UNAVAILABLE, f"the replica holding video {job_id} does not answer; retry"
+            )
+        request = video.VideoRequest(action=video.CONTENT, job_id=job_id, variant=variant)
+        try:
+            reply = await self._ask(replica, request, TRANSFER_TIMEOUT_S)
+            meta: video.VideoContent = reply.body_as(video.VideoContent)
+            return meta, reply.blobs[0]
+        except (ReplicaLost, TimeoutError) as exc:
+            raise p.RequestError(
+                p.UNAVAILABLE, f"{replica.name} holding video {job_id} did not answer: {exc}"
+            ) from None
+        except (p.ProtocolError, IndexError) as exc:
+            raise p.RequestError(
+                p.INTERNAL, f"unreadable content from {replica.name}: {exc}"
+            ) from None
+
+    async def all_jobs(self) -> list[video.VideoJob]:
+        """Every job the answering replicas hold, one record per id (its newest copy)."""
+        replicas = [r for r in self.pool.members() if r.answering]
+        lists = await asyncio.gather(*(self._list(r) for r in replicas))
+        newest: dict[str, video.VideoJob] = {}
+        for job in (j for jobs in lists for j in jobs):
+            if job.id not in newest or job.attempt > newest[job.id].attempt:
+                newest[job.id] = job
+        return list(newest.values())
+
+    async def delete(self, job_id: str) -> video.VideoJob:
+        """Delete every copy (a running one stops at its next step); its newest record."""
+        owner = _owner(job_id)
+        watch = self._watches.get(job_id)
+        self.stop_watching(job_id)
+        replicas = [r for r in self.pool.members() if r.answering]
+        found = await asyncio.gather(*(self._held(r, _delete(job_id)) for r in replicas))
+        held = _newest(list(found))
+        if held is not None:
+            return held.job
+        if watch is not None:  # waiting to run again: stopping its watch deleted it
+            return msgspec.structs.replace(watch.last, status=video.CANCELLED)
+        self._missing(job_id, owner)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _first_asks(self, job_id: str, owner: video.JobOwner) -> list[Replica]:
+        """Where the job most likely is: where this router watches it, then its owner."""
+        first: list[Replica] = []
+        watch = self._watches.get(job_id)
+        if watch is not None and watch.slot is not None and watch.slot.replica.answering:
+            first.append(watch.slot.replica)
+        replica = self.pool.replicas.get(owner.endpoint)
+        if replica is not None and replica.answering and replica not in first:
+            first.append(replica)
+        return first
+
+    def _missing(self, job_id: str, owner: video.JobOwner) -> NoReturn:
+        replica = self.pool.replicas.get(owner.endpoint)
+        if replica is None or not replica.answering or replica.boot_id[:8] != owner.boot:
+            raise p.RequestError(
+                p.NOT_FOUND,
+                f"video {job_id} was lost with the replica that ran it ({owner.endpoint} has "
+                "left, stopped answering or restarted) and no replica holds a re-run (the "
+                "router that placed it starts one within seconds if it is up); else submit "
+                "it again",
+            )
+        raise p.RequestError(
+            p.NOT_FOUND,
+            f"no video {job_id}: unknown, deleted or expired (finished videos are kept "
+            "for a while only)",
+        )
+
+    async def _held(
+        self, replica: Replica, request: video.VideoRequest, silent: list[str] | None = None
+    ) -> Held | None:
+        """The replica's answer; None when it has no such job, or did not answer (then
+        its name goes in ``silent``)."""
+        try:
+            return Held(_job(await self._ask(replica, request), replica), replica)
+        except (ReplicaLost, TimeoutError, p.RequestError) as exc:
+            if not (isinstance(exc, p.RequestError) and exc.code == p.NOT_FOUND):
+                what = f"video {request.action} of {request.job_id}"
+                log.info("%s: %s did not answer: %s", what, replica.name, exc)
+                if silent is not None and not isinstance(exc, p.RequestError):
+                    silent.append(replica.name)
+            return None
+
+    async def _list(self, replica: Replica) -> list[video.VideoJob]:
+        try:
+            reply = await self._ask(replica, video.VideoRequest(action=video.LIST))
+            listed: video.VideoList = reply.body_as(video.VideoList)
+        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
+            log.warning("video list: %s did not answer: %s", replica.name, exc)
+            return []
+        return listed.jobs
+
+    async def _ask(
+        self,
+        replica: Replica,
+        request: video.VideoRequest,
+        timeout_s: float | None = None,
+        blobs: list[bytes] | None = None,
+    ) -> p.Message:
+        timeout_s = self.pool.settings.ping_timeout_s if timeout_s is None else timeout_s
+        return await replica.conn.request(p.VIDEO, request, timeout_s, blobs)
+
+
+def _owner(job_id: str) -> video.JobOwner:
+    owner = video.job_owner(job_id)
+    if owner is None:
+        raise p.RequestError(
+            p.NOT_FOUND, f"{job_id[:80]!r} is not a video id this service gave out"
+        )
+    return owner
+
+
+def _get(job_id: str) -> video.VideoRequest:
+    return video.VideoRequest(action=video.GET, job_id=job_id)
+
+
+def _delete(job_id: str) -> video.VideoRequest:
+    return video.VideoRequest(action=video.DELETE, job_id=job_id)
+
+
+def _job(reply: p.Message, replica: Replica) -> video.VideoJob:
+    try:
+        job: video.VideoJob = reply.body_as(video.VideoJob)
+    except p.ProtocolError as exc:
+        raise p.RequestError(p.INTERNAL, f"unreadable job from {replica.name}: {exc}") from None
+    return job
+
+
+def _given_up(job: video.VideoJob) -> bool:
+    """Failed because its replica shut down before running it: not the job's fault."""
+    return job.status == video.FAILED and job.error is not None and job.error.code in _PASS_ON
+
+
+def _newest(found: list[Held | None]) -> Held | None:
+    held = [h for h in found if h is not None]
+    return max(held, key=lambda h: h.job.attempt) if held else None
