@@ -85,6 +85,12 @@ class _Watch:
     stale: list[tuple[Replica, str]] = field(default_factory=list)  # copies left behind
     task: asyncio.Task[None] | None = None
 
+    def view(self) -> video.VideoJob:
+        """The job as this router last saw it; queued again while it waits for a replica."""
+        if self.slot is None:
+            return msgspec.structs.replace(self.last, status=video.QUEUED, progress=0)
+        return self.last
+
 
 class VideoJobs:
     """Every video job action of one router; :meth:`close` ends its watches."""
@@ -195,8 +201,8 @@ class VideoJobs:
         watch.task = asyncio.create_task(self._follow(watch), name=f"video {watch.job_id}")
 
     def stop_watching(self, job_id: str) -> None:
-        """Stop following a job (it was deleted); its slot is freed."""
-        watch = self._watches.get(job_id)
+        """Stop following a job (it was deleted); its slot is freed as its task ends."""
+        watch = self._watches.pop(job_id, None)
         if watch is not None and watch.task is not None:
             watch.task.cancel()
 
@@ -357,10 +363,7 @@ class VideoJobs:
             return held
         watch = self._watches.get(job_id)
         if watch is not None:
-            view = watch.last
-            if watch.slot is None:
-                view = msgspec.structs.replace(view, status=video.QUEUED, progress=0)
-            return Held(view, None)
+            return Held(watch.view(), None)
         if silent:
             raise p.RequestError(
                 p.UNAVAILABLE,
@@ -412,6 +415,9 @@ class VideoJobs:
         for job in (j for jobs in lists for j in jobs):
             if job.id not in newest or job.attempt > newest[job.id].attempt:
                 newest[job.id] = job
+        for job_id, watch in self._watches.items():  # its holder silent, or none yet
+            if job_id not in newest:
+                newest[job_id] = watch.view()
         return list(newest.values())
 
     async def delete(self, job_id: str) -> video.VideoJob:

@@ -175,3 +175,46 @@ def test_a_client_that_leaves_mid_submit_leaves_a_watched_job() -> None:
             await until(lambda: _watched(app) == 0)
 
     run_in_context(scenario)
+
+
+def test_a_job_no_replica_can_take_again_waits_queued_until_one_can() -> None:
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        async with stubs(ctx, 2) as replicas, routers(replicas) as [(app, http)]:
+            job = await create(http, MEDIUM)
+            owner = _holder(replicas, job["id"])
+            (other,) = [s for s in replicas if s is not owner]
+            other.video_max_queue = 0  # full: the re-run is refused, and tried each poll
+            await until_status(http, job["id"], "in_progress")
+            await owner.close()
+            waiting = await until_status(http, job["id"], "queued")  # never a 404 meanwhile
+            assert waiting["attempt"] == 1 and waiting["progress"] == 0
+            listed = (await http.get("/v1/videos")).json()["data"]
+            assert [(j["id"], j["status"]) for j in listed] == [(job["id"], "queued")]
+            assert _watched(app) == 1
+            other.video_max_queue = 8
+            done = await until_status(http, job["id"], "completed", 10)
+            assert done["attempt"] == 2 and done["replica"] == other.replica
+
+    run_in_context(scenario)
+
+
+def test_a_job_lost_on_its_third_attempt_is_given_up() -> None:
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        async with stubs(ctx) as [stub], routers([stub]) as [(app, http)]:
+            job = await create(http, SLOW)
+            for attempt in (1, 2, 3):
+                await until(lambda: (stub.job(job["id"]) or _NONE).attempt == attempt, 10)  # noqa: B023
+                stub.reboot()
+            await until(lambda: _watched(app) == 0, 10)
+            assert [s.attempt for s, _ in stub.video_submits] == [1, 2, 3]
+            lost = await http.get(f"/v1/videos/{job['id']}")
+            assert lost.status_code == 404
+            assert "lost with the replica that ran it" in lost.json()["error"]["message"]
+
+    run_in_context(scenario)
+
+
+_NONE = video.VideoJob(
+    id="", status="", created_at=0, width=0, height=0, num_frames=0, fps=0, seconds=0, seed=0,
+    attempt=0,
+)  # fmt: skip
