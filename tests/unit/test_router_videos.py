@@ -60,11 +60,11 @@ async def stubs(
 
 @asynccontextmanager
 async def routers(
-    replicas: list[StubReplica], count: int = 1
+    replicas: list[StubReplica], count: int = 1, **more: Any
 ) -> AsyncIterator[list[tuple[FastAPI, httpx.AsyncClient]]]:
     """``count`` routers (no shared state) over the same replicas, once all serve."""
     settings = RouterSettings(
-        workers=tuple(s.endpoint for s in replicas), pool=FAST, video_poll_s=0.05
+        workers=tuple(s.endpoint for s in replicas), pool=FAST, video_poll_s=0.05, **more
     )
     async with AsyncExitStack() as stack:
         made = []
@@ -362,5 +362,24 @@ def test_bad_list_parameters_are_named() -> None:
                 _error(answer, 400)
                 assert answer.json()["error"]["param"] == param, query
             assert (await http.get("/v1/videos?limit=100&order=asc&x=1")).status_code == 200
+
+    run_in_context(scenario)
+
+
+def test_the_video_routes_need_an_inference_key() -> None:
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        keys = {"api_keys": ("sk-user",), "admin_keys": ("sk-admin",)}
+        async with stubs(ctx) as [stub], routers([stub], **keys) as [(_, http)]:
+            assert (await http.get("/v1/videos")).status_code == 401
+            assert (await http.post("/v1/videos", json=BODY)).status_code == 401
+            user = {"Authorization": "Bearer sk-user"}
+            made = await http.post("/v1/videos", json=BODY, headers=user)
+            assert made.status_code == 200, made.text
+            job_id = made.json()["id"]
+            for path in (f"/v1/videos/{job_id}", f"/v1/videos/{job_id}/content"):
+                assert (await http.get(path)).status_code == 401
+                assert (await http.get(path, headers=user)).status_code in (200, 409)
+            assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 401
+            assert (await http.delete(f"/v1/videos/{job_id}", headers=user)).status_code == 200
 
     run_in_context(scenario)
