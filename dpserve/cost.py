@@ -4,12 +4,15 @@ A diffusion transformer's work per denoising step grows with the tokens it atten
 over: the image's (one per ``size_factor``² pixels) and, for joint-attention models
 (Flux, SD3), the prompt's padded text tokens. So one request costs
 
-    units = n x CFG branches x steps x (megapixels + text_megapixels)
+    units = n x CFG branches x steps x (megapixels + text_megapixels) x latent frames
 
 where ``text_megapixels`` is what the replica reports its text tokens are worth
 (``max_sequence_length x size_factor² / 1e6``; 0 when the prompt does not join the
 sequence), steps are scaled by an edit's strength (diffusers runs ``steps x strength``
-of them), and a request that names no size or steps gets the replica's defaults.
+of them), and a request that names no size or steps gets the replica's defaults. A
+video's tokens are a frame's times its latent frames (the VAE packs ``frame_factor``
+frames after the first into one: ``(frames - 1) // frame_factor + 1``); an image is
+one.
 Each replica measures its own seconds per unit (:class:`Calibration`) and reports it
 in its pings; the router multiplies. Measured on the ``small`` tiny model (CPU, one
 thread): a denoising step at 64² costs about a third of one at 256², not 1/16, and
@@ -18,7 +21,7 @@ rest (text encoding, latents) was within noise of zero at 64², so it is not
 modelled, and the VAE decode (about one step's image work) is left to calibration
 (docs/router.md, "Routing policies").
 
-Stdlib and :mod:`dpserve.protocol` only: the router imports this, and no torch.
+Stdlib, msgspec and :mod:`dpserve.protocol` only: the router imports this, and no torch.
 """
 
 from __future__ import annotations
@@ -26,15 +29,32 @@ from __future__ import annotations
 import math
 import threading
 
+import msgspec
+
 from dpserve.protocol import CostReport, GenerateParams
 
 
 def cfg_branches(params: GenerateParams, report: CostReport) -> int:
-    """Two denoiser passes a step with true CFG (a negative prompt and a scale above 1)."""
+    """Two denoiser passes a step with CFG: true CFG (Flux, Qwen-Image) needs a negative
+    prompt and a true_cfg_scale above 1; where guidance_scale is CFG (Wan, SD3:
+    ``default_guidance_scale`` set) a scale above 1 is enough."""
+    if report.default_guidance_scale is not None:
+        guidance = params.guidance_scale
+        if guidance is None:
+            guidance = report.default_guidance_scale
+        return 2 if guidance > 1.0 else 1
     scale = params.true_cfg_scale
     if scale is None:
         scale = report.default_true_cfg_scale
     return 2 if params.negative_prompt is not None and scale > 1.0 else 1
+
+
+def latent_frames(params: GenerateParams, report: CostReport) -> int:
+    """A video's latent frames (its default length where it names none); 1 for an image."""
+    if params.video is None:
+        return 1
+    frames = params.video.num_frames or report.default_frames
+    return (max(frames, 1) - 1) // max(report.frame_factor, 1) + 1
 
 
 def cost_units(params: GenerateParams, report: CostReport) -> float:
@@ -45,7 +65,7 @@ def cost_units(params: GenerateParams, report: CostReport) -> float:
     if params.edit is not None and params.edit.strength is not None:
         # diffusers' image-to-image runs int(steps * strength) of the steps (at least one).
         steps = max(1.0, math.floor(steps * params.edit.strength))
-    per_step = width * height / 1e6 + report.text_megapixels
+    per_step = (width * height / 1e6 + report.text_megapixels) * latent_frames(params, report)
     return params.n * cfg_branches(params, report) * steps * per_step
 
 
@@ -114,12 +134,4 @@ class Calibration:
         with self._lock:
             spu = None if self._log is None else math.exp(self._log)
             shape, samples = self._shape, self._samples
-        return CostReport(
-            seconds_per_unit=spu,
-            samples=samples,
-            default_width=shape.default_width,
-            default_height=shape.default_height,
-            default_steps=shape.default_steps,
-            default_true_cfg_scale=shape.default_true_cfg_scale,
-            text_megapixels=shape.text_megapixels,
-        )
+        return msgspec.structs.replace(shape, seconds_per_unit=spu, samples=samples)

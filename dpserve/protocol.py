@@ -629,6 +629,12 @@ class CostReport(msgspec.Struct, kw_only=True):
     # Per denoising step, the megapixels' worth of work the prompt's text tokens add
     # (joint attention over text and image tokens; 0: the prompt is not in the sequence).
     text_megapixels: float = 0.0
+    # The pipeline's guidance_scale where it is classifier-free guidance (Wan, SD3);
+    # None where CFG is true_cfg_scale (Flux, Qwen-Image).
+    default_guidance_scale: float | None = None
+    # Video models: frames per latent frame after the first, and a job's default length.
+    frame_factor: int = 4
+    default_frames: int = 1
 
 
 class PingResult(msgspec.Struct, kw_only=True):

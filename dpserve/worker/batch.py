@@ -5,8 +5,9 @@ pipeline call is equal, apart from the ones a batched call takes per image:
 prompt, negative prompt text, ``n``, seeds, and the output encoding (applied after
 the call). Whether a negative prompt is given at all is in the rule (it decides
 true CFG); a field added to ``GenerateParams`` is in it too unless named here.
-Edits (their uploads are per request) and requests asking for previews (sent per
-request, mid-call) never share a call.
+Edits (their uploads are per request), requests asking for previews (sent per
+request, mid-call) and videos (a job's progress is its own, and one video is already
+many frames' work) never share a call.
 
 The driver's queue (worker/ingress.py) takes its first work and then, in queue
 order, the compatible generations whose images still fit ``max_images``, passing
@@ -34,8 +35,9 @@ PER_IMAGE: Final = frozenset(
 
 
 def batchable(params: GenerateParams) -> bool:
-    """May this request share a call? Not an edit, not one that asks for previews."""
-    return params.edit is None and params.partial_images == 0
+    """May this request share a call? Not an edit, not one that asks for previews, not
+    a video."""
+    return params.edit is None and params.partial_images == 0 and params.video is None
 
 
 def compatible(a: GenerateParams, b: GenerateParams) -> bool:

@@ -28,12 +28,13 @@ from dpserve.protocol import (
     encode,
     encode_error,
 )
-from dpserve.worker import step_cache
+from dpserve.worker import step_cache, video_call
 from dpserve.worker.batch import split
 from dpserve.worker.batch_call import batch_kwargs
 from dpserve.worker.comm import GangComm
 from dpserve.worker.commands import GangStatus, Generation
 from dpserve.worker.compile import Compiler
+from dpserve.worker.config import WorkerConfig
 from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
 from dpserve.worker.cost_shape import cost_shape
 from dpserve.worker.denoiser import DenoiserPatch, Forward, HaltCheck, Halted, StopGate
@@ -41,7 +42,13 @@ from dpserve.worker.edit import edit_call
 from dpserve.worker.encode import encode_image
 from dpserve.worker.features import Features, features_of
 from dpserve.worker.parallel import ModelParallel
-from dpserve.worker.pipeline import Pipeline, cfg_requested, size_factor
+from dpserve.worker.pipeline import (
+    Pipeline,
+    cfg_requested,
+    guides_by_scale,
+    pipe_output,
+    size_factor,
+)
 from dpserve.worker.preview import Emit, Previews, can_preview, output_size
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
 from dpserve.worker.step_cache import StepCaches
@@ -80,6 +87,7 @@ class Executor:
     parallel: ModelParallel | None = None
     step_caches: StepCaches = field(default_factory=lambda: StepCaches(()))  # what it offers
     compiler: Compiler | None = None  # --compile
+    max_frames: int = WorkerConfig.max_frames  # --max-frames (a video model's)
     _gate: StopGate | None = field(default=None, init=False, repr=False)  # while generating
     _cached: bool = field(default=False, init=False, repr=False)  # the running call's
 
@@ -88,12 +96,16 @@ class Executor:
             self.comm.info.cfg_rank, self.comm.cfg_group, self._progress, self._wrap
         )
         self.split_ok = self.patch.can_split(denoiser_of(self.pipe))
+        self.by_guidance = guides_by_scale(self.pipe)  # its guidance_scale is CFG (Wan)
         self.status.control = self.ops.held().to_builtins()
         self.sessions = SessionHost(
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
         )
-        self.features: Features = features_of(self.pipe, step_caches=self.step_caches)
-        shape = cost_shape(self.pipe, self.call_defaults, self.fixed_kwargs)
+        self.features: Features = features_of(
+            self.pipe, step_caches=self.step_caches, max_frames=self.max_frames
+        )
+        video = self.features.video
+        shape = cost_shape(self.pipe, self.call_defaults, self.fixed_kwargs, video)
         self.status.calibration.configure(shape)
 
     def _progress(self) -> None:
@@ -115,7 +127,7 @@ class Executor:
         """One pipeline call on this rank, with the denoiser split when CFG asks for it
         (and, for a generation, its stop gate)."""
         self.ops.require_weights()
-        split = self.split_ok and cfg_requested(params, self.call_defaults)
+        split = self.split_ok and cfg_requested(params, self.call_defaults, self.by_guidance)
         cache = self.step_caches.resolve(params.step_cache)
         denoiser = denoiser_of(pipe)
         stance = self.compiler.stance() if self.compiler else contextlib.nullcontext()
@@ -128,7 +140,7 @@ class Executor:
                 step_cache.applied(denoiser, cache),
                 self.patch.applied(denoiser, split, self._gate),
             ):
-                return pipe(**kwargs).images
+                return pipe_output(pipe(**kwargs))
         finally:
             self._cached = False
 
@@ -160,9 +172,10 @@ class Executor:
         ``halt`` is the driver's: at each denoising step it says whether the batch
         was cancelled or passed its deadline (every request of it), and the whole
         gang drops it there. ``blobs`` are an edit's uploads and ``emit`` sends the
-        driver's interim replies (previews): both only in a batch of one request.
-        ``queue_s`` is each request's time in the queue; a reply's inference time is
-        the batch's.
+        driver's interim replies (previews, a video's progress): both only in a batch
+        of one request. ``queue_s`` is each request's time in the queue; a reply's
+        inference time is the batch's. A video is always a batch of its own, and its
+        reply holds the mp4 (worker/video_call.py).
         """
         start = time.perf_counter()
         output_rank = self.comm.info.is_output_rank
@@ -171,19 +184,14 @@ class Executor:
         params = [g.params for g in batch]
         first = params[0]
         try:
-            # Only the output rank decodes latents to pixels; the others skip the VAE.
-            output_type = "pil" if output_rank else "latent"
-            kwargs = {**self.fixed_kwargs, **batch_kwargs(params, self.call_defaults, output_type)}
-            pipe = self.pipe
-            if first.edit is not None:
-                pipe, extra = edit_call(self.pipe, first, blobs, size_factor(self.pipe))
-                kwargs.update(extra)
-            watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-            if first.partial_images and output_rank and emit is not None and can_preview(pipe):
-                previews = Previews(batch[0].id, first, output_size(pipe, kwargs), emit)
-                kwargs["callback_on_step_end"] = previews
-                kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
-                watch = previews.watching(pipe)
+            problem = video_call.refusal(first, self.features.video)
+            if problem is not None:
+                raise problem
+            if first.video is not None:
+                pipe, kwargs = self.pipe, self._video_kwargs(batch[0], emit)
+                watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            else:
+                pipe, kwargs, watch = self._image_call(batch, blobs, emit)
             with watch:
                 images = self.run_pipe(pipe, kwargs, first)
         except Halted as exc:
@@ -205,10 +213,49 @@ class Executor:
         # The router's cost model learns this replica's seconds per unit (dpserve.cost).
         units = sum(self.status.calibration.units(p) for p in params)
         self.status.calibration.observe(units, inference_s)
+        if first.video is not None:
+            times = (queue_s[0], inference_s)
+            replica = self.comm.info.replica
+            return [video_call.video_reply(batch[0].id, first, images, replica, times, peak_mb)]
         return [
             self._reply(g, mine, waited, inference_s, peak_mb)
             for g, mine, waited in zip(batch, split(images, params), queue_s, strict=True)
         ]
+
+    def _image_call(
+        self, batch: Sequence[Generation], blobs: Sequence[bytes], emit: Emit | None
+    ) -> tuple[Pipeline, dict[str, Any], contextlib.AbstractContextManager[None]]:
+        """An image batch's pipeline (an edit's sibling), arguments and previews."""
+        params = [g.params for g in batch]
+        first = params[0]
+        output_rank = self.comm.info.is_output_rank
+        # Only the output rank decodes latents to pixels; the others skip the VAE.
+        output_type = "pil" if output_rank else "latent"
+        kwargs = {**self.fixed_kwargs, **batch_kwargs(params, self.call_defaults, output_type)}
+        pipe = self.pipe
+        if first.edit is not None:
+            pipe, extra = edit_call(self.pipe, first, blobs, size_factor(self.pipe))
+            kwargs.update(extra)
+        watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if first.partial_images and output_rank and emit is not None and can_preview(pipe):
+            previews = Previews(batch[0].id, first, output_size(pipe, kwargs), emit)
+            kwargs["callback_on_step_end"] = previews
+            kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+            watch = previews.watching(pipe)
+        return pipe, kwargs, watch
+
+    def _video_kwargs(self, generation: Generation, emit: Emit | None) -> dict[str, Any]:
+        """A video's arguments: frames on the output rank (which alone decodes), with
+        its progress after every step where the driver can send it."""
+        params = generation.params
+        output_rank = self.comm.info.is_output_rank
+        output_type = "np" if output_rank else "latent"
+        kwargs = video_call.video_kwargs(params, self.call_defaults, output_type)
+        if output_rank and emit is not None:
+            steps = params.num_inference_steps or self.call_defaults.get("num_inference_steps")
+            progress = video_call.StepProgress(generation.id, int(steps or 0), emit)
+            kwargs["callback_on_step_end"] = progress
+        return {**self.fixed_kwargs, **kwargs}
 
     def _reply(
         self,

@@ -3,14 +3,68 @@ and the ingress checks requests against."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from dpserve.protocol import MAX_PARTIAL_IMAGES, OUTPUT_FORMATS, Limits
 from dpserve.worker.edit import EditSupport, edit_support
-from dpserve.worker.pipeline import Pipeline
+from dpserve.worker.pipeline import Pipeline, call_defaults
 from dpserve.worker.preview import can_preview
 from dpserve.worker.step_cache import StepCaches
+
+# Wan's frame rate; a diffusers pipeline carries none.
+DEFAULT_FPS: Final = 16
+_FALLBACK_FRAMES: Final = 81  # Wan's default length, for a pipeline that declares none
+
+
+@dataclass(frozen=True)
+class VideoSupport:
+    """A video model's frames (dpserve.video): counts are ``frame_factor * k + 1``."""
+
+    max_frames: int
+    frame_factor: int
+    default_frames: int
+    default_fps: int = DEFAULT_FPS
+    image_to_video: bool = False  # takes an input_reference image
+
+    def info(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def video_support(pipe: Pipeline, max_frames: int) -> VideoSupport | None:
+    """None for an image model. ``max_frames`` (``--max-frames``) is capped where the
+    transformer's rotary table ends (one position per latent frame) and rounded down
+    to a count the VAE makes, as is the pipeline's default length."""
+    defaults = call_defaults(pipe)
+    factor = getattr(pipe, "vae_scale_factor_temporal", None)
+    if "num_frames" not in defaults or factor is None:
+        return None
+    factor = int(factor)
+    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    positions = getattr(config, "rope_max_seq_len", None)
+    top = max_frames if positions is None else min(max_frames, (int(positions) - 1) * factor + 1)
+    top = max(1, top - (top - 1) % factor)
+    default = min(int(defaults["num_frames"] or _FALLBACK_FRAMES), top)
+    default -= (default - 1) % factor
+    takes_image = "image" in inspect.signature(pipe.__call__).parameters
+    return VideoSupport(
+        max_frames=top, frame_factor=factor, default_frames=default, image_to_video=takes_image
+    )
+
+
+def with_video(limits: Limits, video: VideoSupport | None) -> Limits:
+    """``limits`` with a video model's frames (``max_frames`` 0: it makes no videos)."""
+    if video is None:
+        return dataclasses.replace(limits, max_frames=0)
+    return dataclasses.replace(
+        limits,
+        max_frames=video.max_frames,
+        frame_factor=video.frame_factor,
+        default_frames=video.default_frames,
+        default_fps=video.default_fps,
+    )
 
 
 @dataclass(frozen=True)
@@ -19,6 +73,7 @@ class Features:
     partial_images: int  # previews per image it can send; 0: it cannot preview
     max_n: int = Limits.max_n
     step_caches: StepCaches = field(default_factory=lambda: StepCaches(()))
+    video: VideoSupport | None = None  # None: an image model
 
     def info(self) -> dict[str, Any]:
         """The ``features`` entry of model_info (the router shows it to clients)."""
@@ -31,15 +86,22 @@ class Features:
             "output_compression": True,
             "max_n": self.max_n,
             **self.step_caches.info(),
+            "video": self.video.info() if self.video is not None else None,
         }
 
 
 def features_of(
-    pipe: Pipeline, max_n: int = Limits.max_n, step_caches: StepCaches | None = None
+    pipe: Pipeline,
+    max_n: int = Limits.max_n,
+    step_caches: StepCaches | None = None,
+    max_frames: int = 0,
 ) -> Features:
+    """``max_frames`` is the replica's ``--max-frames`` (a video model's cap)."""
+    video = video_support(pipe, max_frames)
     return Features(
         edit=edit_support(pipe),
         partial_images=MAX_PARTIAL_IMAGES if can_preview(pipe) else 0,
         max_n=max_n,
         step_caches=step_caches or StepCaches(()),
+        video=video,
     )

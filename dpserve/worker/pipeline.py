@@ -13,7 +13,15 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
-from dpserve.protocol import INVALID_REQUEST, UNSUPPORTED, FieldError, GenerateParams, RequestError
+from dpserve.cost import cfg_branches
+from dpserve.protocol import (
+    INVALID_REQUEST,
+    UNSUPPORTED,
+    CostReport,
+    FieldError,
+    GenerateParams,
+    RequestError,
+)
 from dpserve.worker.paths import pickle_problem
 from dpserve.worker.weights import modules_of, own_storage
 
@@ -89,9 +97,22 @@ def load_pipeline(
 
 
 def size_factor(pipe: Pipeline) -> int:
-    """Width and height must be multiples of this (latent packing doubles the VAE factor)."""
+    """Width and height must be multiples of this: latent packing doubles the VAE
+    factor (Flux); a video transformer's patch multiplies its VAE's spatial factor
+    (Wan: 8 x 2)."""
+    spatial = getattr(pipe, "vae_scale_factor_spatial", None)
+    if spatial is not None:
+        config = getattr(getattr(pipe, "transformer", None), "config", None)
+        patch = getattr(config, "patch_size", None) or (1,)
+        return int(spatial) * max(int(side) for side in patch[-2:])
     vae_factor = int(getattr(pipe, "vae_scale_factor", 8))
     return vae_factor * 2 if hasattr(pipe, "_pack_latents") else vae_factor
+
+
+def pipe_output(result: Any) -> Any:
+    """A pipeline call's output: a video pipeline's ``frames``, else ``images``."""
+    frames = getattr(result, "frames", None)
+    return frames if frames is not None else result.images
 
 
 def call_defaults(pipe: Pipeline) -> dict[str, Any]:
@@ -101,12 +122,32 @@ def call_defaults(pipe: Pipeline) -> dict[str, Any]:
     }
 
 
-def cfg_requested(params: GenerateParams, defaults: Mapping[str, Any]) -> bool:
-    """True CFG runs (two denoiser branches per step) only with a negative prompt and scale > 1."""
-    scale = params.true_cfg_scale
-    if scale is None:
-        scale = defaults.get("true_cfg_scale") or 1.0
-    return params.negative_prompt is not None and scale > 1.0
+def guides_by_scale(pipe: Pipeline) -> bool:
+    """Whether ``guidance_scale`` is classifier-free guidance (Wan, SD3: a
+    ``do_classifier_free_guidance`` property), not a distilled guidance embedding
+    (Flux, Qwen-Image, whose CFG is ``true_cfg_scale``)."""
+    return hasattr(type(pipe), "do_classifier_free_guidance") and (
+        "true_cfg_scale" not in call_defaults(pipe)
+    )
+
+
+def cfg_report(defaults: Mapping[str, Any], by_guidance: bool) -> CostReport:
+    """The pipeline's CFG defaults as the cost model reads them (dpserve.cost)."""
+    guidance = float(defaults.get("guidance_scale") or 1.0) if by_guidance else None
+    return CostReport(
+        default_true_cfg_scale=float(defaults.get("true_cfg_scale") or 1.0),
+        default_guidance_scale=guidance,
+    )
+
+
+def cfg_requested(
+    params: GenerateParams, defaults: Mapping[str, Any], by_guidance: bool = False
+) -> bool:
+    """Whether a step calls the denoiser twice (two CFG branches): true CFG needs a
+    negative prompt and ``true_cfg_scale`` > 1; guidance CFG (``by_guidance``, see
+    :func:`guides_by_scale`) needs ``guidance_scale`` > 1 (the pipeline's default
+    when not given), the negative prompt optional. One rule with the router's cost."""
+    return cfg_branches(params, cfg_report(defaults, by_guidance)) == 2
 
 
 def pipeline_kwargs(

@@ -185,7 +185,18 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     )
     caches, compiler = _accel(cfg, pipe)
     executor = Executor(
-        pipe, comm, ops, GangStatus(), device, defaults, fixed, limits, parallel, caches, compiler
+        pipe,
+        comm,
+        ops,
+        GangStatus(),
+        device,
+        defaults,
+        fixed,
+        limits,
+        parallel,
+        caches,
+        compiler,
+        cfg.max_frames,
     )
     info["compile"] = compiler.info() if compiler is not None else None
     info["realtime"] = executor.sessions.unsupported() or "supported"
@@ -210,6 +221,7 @@ def _accel(cfg: WorkerConfig, pipe: Any) -> tuple[StepCaches, Compiler | None]:
     have what its flags ask is refused at start (docs/worker.md)."""
     from dpserve.worker import compile, step_cache
     from dpserve.worker.executor import denoiser_of
+    from dpserve.worker.features import video_support
     from dpserve.worker.parallel import ParallelUnsupported
     from dpserve.worker.pipeline import size_factor
     from dpserve.worker.preview import output_size
@@ -225,6 +237,8 @@ def _accel(cfg: WorkerConfig, pipe: Any) -> tuple[StepCaches, Compiler | None]:
         caches = dataclasses.replace(caches, default=default)
         if not cfg.compile:
             return caches, None
+        if video_support(pipe, cfg.max_frames) is not None:
+            raise ValueError("--compile is not verified on video models: leave it off")
         problem = compile.refusal(cfg.tp, cfg.sp, cfg.step_cache)
         if problem is not None:
             raise ValueError(problem)
@@ -250,8 +264,8 @@ def _encoder_relay(cfg: WorkerConfig, comm: Any) -> EncoderRelay | None:
 
 def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
     """Generations through the real path (CFG split included) before serving: one small
-    one, or with --compile one at each compile size, which compiles its graph there
-    (worker/compile.py); then the compiler is sealed."""
+    one (a video model's: 5 frames), or with --compile one at each compile size, which
+    compiles its graph there (worker/compile.py); then the compiler is sealed."""
     from dpserve.worker.compile import graphs
     from dpserve.worker.pipeline import size_factor
 
@@ -263,15 +277,23 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
     compiler = executor.compiler
     sizes = compiler.sizes if compiler is not None else ((side, side),)
     compiled_before = graphs()
+    video = executor.features.video
+    clip = (
+        None
+        if video is None
+        else p.VideoSpec(num_frames=min(5, video.max_frames), fps=video.default_fps)
+    )
     for width, height in sizes:
         params = p.GenerateParams(
             prompt="warmup",
             negative_prompt="blurry" if cfg.cfg > 1 else None,
-            true_cfg_scale=2.0 if cfg.cfg > 1 else None,
+            # A video model's CFG is its guidance_scale, on by default.
+            true_cfg_scale=2.0 if cfg.cfg > 1 and video is None else None,
             width=width,
             height=height,
             num_inference_steps=cfg.warmup_steps,
             seed=[0],
+            video=clip,
         )
         started = time.perf_counter()
         frames = executor.generate("warmup", params, 0.0)
@@ -290,6 +312,7 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
     from dpserve.wire import WireKey
     from dpserve.worker.batch import Batching
+    from dpserve.worker.features import with_video
     from dpserve.worker.ingress import Ingress
     from dpserve.worker.video_jobs import VideoBook
 
@@ -300,6 +323,7 @@ def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         max_steps=cfg.max_steps,
         sequence_split=cfg.sp,
     )
+    limits = with_video(limits, executor.features.video)  # a video model's frames
     ingress = Ingress(
         cfg.endpoint,
         cfg.replica,

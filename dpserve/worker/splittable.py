@@ -18,9 +18,15 @@ SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel",)
 def splittable_problem(kind: str) -> str | None:
     if kind in SPLITTABLE:
         return None
+    # diffusers names its video transformers *Transformer3DModel (Wan, CogVideoX, ...).
+    video = (
+        " (a video model: sequence parallel over its frames x tokens is not built)"
+        if kind.endswith("Transformer3DModel")
+        else ""
+    )
     return (
         f"tp/sp need a transformer that can be split ({', '.join(SPLITTABLE)}); this "
-        f"model's denoiser is {kind}: use --cfg and more replicas instead"
+        f"model's denoiser is {kind}{video}: use --cfg and more replicas instead"
     )
 
 

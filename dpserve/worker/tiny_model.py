@@ -1,4 +1,5 @@
-"""Seeded, offline-built Flux-style pipelines and LoRAs for tests and benchmarks.
+"""Seeded, offline-built Flux-style (and Wan-style video) pipelines and LoRAs for tests and
+benchmarks.
 
 Nothing here downloads anything: tokenizers, encoders, transformer, VAE and scheduler are all
 constructed from in-code configs with seeded random weights, so CI and air-gapped clusters can
@@ -22,11 +23,15 @@ import torch
 
 # Submodule imports: diffusers' top-level lazy __init__ makes mypy see its dummy placeholders.
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
     FlowMatchEulerDiscreteScheduler,
 )
+from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -34,12 +39,16 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 __all__ = [
     "LORA_TARGET_MODULES",
     "VARIANTS",
+    "VIDEO_VARIANTS",
     "TinyVariant",
+    "TinyVideoVariant",
     "build_tiny_lora",
     "build_tiny_pipeline",
     "transformer_config",
@@ -112,6 +121,37 @@ VARIANTS: Mapping[str, TinyVariant] = MappingProxyType(
     }
 )
 
+
+@dataclass(frozen=True)
+class TinyVideoVariant:
+    """Sizes of a Wan-style text-to-video pipeline (WanPipeline: UMT5 encoder, a 3D
+    transformer over (frame, height, width) patches, a causal 3D VAE that packs 4
+    frames and 8x8 pixels into one latent)."""
+
+    num_layers: int
+    attention_head_dim: int  # Wan's rope splits it over frames, rows and columns
+    num_attention_heads: int
+    ffn_dim: int
+    vae_base_dim: int
+    text_dim: int = 32
+    text_ff_dim: int = 64
+    text_layers: int = 2
+    text_heads: int = 4
+
+
+VIDEO_VARIANTS: Mapping[str, TinyVideoVariant] = MappingProxyType(
+    {
+        # A 48x64, 17-frame, 4-step video in well under a second on one CPU thread.
+        "video": TinyVideoVariant(
+            num_layers=2,
+            attention_head_dim=24,
+            num_attention_heads=2,
+            ffn_dim=64,
+            vae_base_dim=8,
+        ),
+    }
+)
+
 _VAE_LATENT_CHANNELS = 4
 _LORA_GAIN = 2.0  # B scale; ~2x a random Linear, enough to visibly shift images
 
@@ -120,7 +160,8 @@ def _variant(name: str) -> TinyVariant:
     try:
         return VARIANTS[name]
     except KeyError:
-        raise ValueError(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}") from None
+        known = sorted([*VARIANTS, *VIDEO_VARIANTS])
+        raise ValueError(f"unknown variant {name!r}; expected one of {known}") from None
 
 
 def transformer_config(variant: str = "tiny") -> dict[str, object]:
@@ -310,6 +351,78 @@ def _build_components(variant: str, seed: int) -> FluxPipeline:
     )
 
 
+def _build_video_components(variant: str, seed: int) -> WanPipeline:
+    v = VIDEO_VARIANTS[variant]
+    tokenizer = _t5_tokenizer()
+
+    torch.manual_seed(_seeded(seed, "text_encoder"))
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=v.text_dim,
+            d_kv=v.text_dim // v.text_heads,
+            d_ff=v.text_ff_dim,
+            num_layers=v.text_layers,
+            num_heads=v.text_heads,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+
+    torch.manual_seed(_seeded(seed, "transformer"))
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),  # with the VAE's 8: 16 px a token side, one latent frame deep
+        num_attention_heads=v.num_attention_heads,
+        attention_head_dim=v.attention_head_dim,
+        in_channels=_VAE_LATENT_CHANNELS,
+        out_channels=_VAE_LATENT_CHANNELS,
+        text_dim=v.text_dim,
+        freq_dim=32,
+        ffn_dim=v.ffn_dim,
+        num_layers=v.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+    )
+
+    torch.manual_seed(_seeded(seed, "vae"))
+    vae = AutoencoderKLWan(
+        base_dim=v.vae_base_dim,
+        z_dim=_VAE_LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],  # 3 downsamplings: 8x8 pixels per latent
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],  # 2 of them in time: 4 frames per latent
+        latents_mean=[0.0] * _VAE_LATENT_CHANNELS,
+        latents_std=[1.0] * _VAE_LATENT_CHANNELS,
+    )
+
+    # Wan 2.1's own: UniPC over flow-matching sigmas, shifted as for 480p.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+
+    # The transformer gets more noise: at 0.02 the prompt moved a pixel by 0.1/255 on
+    # average (Wan's default init barely passes the text on), at 0.1 by about 1.4/255.
+    for name, mod, scale in (
+        ("text_encoder", text_encoder, 0.02),
+        ("transformer", transformer, 0.1),
+        ("vae", vae, 0.02),
+    ):
+        if any(p.dtype != torch.float32 for p in mod.parameters()):
+            mod.float()
+        _perturb(mod, _seeded(seed, name + ":perturb"), scale)
+        mod.eval()
+
+    return WanPipeline(
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # hint: AutoTokenizer, a factory
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+    )
+
+
 # --------------------------------------------------------------------------- atomic output
 
 
@@ -357,17 +470,24 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
 
 
 def build_tiny_pipeline(out_dir: Path, variant: str = "tiny", seed: int = 0) -> Path:
-    """Build a seeded random-weight FluxPipeline and save it (float32) to ``out_dir``.
+    """Build a seeded random-weight FluxPipeline (a WanPipeline for a ``VIDEO_VARIANTS``
+    name) and save it (float32) to ``out_dir``.
 
     The same ``(variant, seed)`` always yields byte-identical files. ``out_dir`` must be absent
     or empty; it appears only once fully written. The global torch RNG is left untouched.
     """
     out_dir = Path(out_dir)
-    _variant(variant)
+    video = variant in VIDEO_VARIANTS
+    if not video:
+        _variant(variant)
     with _atomic_dir(out_dir) as tmp:
         # fork_rng: seeding for the build must not leak into the caller's global RNG.
         with torch.random.fork_rng(devices=[]):
-            pipe = _build_components(variant, seed)
+            pipe = (
+                _build_video_components(variant, seed)
+                if video
+                else _build_components(variant, seed)
+            )
         pipe.save_pretrained(tmp, safe_serialization=True)
     return out_dir
 

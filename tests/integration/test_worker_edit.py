@@ -70,6 +70,7 @@ def test_features_say_what_the_tiny_flux_serves(executor: Executor) -> None:
         "max_n": 10,
         "step_caches": {"first_block_cache": {"threshold": 0.08}, "taylorseer": {"interval": 3}},
         "step_cache_default": None,
+        "video": None,  # an image model
     }
 
 
