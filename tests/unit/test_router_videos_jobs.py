@@ -55,10 +55,11 @@ def test_jobs_spread_over_replicas_and_count_as_their_work() -> None:
                 assert gauges[("dpserve_replica_in_flight", stub.endpoint)] == 1
                 assert gauges[("dpserve_replica_outstanding_work_seconds", stub.endpoint)] > 0
             assert gauges[("dpserve_outstanding_work_seconds", "")] > 0
-            # A job's slot is past the in-flight cap: a third job is placed at once too.
-            third = await create(http, BODY)
-            assert _watched(app) == 3
-            await until_status(http, third["id"], "completed", 10)
+            # Jobs are placed past the in-flight cap (2 a replica here): they queue there.
+            jobs += [await create(http, SLOW) for _ in range(3)]
+            pool = app.state.running.pool
+            assert sorted(r.inflight for r in pool.members()) == [2, 3]
+            assert _watched(app) == 5
             for job in jobs:
                 assert (await http.delete(f"/v1/videos/{job['id']}")).status_code == 200
             await until(lambda: _watched(app) == 0)
