@@ -557,8 +557,8 @@ class Ingress:
         params = v.parse_video(body, self.limits, blobs=1 if reference else 0)
         if reference:
             upload_size(blobs[0], "input_reference")
-            video = getattr(self.features, "video", None)  # helper W's Features field
-            if not video or not video.get("image_to_video"):
+            video = self.features.video if self.features is not None else None
+            if video is None or not video.image_to_video:
                 raise p.RequestError(
                     p.UNSUPPORTED,
                     "this model makes videos from text only: send the job without input_reference",
