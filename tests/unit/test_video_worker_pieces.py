@@ -79,6 +79,14 @@ def test_the_same_frames_make_the_same_bytes_and_others_do_not() -> None:
     assert encode_mp4(pixels, 24) != mp4
 
 
+def test_noisy_frames_encode_to_one_file_every_time() -> None:
+    """x264's macroblock tree made several files of these now and then (video_encode.py)."""
+    rng = np.random.default_rng(0)
+    noisy = np.clip(_moving() + rng.normal(0, 0.08, _moving().shape), 0, 1)
+    pixels = to_uint8(noisy.astype(np.float32))
+    assert len({encode_mp4(pixels, 16) for _ in range(40)}) == 1
+
+
 def test_frames_an_mp4_cannot_hold_are_refused() -> None:
     with pytest.raises(ValueError, match="even sides"):
         encode_mp4(to_uint8(_moving(width=63)), 16)

@@ -1,0 +1,62 @@
+"""A video on a --cfg 2 gang (rank 0 the conditional branch, rank 1 the unconditional
+one, the text encoders on rank 0 alone) is the same mp4, byte for byte, as on one
+rank; so are its progress and a halt (tiny Wan-style model, ~40 s on 2 cores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dpserve import protocol as p
+from dpserve import video as v
+
+pytest.importorskip("torch")
+pytest.importorskip("av")
+
+from tests.video_gang import Answer, VideoRun, run_videos
+
+pytestmark = pytest.mark.gang
+
+
+def _video(**fields: object) -> p.GenerateParams:
+    base: dict[str, object] = dict(
+        prompt="a red car", width=64, height=48, num_inference_steps=4, seed=[11]
+    )
+    spec = p.VideoSpec(num_frames=9, fps=16, seconds=0.5)
+    return p.GenerateParams(**{**base, **fields}, video=spec)  # type: ignore[arg-type]
+
+
+RUNS = (
+    VideoRun(_video(negative_prompt="blurry")),  # guidance CFG at the default 5.0
+    VideoRun(_video(guidance_scale=3.0)),  # CFG with the empty negative prompt
+    VideoRun(_video(guidance_scale=1.0)),  # no CFG: both ranks run it whole
+    VideoRun(_video(guidance_scale=1.0), halt_at=3),  # dropped at the third step
+)
+
+
+def _steps(answer: Answer) -> list[tuple[int, int]]:
+    return [
+        (m.body_as(v.VideoProgress).step, m.body_as(v.VideoProgress).steps) for m in answer.partials
+    ]
+
+
+def test_a_cfg_gang_makes_one_ranks_video_byte_for_byte(tiny_video_model: Path) -> None:
+    gang = run_videos(tiny_video_model, 2, RUNS)
+    one = run_videos(tiny_video_model, 1, RUNS)
+    for index, (mine, theirs) in enumerate(zip(gang[:3], one[:3], strict=True)):
+        assert mine.reply.kind == theirs.reply.kind == p.RESULT, index
+        assert mine.reply.blobs == theirs.reply.blobs, index  # the mp4 and the thumbnail
+        result = mine.reply.body_as(v.VideoResult)
+        assert (result.num_frames, result.width, result.height, result.seed) == (9, 64, 48, 11)
+        assert _steps(mine) == _steps(theirs) == [(s, 4) for s in range(1, 5)]
+    # With CFG each rank ran its own branch (4 steps, 4 passes), one rank both; without
+    # it both ranks ran the whole (Wan's sequence cannot be lent to a split).
+    assert [a.passes for a in gang[:3]] == [[4, 4], [4, 4], [4, 4]]
+    assert [a.passes for a in one[:3]] == [[8], [8], [4]]
+    assert one[1].reply.blobs[0] != one[2].reply.blobs[0]  # and CFG changed the video
+    halted, alone = gang[3], one[3]
+    for answer in (halted, alone):
+        assert answer.reply.kind == p.ERROR
+        assert p.decode_error(answer.reply).code == p.CANCELLED
+        assert _steps(answer) == [(1, 4), (2, 4)]

@@ -1,0 +1,97 @@
+"""Runs video generations on a real gang of rank processes, each with the worker's own
+executor (``rank._build_executor``: process groups, encoder relay, CFG split, stop
+gate) after the worker's warm-up, without the gang loop or the ingress; the output
+rank's replies and progress come back as wire frames, and from every rank how many
+transformer passes it computed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.multiprocessing as mp
+
+from dpserve import protocol as p
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoRun:
+    """One generation: its params and the denoiser call its driver halts at (0: none)."""
+
+    params: p.GenerateParams
+    halt_at: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """The output rank's reply and its progress replies, decoded; each rank's passes."""
+
+    reply: p.Message
+    partials: list[p.Message]
+    passes: list[int]
+
+
+def _rank(rank: int, model: str, cfg: int, runs: Sequence[VideoRun], store: str, out: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from dpserve.worker.comm import init_gang
+    from dpserve.worker.config import WorkerConfig
+    from dpserve.worker.rank import _build_executor, _warmup
+
+    config = WorkerConfig(model=Path(model), port=1, device="cpu", cfg=cfg)
+    device = torch.device("cpu")
+    comm = init_gang(config.parallel, rank, store, device, 120.0)
+    executor = _build_executor(config, comm, device, torch.float32)
+    _warmup(executor, config)
+    # A pass embeds the latents once: counted where the transformer really runs (a CFG
+    # split's rank returns the other's branch without computing it).
+    passes = [0]
+    embed = executor.pipe.transformer.patch_embedding
+    embed.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+    answers: list[tuple[list[bytes], list[list[bytes]]]] = []
+    counts: list[int] = []
+    for index, run in enumerate(runs):
+        partials: list[list[bytes]] = []
+        asked = {"n": 0}
+
+        def halt(run: VideoRun = run, asked: dict[str, int] = asked) -> p.RequestError | None:
+            asked["n"] += 1
+            stop = run.halt_at and asked["n"] >= run.halt_at
+            return p.RequestError(p.CANCELLED, "the job was cancelled") if stop else None
+
+        driver = comm.info.is_driver
+        reply = executor.generate(
+            f"job{index}",
+            run.params,
+            0.0,
+            halt if driver else None,
+            (),
+            partials.append if driver else None,
+        )
+        answers.append((reply, partials))
+        counts.append(passes[0] - sum(counts))
+    Path(f"{out}.{rank}").write_bytes(msgspec.msgpack.encode(counts))
+    if comm.info.is_output_rank:
+        Path(out).write_bytes(msgspec.msgpack.encode(answers))
+    dist.destroy_process_group()
+
+
+def run_videos(model: Path, cfg: int, runs: Sequence[VideoRun]) -> list[Answer]:
+    """``runs`` in order on a gang of ``cfg`` CFG ranks (one process each)."""
+    with tempfile.TemporaryDirectory(prefix="dpserve-video-gang-") as tmp:
+        out = os.path.join(tmp, "answers.msgpack")
+        args = (str(model), cfg, list(runs), os.path.join(tmp, "store"), out)
+        mp.start_processes(_rank, args=args, nprocs=cfg, start_method="spawn")
+        raw = msgspec.msgpack.decode(Path(out).read_bytes())
+        counts = [msgspec.msgpack.decode(Path(f"{out}.{r}").read_bytes()) for r in range(cfg)]
+    return [
+        Answer(p.decode(reply), [p.decode(frames) for frames in partials], [c[i] for c in counts])
+        for i, (reply, partials) in enumerate(raw)
+    ]
