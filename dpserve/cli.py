@@ -160,13 +160,13 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t = sub.add_parser(
         "make-tiny-model",
-        help="build a tiny Flux-style pipeline, or with --variant video a Wan-style "
-        "text-to-video one (random weights)",
+        help="build a tiny Flux-style pipeline, or with --variant video (video-i2v) a "
+        "Wan-style text-to-video (image-to-video) one (random weights)",
     )
     t.add_argument("dir", type=Path)
     # The builder's VARIANTS and VIDEO_VARIANTS, spelled out: importing them here would
     # load torch for every command.
-    variants = ("tiny", "tiny4", "small", "large", "video")
+    variants = ("tiny", "tiny4", "small", "large", "video", "video-i2v")
     t.add_argument("--variant", choices=variants, default="tiny")
     t.add_argument("--seed", type=int, default=0)
     lora = sub.add_parser("make-tiny-lora", help="build a random LoRA for a tiny model")

@@ -38,6 +38,14 @@ def tiny_video_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_i2v_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Wan-style image-to-video pipeline (an input image is required) with random weights."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-i2v", "video-i2v", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same architecture with other weights: what a weight update loads."""
     from dpserve.worker.tiny_model import build_tiny_pipeline

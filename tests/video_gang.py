@@ -21,10 +21,12 @@ from dpserve import protocol as p
 
 @dataclasses.dataclass(frozen=True)
 class VideoRun:
-    """One generation: its params and the denoiser call its driver halts at (0: none)."""
+    """One generation: its params, its uploads (an input image) and the denoiser call
+    its driver halts at (0: none)."""
 
     params: p.GenerateParams
     halt_at: int = 0
+    blobs: tuple[bytes, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ def _rank(rank: int, model: str, cfg: int, runs: Sequence[VideoRun], store: str,
             run.params,
             0.0,
             halt if driver else None,
-            (),
+            run.blobs,
             partials.append if driver else None,
         )
         answers.append((reply, partials))

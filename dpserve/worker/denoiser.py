@@ -9,7 +9,8 @@ inside ``transformer.cache_context("cond")`` and the second inside
 second call. With two CFG ranks, rank 0 computes the conditional branch and rank
 1 the unconditional one; at the second call they all-gather their predictions.
 The rank that skipped the first call returned an empty tensor shaped like the
-latents and fills it in place at the exchange, before the pipeline reads it.
+latents and fills it in place at the exchange, before the pipeline reads it
+(reshaped first where the denoiser's output has fewer channels than its input).
 Each rank therefore runs the exact single-process forward for its branch, so the
 output is bit-identical to one process at the same thread count.
 
@@ -130,10 +131,11 @@ class _BranchSplit:
             uncond.copy_(gathered[1])
         else:
             if cond.shape != gathered[0].shape:
-                raise RuntimeError(
-                    f"CFG-parallel needs the denoiser output shaped like its input "
-                    f"({tuple(gathered[0].shape)} != {tuple(cond.shape)})"
-                )
+                # The input carried conditioning channels the output has not (Wan
+                # image-to-video: noise, mask and image latents in, noise out). The
+                # pipeline holds this very tensor: reshaped in place, it sees the
+                # prediction.
+                cond.resize_(gathered[0].shape)
             cond.copy_(gathered[0])
         return _wrap(uncond, kwargs)
 

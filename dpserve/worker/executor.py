@@ -188,7 +188,7 @@ class Executor:
             if problem is not None:
                 raise problem
             if first.video is not None:
-                pipe, kwargs = self.pipe, self._video_kwargs(batch[0], emit)
+                pipe, kwargs = self.pipe, self._video_kwargs(batch[0], blobs, emit)
                 watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             else:
                 pipe, kwargs, watch = self._image_call(batch, blobs, emit)
@@ -244,13 +244,16 @@ class Executor:
             watch = previews.watching(pipe)
         return pipe, kwargs, watch
 
-    def _video_kwargs(self, generation: Generation, emit: Emit | None) -> dict[str, Any]:
-        """A video's arguments: frames on the output rank (which alone decodes), with
-        its progress after every step where the driver can send it."""
+    def _video_kwargs(
+        self, generation: Generation, blobs: Sequence[bytes], emit: Emit | None
+    ) -> dict[str, Any]:
+        """A video's arguments (its input image among ``blobs``): frames on the output
+        rank (which alone decodes), with its progress after every step where the
+        driver can send it."""
         params = generation.params
         output_rank = self.comm.info.is_output_rank
         output_type = "np" if output_rank else "latent"
-        kwargs = video_call.video_kwargs(params, self.call_defaults, output_type)
+        kwargs = video_call.video_kwargs(params, self.call_defaults, output_type, blobs)
         if output_rank and emit is not None:
             steps = params.num_inference_steps or self.call_defaults.get("num_inference_steps")
             progress = video_call.StepProgress(generation.id, int(steps or 0), emit)

@@ -28,6 +28,7 @@ class VideoSupport:
     default_frames: int
     default_fps: int = DEFAULT_FPS
     image_to_video: bool = False  # takes an input_reference image
+    text_to_video: bool = True  # False: it needs one (Wan's image-to-video pipeline)
 
     def info(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -48,9 +49,13 @@ def video_support(pipe: Pipeline, max_frames: int) -> VideoSupport | None:
     top = max(1, top - (top - 1) % factor)
     default = min(int(defaults["num_frames"] or _FALLBACK_FRAMES), top)
     default -= (default - 1) % factor
-    takes_image = "image" in inspect.signature(pipe.__call__).parameters
+    image = inspect.signature(pipe.__call__).parameters.get("image")
     return VideoSupport(
-        max_frames=top, frame_factor=factor, default_frames=default, image_to_video=takes_image
+        max_frames=top,
+        frame_factor=factor,
+        default_frames=default,
+        image_to_video=image is not None,
+        text_to_video=image is None or image.default is not inspect.Parameter.empty,
     )
 
 

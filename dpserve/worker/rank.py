@@ -268,6 +268,7 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
     compiles its graph there (worker/compile.py); then the compiler is sealed."""
     from dpserve.worker.compile import graphs
     from dpserve.worker.pipeline import size_factor
+    from dpserve.worker.video_call import warmup_reference
 
     # The smallest square from 64 px whose image tokens the sp ranks can split evenly.
     factor = size_factor(executor.pipe)
@@ -284,6 +285,9 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
         else p.VideoSpec(num_frames=min(5, video.max_frames), fps=video.default_fps)
     )
     for width, height in sizes:
+        # An image-to-video model's warm-up animates a grey image.
+        needs_image = video is not None and not video.text_to_video
+        blobs = [warmup_reference(width, height)] if needs_image else []
         params = p.GenerateParams(
             prompt="warmup",
             negative_prompt="blurry" if cfg.cfg > 1 else None,
@@ -294,9 +298,10 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
             num_inference_steps=cfg.warmup_steps,
             seed=[0],
             video=clip,
+            edit=p.EditInput(images=[0]) if needs_image else None,
         )
         started = time.perf_counter()
-        frames = executor.generate("warmup", params, 0.0)
+        frames = executor.generate("warmup", params, 0.0, None, blobs)
         if frames and p.decode(frames).kind == p.ERROR:
             raise RuntimeError(f"warmup failed: {p.decode_error(p.decode(frames))}")
         log.info("warmup at %dx%d done in %.2fs", width, height, time.perf_counter() - started)

@@ -28,6 +28,7 @@ from diffusers.models.transformers.transformer_flux import FluxTransformer2DMode
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+from diffusers.pipelines.wan.pipeline_wan_i2v import WanImageToVideoPipeline
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
     FlowMatchEulerDiscreteScheduler,
 )
@@ -124,9 +125,11 @@ VARIANTS: Mapping[str, TinyVariant] = MappingProxyType(
 
 @dataclass(frozen=True)
 class TinyVideoVariant:
-    """Sizes of a Wan-style text-to-video pipeline (WanPipeline: UMT5 encoder, a 3D
-    transformer over (frame, height, width) patches, a causal 3D VAE that packs 4
-    frames and 8x8 pixels into one latent)."""
+    """Sizes of a Wan-style video pipeline (WanPipeline: UMT5 encoder, a 3D transformer
+    over (frame, height, width) patches, a causal 3D VAE that packs 4 frames and 8x8
+    pixels into one latent). ``image_to_video``: a WanImageToVideoPipeline without an
+    image encoder, as Wan 2.2's: the first frame's latents and a mask join the noise
+    as input channels."""
 
     num_layers: int
     attention_head_dim: int  # Wan's rope splits it over frames, rows and columns
@@ -137,6 +140,7 @@ class TinyVideoVariant:
     text_ff_dim: int = 64
     text_layers: int = 2
     text_heads: int = 4
+    image_to_video: bool = False
 
 
 VIDEO_VARIANTS: Mapping[str, TinyVideoVariant] = MappingProxyType(
@@ -148,6 +152,15 @@ VIDEO_VARIANTS: Mapping[str, TinyVideoVariant] = MappingProxyType(
             num_attention_heads=2,
             ffn_dim=64,
             vae_base_dim=8,
+        ),
+        # The same sizes, animating an input image.
+        "video-i2v": TinyVideoVariant(
+            num_layers=2,
+            attention_head_dim=24,
+            num_attention_heads=2,
+            ffn_dim=64,
+            vae_base_dim=8,
+            image_to_video=True,
         ),
     }
 )
@@ -351,7 +364,7 @@ def _build_components(variant: str, seed: int) -> FluxPipeline:
     )
 
 
-def _build_video_components(variant: str, seed: int) -> WanPipeline:
+def _build_video_components(variant: str, seed: int) -> WanPipeline | WanImageToVideoPipeline:
     v = VIDEO_VARIANTS[variant]
     tokenizer = _t5_tokenizer()
 
@@ -372,11 +385,14 @@ def _build_video_components(variant: str, seed: int) -> WanPipeline:
     )
 
     torch.manual_seed(_seeded(seed, "transformer"))
+    # Image-to-video: noise, a mask of the given frame (one channel per frame a latent
+    # packs) and that frame's latents.
+    conditioning = _VAE_LATENT_CHANNELS + 4 if v.image_to_video else 0
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),  # with the VAE's 8: 16 px a token side, one latent frame deep
         num_attention_heads=v.num_attention_heads,
         attention_head_dim=v.attention_head_dim,
-        in_channels=_VAE_LATENT_CHANNELS,
+        in_channels=_VAE_LATENT_CHANNELS + conditioning,
         out_channels=_VAE_LATENT_CHANNELS,
         text_dim=v.text_dim,
         freq_dim=32,
@@ -414,6 +430,14 @@ def _build_video_components(variant: str, seed: int) -> WanPipeline:
         _perturb(mod, _seeded(seed, name + ":perturb"), scale)
         mod.eval()
 
+    if v.image_to_video:
+        return WanImageToVideoPipeline(
+            tokenizer=tokenizer,  # type: ignore[arg-type]  # hint: AutoTokenizer, a factory
+            text_encoder=text_encoder,
+            vae=vae,
+            scheduler=scheduler,
+            transformer=transformer,
+        )
     return WanPipeline(
         tokenizer=tokenizer,  # type: ignore[arg-type]  # hint: AutoTokenizer, a factory
         text_encoder=text_encoder,

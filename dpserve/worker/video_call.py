@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from dpserve import protocol as p
 from dpserve import video as v
+from dpserve.worker.edit import decode_image
+from dpserve.worker.encode import encode_image
 from dpserve.worker.features import VideoSupport
 from dpserve.worker.pipeline import Pipeline, pipeline_kwargs
 from dpserve.worker.preview import Emit
@@ -26,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def refusal(params: p.GenerateParams, video: VideoSupport | None) -> p.RequestError | None:
-    """Why this model cannot run ``params`` (an image on a video model, or a video on
-    an image model, or an input image where it makes videos from text only)."""
+    """Why this model cannot run ``params``: an image on a video model, a video on an
+    image model, an input image where it makes videos from text only, or none where
+    it needs one."""
     if params.video is None:
         if video is None:
             return None
@@ -42,14 +46,21 @@ def refusal(params: p.GenerateParams, video: VideoSupport | None) -> p.RequestEr
             "input_reference", "is not supported: this model makes videos from text"
         )
         return p.RequestError(p.UNSUPPORTED, f"input_reference {field.message}", [field])
+    if params.edit is None and not video.text_to_video:
+        field = p.FieldError("input_reference", "is required: this model animates an image")
+        return p.RequestError(p.UNSUPPORTED, f"input_reference {field.message}", [field])
     return None
 
 
 def video_kwargs(
-    params: p.GenerateParams, accepted: Mapping[str, Any], output_type: str
+    params: p.GenerateParams,
+    accepted: Mapping[str, Any],
+    output_type: str,
+    blobs: Sequence[bytes] = (),
 ) -> dict[str, Any]:
     """``pipe(**kwargs)`` for one video: one CPU generator from the job's seed, the
-    frames the replica resolved; ``output_type`` "np" (frames) or "latent"."""
+    frames the replica resolved, the input image (``blobs[params.edit.images[0]]``)
+    where there is one; ``output_type`` "np" (frames) or "latent"."""
     spec = params.video
     assert spec is not None
     if spec.num_frames is None or spec.fps is None:
@@ -62,7 +73,15 @@ def video_kwargs(
     del kwargs["num_images_per_prompt"]  # a video pipeline's is num_videos_per_prompt
     kwargs["generator"] = kwargs["generator"][0]
     kwargs["num_frames"] = spec.num_frames
+    if params.edit is not None:
+        # The pipeline resizes it to the video's size (diffusers' video processor).
+        kwargs["image"] = decode_image(blobs[params.edit.images[0]], "input_reference")
     return kwargs
+
+
+def warmup_reference(width: int, height: int) -> bytes:
+    """A grey PNG: the input image of a warm-up on a model that needs one."""
+    return encode_image(Image.new("RGB", (width, height), (128, 128, 128)), "png")
 
 
 class StepProgress:

@@ -1,12 +1,15 @@
 """A video on a --cfg 2 gang (rank 0 the conditional branch, rank 1 the unconditional
 one, the text encoders on rank 0 alone) is the same mp4, byte for byte, as on one
-rank; so are its progress and a halt (tiny Wan-style model, ~40 s on 2 cores)."""
+rank; so are its progress and a halt; and an image-to-video model's, whose denoiser
+takes more channels than it returns (tiny Wan-style models, ~60 s on 2 cores)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from dpserve import protocol as p
 from dpserve import video as v
@@ -60,3 +63,13 @@ def test_a_cfg_gang_makes_one_ranks_video_byte_for_byte(tiny_video_model: Path) 
         assert answer.reply.kind == p.ERROR
         assert p.decode_error(answer.reply).code == p.CANCELLED
         assert _steps(answer) == [(1, 4), (2, 4)]
+
+
+def test_a_cfg_gang_animates_an_image_as_one_rank_does(tiny_i2v_model: Path) -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (80, 60), (220, 30, 30)).save(buf, format="PNG")
+    runs = [VideoRun(_video(edit=p.EditInput(images=[0])), blobs=(buf.getvalue(),))]
+    (gang,), (one,) = run_videos(tiny_i2v_model, 2, runs), run_videos(tiny_i2v_model, 1, runs)
+    assert gang.reply.kind == one.reply.kind == p.RESULT
+    assert gang.reply.blobs == one.reply.blobs
+    assert (gang.passes, one.passes) == ([4, 4], [8])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,27 @@ BASE: dict[str, Any] = dict(prompt="a cat", width=64, height=48, num_inference_s
 
 
 @pytest.fixture(scope="module")
-def gang(
-    tiny_video_model: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Executor, Executor, WorkerConfig]]:
-    """A video model's executor and an image model's, on one one-rank gang."""
-    video_cfg = WorkerConfig(model=tiny_video_model, port=free_port(), device="cpu")
-    image_cfg = WorkerConfig(model=tiny_model, port=free_port(), device="cpu")
-    configs = (video_cfg, image_cfg)
-    with one_rank_executors(configs, tmp_path_factory.mktemp("gang")) as (video, image):
-        yield video, image, video_cfg
+def executors(
+    tiny_video_model: Path,
+    tiny_model: Path,
+    tiny_i2v_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Executor, Executor, Executor, WorkerConfig]]:
+    """A video model's executor, an image model's and an image-to-video model's, on one
+    one-rank gang; and the video model's config."""
+    configs = [
+        WorkerConfig(model=model, port=free_port(), device="cpu")
+        for model in (tiny_video_model, tiny_model, tiny_i2v_model)
+    ]
+    with one_rank_executors(configs, tmp_path_factory.mktemp("gang")) as built:
+        video, image, i2v = built
+        yield video, image, i2v, configs[0]
+
+
+@pytest.fixture()
+def gang(executors: Any) -> tuple[Executor, Executor, WorkerConfig]:
+    video, image, _, cfg = executors
+    return video, image, cfg
 
 
 def _params(frames: int = 17, fps: int = 16, **fields: Any) -> p.GenerateParams:
@@ -53,10 +65,10 @@ def _params(frames: int = 17, fps: int = 16, **fields: Any) -> p.GenerateParams:
 
 
 def _run(
-    executor: Executor, params: p.GenerateParams, halt: Any = None
+    executor: Executor, params: p.GenerateParams, halt: Any = None, blobs: Sequence[bytes] = ()
 ) -> tuple[p.Message, list[v.VideoProgress]]:
     partials: list[list[bytes]] = []
-    reply = p.decode(executor.generate("job", params, 0.25, halt, (), partials.append))
+    reply = p.decode(executor.generate("job", params, 0.25, halt, blobs, partials.append))
     progress = []
     for frames in partials:
         message = p.decode(frames)
@@ -144,6 +156,7 @@ def test_the_replica_reports_a_video_models_frames(gang: Any) -> None:
         "default_frames": 81,
         "default_fps": 16,
         "image_to_video": False,
+        "text_to_video": True,
     }
     assert image.features.info()["video"] is None
     assert video.ops.info["size_factor"] == 16
@@ -197,3 +210,27 @@ def test_compile_step_caches_and_model_parallel_are_refused_for_video(
     for layout in (ParallelConfig(sp=2, ulysses=2), ParallelConfig(tp=2)):
         problem = layout_problem(tiny_video_model, layout, None)
         assert problem is not None and "frames x tokens is not built" in problem
+
+
+def _png(colour: tuple[int, int, int], size: tuple[int, int] = (80, 60)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_image_to_video_model_animates_the_input_reference(executors: Any) -> None:
+    _, _, i2v, cfg = executors
+    support = i2v.features.info()["video"]
+    assert support["image_to_video"] and not support["text_to_video"]
+    _warmup(i2v, cfg)  # animates a grey image
+    reference = _params(frames=9, edit=p.EditInput(images=[0]))
+    red, again = (_run(i2v, reference, None, [_png((220, 30, 30))])[0] for _ in range(2))
+    blue, _ = _run(i2v, reference, None, [_png((30, 30, 220))])
+    assert red.kind == p.RESULT and red.blobs == again.blobs
+    assert blue.blobs[0] != red.blobs[0]  # the image reaches the video
+    frames, _ = _decoded(red.blobs[0])
+    assert frames.shape == (9, 48, 64, 3)  # the 80x60 image resized to the job's size
+    error = p.decode_error(_run(i2v, _params(frames=9))[0])
+    assert error.code == p.UNSUPPORTED and "input_reference is required" in str(error)
+    bad = p.decode_error(_run(i2v, reference, None, [b"not an image"])[0])
+    assert bad.code == p.INVALID_REQUEST and bad.fields[0].field == "input_reference"

@@ -1,5 +1,6 @@
-"""The offline tiny Wan-style video pipeline (``make-tiny-model --variant video``): built
-byte-identically per seed, loaded by diffusers as a WanPipeline, fast on one thread."""
+"""The offline tiny Wan-style video pipelines (``make-tiny-model --variant video`` and
+``video-i2v``): built byte-identically per seed, loaded by diffusers as a WanPipeline
+(a WanImageToVideoPipeline), fast on one thread."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ pytest.importorskip("diffusers")
 
 from diffusers import DiffusionPipeline  # noqa: E402
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline  # noqa: E402
+from diffusers.pipelines.wan.pipeline_wan_i2v import WanImageToVideoPipeline  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from dpserve.cli import build_parser  # noqa: E402
 from dpserve.worker.pipeline import guides_by_scale, size_factor  # noqa: E402
@@ -51,7 +54,7 @@ def _digest(root: Path) -> dict[str, str]:
 
 def _frames(pipe: Any, seed: int = 0, prompt: str = "a cat", **kwargs: Any) -> Any:
     out = pipe(
-        prompt,
+        prompt=prompt,
         width=64,
         height=48,
         num_frames=9,
@@ -91,7 +94,7 @@ def test_the_cli_offers_every_variant() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     variant = next(a for a in sub.choices["make-tiny-model"]._actions if a.dest == "variant")
     assert set(variant.choices or ()) == {*VARIANTS, *VIDEO_VARIANTS}
-    assert set(VIDEO_VARIANTS) == {"video"}
+    assert set(VIDEO_VARIANTS) == {"video", "video-i2v"}
 
 
 def test_generates_seeded_frames_in_well_under_a_second(pipe: Any) -> None:
@@ -105,3 +108,19 @@ def test_generates_seeded_frames_in_well_under_a_second(pipe: Any) -> None:
     # The prompt reaches the frames, and CFG (guidance_scale > 1, the default) matters.
     assert abs(_frames(pipe, prompt="a red car") - frames).mean() > 0.5 / 255
     assert abs(_frames(pipe, guidance_scale=1.0) - frames).mean() > 0.1 / 255
+
+
+def test_the_image_to_video_variant_animates_its_input_image(tiny_i2v_model: Path) -> None:
+    pipe = DiffusionPipeline.from_pretrained(
+        tiny_i2v_model, local_files_only=True, use_safetensors=True
+    )
+    pipe.set_progress_bar_config(disable=True)
+    assert isinstance(pipe, WanImageToVideoPipeline)
+    assert pipe.image_encoder is None  # Wan 2.2's way: the image joins as latents
+    assert pipe.transformer.config.in_channels == 12  # noise 4, mask 4, image latents 4
+    assert size_factor(pipe) == 16 and guides_by_scale(pipe)
+    red, blue = (Image.new("RGB", (80, 60), colour) for colour in ((220, 30, 30), (30, 30, 220)))
+    frames = _frames(pipe, image=red)
+    assert frames.shape == (1, 9, 48, 64, 3)
+    assert (_frames(pipe, image=red) == frames).all()
+    assert abs(_frames(pipe, image=blue) - frames).mean() > 0.2 / 255

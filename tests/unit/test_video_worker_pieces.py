@@ -191,6 +191,12 @@ def test_images_and_videos_go_only_to_their_models() -> None:
     error = refusal(with_reference, SUPPORT)
     assert error is not None and error.code == p.UNSUPPORTED
     assert [f.field for f in error.fields] == ["input_reference"]
+    animator = VideoSupport(
+        max_frames=129, frame_factor=4, default_frames=81, image_to_video=True, text_to_video=False
+    )
+    assert refusal(with_reference, animator) is None
+    needed = refusal(_video(), animator)
+    assert needed is not None and needed.code == p.UNSUPPORTED and "required" in str(needed)
 
 
 def test_limits_carry_a_video_models_frames() -> None:
@@ -204,4 +210,5 @@ def test_limits_carry_a_video_models_frames() -> None:
         "default_frames": 81,
         "default_fps": 16,
         "image_to_video": False,
+        "text_to_video": True,
     }
