@@ -555,15 +555,21 @@ class Ingress:
         if reference and not blobs:
             raise _invalid("input_reference names a blob the message lacks")
         params = v.parse_video(body, self.limits, blobs=1 if reference else 0)
+        video = self.features.video if self.features is not None else None
         if reference:
             upload_size(blobs[0], "input_reference")
-            video = self.features.video if self.features is not None else None
             if video is None or not video.image_to_video:
                 raise p.RequestError(
                     p.UNSUPPORTED,
                     "this model makes videos from text only: send the job without input_reference",
                     [p.FieldError("input_reference", "is not supported by this model")],
                 )
+        elif video is not None and not video.text_to_video:
+            raise p.RequestError(
+                p.UNSUPPORTED,
+                "this model makes videos from an image: send the job with an input_reference",
+                [p.FieldError("input_reference", "is required by this model")],
+            )
         return params
 
     def _session(self, message: p.Message) -> GangCommand:

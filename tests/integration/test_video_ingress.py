@@ -17,6 +17,8 @@ from dpserve import protocol as p
 from dpserve import video as v
 from dpserve.client import ReplicaClient
 from dpserve.worker.commands import GangStatus
+from dpserve.worker.edit import EditSupport
+from dpserve.worker.features import Features, VideoSupport
 from dpserve.worker.ingress import JOB_IDENTITY, Ingress
 from dpserve.worker.video_jobs import VideoBook
 from tests.workers import free_port
@@ -134,5 +136,26 @@ def test_an_image_model_refuses_jobs_and_lists_none() -> None:
             assert refused.status == 400 and "/v1/images/generations" in str(refused)
             assert _ask(client, v.LIST).body_as(v.VideoList).jobs == []
             assert _refused(lambda: _ask(client, v.GET, job_id)).code == p.NOT_FOUND
+    finally:
+        ingress.close()
+
+
+def test_an_image_to_video_model_needs_its_image(tmp_path: Path) -> None:
+    i2v = VideoSupport(max_frames=17, frame_factor=4, default_frames=9, image_to_video=True,
+                       text_to_video=False)  # fmt: skip
+    features = Features(edit=EditSupport(False, False, 0), partial_images=0, video=i2v)
+    book = VideoBook(tmp_path, ttl_s=60.0, max_bytes=1 << 20, replica=0)
+    ingress = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, LIMITS, GangStatus(), 2, 120.0, 2,
+                      features=features, videos=book)  # fmt: skip
+    ingress.start()
+    try:
+        job_id = v.make_job_id(ingress.endpoint, "0123456789abcdef")
+        with ReplicaClient(ingress.endpoint, timeout_s=5) as client:
+            refused = _refused(lambda: _submit(client, job_id))
+            assert refused.status == 400 and "from an image" in str(refused)
+            job = _submit(client, job_id, blobs=[_png()]).body_as(v.VideoJob)
+            assert job.status == v.QUEUED
+            [work] = ingress.next_work(timeout=0)
+            assert work.command.blobs == [_png()]  # the image goes to the gang with the job
     finally:
         ingress.close()
