@@ -271,8 +271,10 @@ def job_json(job: video.VideoJob, model: str) -> dict[str, Any]:
         "attempt": job.attempt,
         "replica": job.replica,
     }
-    if job.status == video.COMPLETED:
+    if job.status == video.COMPLETED:  # the replica's times (a job's overhead is the rest)
+        shown["queue_time_s"] = job.queue_time_s
         shown["inference_time_s"] = job.inference_time_s
+        shown["encode_time_s"] = job.encode_time_s
     return shown
 
 

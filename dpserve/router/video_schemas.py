@@ -79,7 +79,9 @@ class VideoObject(BaseModel):
     num_inference_steps: int | None
     attempt: int = Field(description="2 and up: run again after its replica was lost")
     replica: int
-    inference_time_s: float | None = Field(None, description="completed jobs")
+    queue_time_s: float | None = Field(None, description="completed jobs: queued at the replica")
+    inference_time_s: float | None = Field(None, description="completed jobs: the pipeline")
+    encode_time_s: float | None = Field(None, description="completed jobs: mp4 and thumbnail")
 
 
 class VideoListResponse(BaseModel):
