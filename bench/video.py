@@ -53,9 +53,9 @@ def run_job(http: httpx.Client, body: dict[str, Any], poll_s: float) -> tuple[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size", default="64x48")
-    parser.add_argument("--frames", type=int, default=17)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--size", default="128x96")
+    parser.add_argument("--frames", type=int, default=33)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--poll-ms", type=float, default=20.0)
     args = parser.parse_args()
