@@ -275,7 +275,9 @@ class VideoBook:
     # ------------------------------------------------------------ files
 
     def _write(self, job_id: str, video: bytes, thumbnail: bytes) -> tuple[Path, Path]:
-        stem = hashlib.sha256(job_id.encode()).hexdigest()[:32]
+        # The replica in the name too: replicas of one `serve` may share --video-dir, and
+        # a re-run holds the same id.
+        stem = hashlib.sha256(f"{self.replica}/{job_id}".encode()).hexdigest()[:32]
         paths = (self.root / f"{stem}.mp4", self.root / f"{stem}.jpg")
         for path, data in zip(paths, (video, thumbnail), strict=True):
             partial = path.with_name(f".{path.name}.partial")
