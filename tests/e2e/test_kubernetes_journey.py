@@ -402,8 +402,9 @@ def test_a_video_job_outlives_its_owner_pod(k8s: Backend) -> None:
         eventually(
             lambda: serving(k8s, "vid") == ["0", "1"], 120, "router sees both video replicas"
         )
-        job = {"prompt": "a kite in the wind", "size": "64x48", "num_frames": 9, "seed": 5,
-               "num_inference_steps": 40}  # fmt: skip
+        # Long enough (about 10 s on one thread) that the kill lands while it runs.
+        job = {"prompt": "a kite in the wind", "size": "96x64", "num_frames": 33, "seed": 5,
+               "num_inference_steps": 100}  # fmt: skip
         with httpx.Client(base_url=url, timeout=60) as http:
             submitted = http.post("/v1/videos", json=job)
             assert submitted.status_code == 200, submitted.text
@@ -427,7 +428,9 @@ def test_a_video_job_outlives_its_owner_pod(k8s: Backend) -> None:
 
             done = eventually(finished, 600, "the job to finish")
             assert done["status"] == "completed", done
-            assert done["attempt"] == 2 and done["replica"] != owner
+            # (The re-run's replica index may be the owner's again: its pod is recreated
+            # under the same name, and may be Ready before the re-run is placed.)
+            assert done["attempt"] == 2, done
             video = http.get(f"/v1/videos/{job_id}/content")
             assert video.status_code == 200 and video.headers["content-type"] == "video/mp4"
             assert video.content[4:8] == b"ftyp"  # an mp4 container

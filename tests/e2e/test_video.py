@@ -87,7 +87,8 @@ def test_a_job_whose_owner_dies_is_run_again_elsewhere(
     """The owner's gang is killed mid-run; `serve` restarts it (a new boot id), and the
     router that placed the job runs it again on the other replica: same id, same seed,
     so the same file as a job that ran undisturbed."""
-    long = {**EXTRA, "num_inference_steps": 24}
+    # About 8 s on one thread: the kill lands while it runs.
+    long = {**EXTRA, "num_inference_steps": 60}
     job = client.videos.create(**JOB, extra_body=long)
     running = eventually(lambda: _running(client, job.id), 120, "the job to start")
     owner = _extra(running, "replica")
