@@ -8,13 +8,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 import pytest
 
 from dpserve.worker.paths import REFUSED
+from tests.readme_examples import run_readme_example
 from tests.servers import ServeProcess, assert_all_answered
 
 pytestmark = pytest.mark.e2e
@@ -184,18 +184,8 @@ def test_metrics_and_info(dp2: ServeProcess) -> None:
     assert dp2.http.get("/model_info").json()["pipeline_class"] == "FluxPipeline"
 
 
-def _readme_example(port: int, holding: str) -> dict[str, Any]:
-    """Run the README's Python example that holds ``holding`` against ``port``; its names."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
-    (code,) = [b for b in blocks if holding in b]
-    scope: dict[str, Any] = {}
-    exec(code.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), scope)
-    return scope
-
-
 def test_readme_realtime_example_runs(dp2: ServeProcess) -> None:
-    scope = _readme_example(dp2.port, "realtime_video")
+    scope = run_readme_example(dp2.port, "realtime_video")
     assert scope["msg"] == {"type": "done", "session_id": scope["msg"]["session_id"], "frames": 10}
     assert scope["png"].startswith(b"\x89PNG")
 
@@ -208,7 +198,7 @@ def test_readme_openai_example_runs(
     Image.new("RGB", (96, 64), (200, 40, 40)).save(tmp_path / "in.png")
     Image.new("L", (96, 64), 255).save(tmp_path / "mask.png")
     monkeypatch.chdir(tmp_path)  # the example opens in.png and mask.png
-    scope = _readme_example(dp2.port, "from openai")
+    scope = run_readme_example(dp2.port, "client.images.generate")
     assert scope["event"].type == "image_generation.completed"
     assert scope["edit"].size == "96x64" and scope["edit"].data[0].b64_json
 

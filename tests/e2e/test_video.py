@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.polling import eventually
+from tests.readme_examples import run_readme_example
 from tests.servers import ServeProcess
 
 pytestmark = pytest.mark.e2e
@@ -66,6 +67,16 @@ def test_the_openai_client_makes_a_video_on_each_replica(client: openai.OpenAI) 
     assert deleted.deleted
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve(first.id)
+
+
+def test_readme_video_example_runs(
+    dp2: ServeProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the example writes boat.mp4
+    scope = run_readme_example(dp2.port, "videos.create_and_poll")
+    assert scope["job"].status == "completed"
+    frames = _frames((tmp_path / "boat.mp4").read_bytes())
+    assert len(frames) == 17 and frames[0].shape == (48, 64, 3)  # 1 s at 16 fps
 
 
 def test_bad_jobs_say_what_to_fix(client: openai.OpenAI) -> None:
