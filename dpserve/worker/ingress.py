@@ -487,20 +487,22 @@ class Ingress:
                 raise p.RequestError(p.UNSUPPORTED, _IMAGE_MODEL)
             raise p.RequestError(p.NOT_FOUND, f"video job {request.job_id} is not held here")
         blobs: list[bytes] = []
-        if request.action == v.SUBMIT:
-            body: Any = self._submit_video(request, list(message.blobs))
-        elif request.action == v.GET:
-            body = book.get(request.job_id)
-        elif request.action == v.LIST:
-            body = book.list()
-        elif request.action == v.CONTENT:
-            body, data = book.content(request.job_id, request.variant)
-            blobs = [data]
-        else:
-            # Queued: it leaves the queue; running: the gang stops it at its next step
-            # (its answer then finds no record, and is dropped).
-            self.work.cancel(request.job_id, None)
-            body = book.delete(request.job_id)
+        body: Any
+        match request.action:
+            case v.SUBMIT:
+                body = self._submit_video(request, list(message.blobs))
+            case v.GET:
+                body = book.get(request.job_id)
+            case v.LIST:
+                body = book.list()
+            case v.CONTENT:
+                body, data = book.content(request.job_id, request.variant)
+                blobs = [data]
+            case _:  # DELETE
+                # Queued: it leaves the queue; running: the gang stops it at its next step
+                # (its answer then finds no record, and is dropped).
+                self.work.cancel(request.job_id, None)
+                body = book.delete(request.job_id)
         return p.encode(p.RESULT, message.id, body, blobs)
 
     def _submit_video(self, request: v.VideoRequest, blobs: list[bytes]) -> v.VideoJob:
