@@ -149,9 +149,12 @@ def test_output_compression_and_the_format_are_reported(serve: ServeProcess) -> 
 
 
 def test_cancel_a_running_request_by_id_and_the_queue_moves_on(serve: ServeProcess) -> None:
-    long = {"prompt": "a dog", "size": "64x64", "num_inference_steps": 100, "seed": 1}
-    timed = serve.http.post("/v1/images/generations", json={**long, "num_inference_steps": 10})
-    step_s = timed.json()["inference_time_s"] / 10
+    small = {"prompt": "a dog", "size": "64x64", "num_inference_steps": 10, "seed": 1}
+    timed = serve.http.post("/v1/images/generations", json=small)
+    step_s = timed.json()["inference_time_s"] / 10  # a 64x64 step, and a request's overhead
+    # Bigger steps than the timed ones: still running long after the sleep below, however
+    # much of the timed request was overhead rather than steps.
+    long = {**small, "size": "512x512", "num_inference_steps": 100}
     outcome: dict[str, httpx.Response] = {}
 
     def call(name: str, body: dict[str, Any], rid: str) -> None:
@@ -163,7 +166,7 @@ def test_cancel_a_running_request_by_id_and_the_queue_moves_on(serve: ServeProce
     first.start()
     time.sleep(10 * step_s + 0.5)  # running by now
     second = threading.Thread(
-        target=call, args=("next", {**long, "num_inference_steps": 2}, "e2e-next")
+        target=call, args=("next", {**small, "num_inference_steps": 2}, "e2e-next")
     )
     second.start()
     time.sleep(0.3)
