@@ -69,11 +69,10 @@ def is_form(content_type: str | None) -> bool:
     return content_type is not None and content_type.split(";", 1)[0].strip().lower() == FORM_TYPE
 
 
-async def parse_form(raw: bytes, content_type: str | None) -> EditForm:
-    if not is_form(content_type):
-        got = f"got {content_type!r}" if content_type else "got none"
-        raise BadBody(415, f"send an edit as {FORM_TYPE} (OpenAI's edit form; {got})")
-    assert content_type is not None
+async def form_items(
+    raw: bytes, content_type: str, max_files: int
+) -> list[tuple[str, UploadFile | str]]:
+    """A whole multipart body's parts, in order; a malformed one is a 400."""
 
     async def stream() -> AsyncGenerator[bytes, None]:
         yield raw
@@ -81,14 +80,22 @@ async def parse_form(raw: bytes, content_type: str | None) -> EditForm:
     parser = MultiPartParser(
         Headers({"content-type": content_type}),
         stream(),
-        max_files=p.MAX_EDIT_IMAGES + 1,
+        max_files=max_files,
         max_fields=_MAX_FIELDS,
         max_part_size=_MAX_FIELD_BYTES,
     )
     try:
-        items = (await parser.parse()).multi_items()
+        return (await parser.parse()).multi_items()
     except MultiPartException as exc:
         raise BadBody(400, f"malformed {FORM_TYPE} body: {exc}") from None
+
+
+async def parse_form(raw: bytes, content_type: str | None) -> EditForm:
+    if not is_form(content_type):
+        got = f"got {content_type!r}" if content_type else "got none"
+        raise BadBody(415, f"send an edit as {FORM_TYPE} (OpenAI's edit form; {got})")
+    assert content_type is not None
+    items = await form_items(raw, content_type, max_files=p.MAX_EDIT_IMAGES + 1)
     form = EditForm()
     problems: list[p.FieldError] = []
     for name, value in items:

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from starlette.datastructures import Headers, UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.datastructures import UploadFile
 
 from dpserve import protocol as p
 from dpserve import video
 from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
-from dpserve.router.forms import FORM_TYPE, is_form
+from dpserve.router.forms import FORM_TYPE, form_items, is_form
 
 REFERENCE: Final = "input_reference"
 # OpenAI fields accepted and ignored: one model per service.
@@ -29,8 +28,6 @@ IGNORED: Final = frozenset({"model"})
 # Form fields are text: these become numbers before the body is checked.
 _INTS: Final = frozenset({"width", "height", "fps", "num_frames", "seed", "num_inference_steps"})
 _FLOATS: Final = frozenset({"guidance_scale"})
-_MAX_FIELDS: Final = 64
-_MAX_FIELD_BYTES: Final = 64 << 10  # a prompt is at most 40 KB of UTF-8
 _IMAGE_KINDS: Final = "PNG, JPEG, WebP, GIF or BMP"
 _EXTENSIONS: Final[Mapping[str, str]] = {video.VIDEO_VARIANT: "mp4", video.THUMBNAIL: "jpg"}
 ORDERS: Final = ("asc", "desc")
@@ -101,20 +98,7 @@ def _check_model(features: Mapping[str, Any] | None, reference: bool) -> None:
 
 
 async def _read_form(raw: bytes, content_type: str) -> VideoAsk:
-    async def stream() -> AsyncGenerator[bytes, None]:
-        yield raw
-
-    parser = MultiPartParser(
-        Headers({"content-type": content_type}),
-        stream(),
-        max_files=1,
-        max_fields=_MAX_FIELDS,
-        max_part_size=_MAX_FIELD_BYTES,
-    )
-    try:
-        items = (await parser.parse()).multi_items()
-    except MultiPartException as exc:
-        raise BadBody(400, f"malformed {FORM_TYPE} body: {exc}") from None
+    items = await form_items(raw, content_type, max_files=1)
     body: dict[str, Any] = {}
     reference: bytes | None = None
     problems: list[p.FieldError] = []
