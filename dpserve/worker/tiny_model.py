@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -242,6 +243,23 @@ def _clip_tokenizer() -> CLIPTokenizer:
     )
 
 
+def _t5_shape(v: TinyVariant | TinyVideoVariant, tokenizer: T5Tokenizer) -> dict[str, Any]:
+    """A small T5-family text encoder's config (T5 for Flux, UMT5 for Wan): ``v`` is the
+    variant (its text_dim, text_heads, text_ff_dim, text_layers)."""
+    return {
+        "vocab_size": len(tokenizer),
+        "d_model": v.text_dim,
+        "d_kv": v.text_dim // v.text_heads,
+        "d_ff": v.text_ff_dim,
+        "num_layers": v.text_layers,
+        "num_heads": v.text_heads,
+        "relative_attention_num_buckets": 8,
+        "feed_forward_proj": "gated-gelu",
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
 def _t5_tokenizer() -> T5Tokenizer:
     # Unigram scores are log-probs: whole words beat spelling them out, so known words are one
     # token and anything else falls back to characters (or <unk>).
@@ -298,20 +316,7 @@ def _build_components(variant: str, seed: int) -> FluxPipeline:
     )
 
     torch.manual_seed(_seeded(seed, "text_encoder_2"))
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=v.text_dim,
-            d_kv=v.text_dim // v.text_heads,
-            d_ff=v.text_ff_dim,
-            num_layers=v.text_layers,
-            num_heads=v.text_heads,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    )
+    text_encoder_2 = T5EncoderModel(T5Config(**_t5_shape(v, t5_tok)))
 
     torch.manual_seed(_seeded(seed, "transformer"))
     transformer = FluxTransformer2DModel(**transformer_config(variant))
@@ -369,20 +374,7 @@ def _build_video_components(variant: str, seed: int) -> WanPipeline | WanImageTo
     tokenizer = _t5_tokenizer()
 
     torch.manual_seed(_seeded(seed, "text_encoder"))
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=v.text_dim,
-            d_kv=v.text_dim // v.text_heads,
-            d_ff=v.text_ff_dim,
-            num_layers=v.text_layers,
-            num_heads=v.text_heads,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = UMT5EncoderModel(UMT5Config(**_t5_shape(v, tokenizer)))
 
     torch.manual_seed(_seeded(seed, "transformer"))
     # Image-to-video: noise, a mask of the given frame (one channel per frame a latent
