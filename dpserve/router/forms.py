@@ -136,16 +136,29 @@ def _file(form: EditForm, name: str, filename: str, data: bytes, out: list[p.Fie
 
 def _typed(name: str, text: str, out: list[p.FieldError]) -> Any:
     """A form string as its field's type; unknown fields stay text (the parser names them)."""
+    return typed_value(name, text, out, _INTS | {"seed"}, _FLOATS, _BOOLS)
+
+
+def typed_value(
+    name: str,
+    text: str,
+    out: list[p.FieldError],
+    ints: frozenset[str],
+    floats: frozenset[str],
+    bools: frozenset[str] = frozenset(),
+) -> Any:
+    """A form string as the type its field has in ``ints``, ``floats`` or ``bools``
+    (others stay text); a bad one is recorded in ``out`` and comes back None."""
     try:
-        if name in _INTS or name == "seed":
+        if name in ints:
             return int(text)
-        if name in _FLOATS:
+        if name in floats:
             return float(text)
     except ValueError:
-        kind = "a number" if name in _FLOATS else "an integer"
+        kind = "a number" if name in floats else "an integer"
         out.append(p.FieldError(name, f"must be {kind}, got {text[:40]!r}"))
         return None
-    if name in _BOOLS:
+    if name in bools:
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
         out.append(p.FieldError(name, f"must be true or false, got {text[:40]!r}"))

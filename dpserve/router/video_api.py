@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 from dpserve import protocol as p
 from dpserve import video
 from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
-from dpserve.router.forms import FORM_TYPE, form_items, is_form
+from dpserve.router.forms import FORM_TYPE, form_items, is_form, typed_value
 
 REFERENCE: Final = "input_reference"
 # OpenAI fields accepted and ignored: one model per service.
@@ -168,16 +168,7 @@ def is_image(data: bytes) -> bool:
 
 def _typed(name: str, text: str, out: list[p.FieldError]) -> Any:
     """A form string as its field's type; the rest stays text (seconds is text too)."""
-    try:
-        if name in _INTS:
-            return int(text)
-        if name in _FLOATS:
-            return float(text)
-    except ValueError:
-        kind = "a number" if name in _FLOATS else "an integer"
-        out.append(p.FieldError(name, f"must be {kind}, got {text[:40]!r}"))
-        return None
-    return text
+    return typed_value(name, text, out, _INTS, _FLOATS)
 
 
 # ---------------------------------------------------------------- list
