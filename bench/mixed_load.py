@@ -34,7 +34,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_model, cpu_seconds, timed_round, wait_ready
-from dpserve.local import free_port
+from dpserve.ports import free_port
 from dpserve.wire import WireKey
 
 SMALL = {"size": "64x64", "num_inference_steps": 4}

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import connection_cap, wait_ready
 from dpserve.client import ReplicaClient
-from dpserve.local import free_port
+from dpserve.ports import free_port
 from dpserve.wire import WireKey
 
 BODY = {"prompt": "x", "size": "64x64", "num_inference_steps": 1, "seed": 1}

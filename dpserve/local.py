@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.layout import replica_endpoint
+from dpserve.ports import free_port
 from dpserve.proc import die_with_parent
 from dpserve.wire import WireKey
 from dpserve.worker.config import worker_flags
@@ -38,12 +38,6 @@ log = logging.getLogger("dpserve.serve")
 # A replica that ran this long before it exited starts again after the shortest
 # backoff, as a pod's restart backoff resets after it ran cleanly for a while.
 _HEALTHY_RUN_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker_preexec() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import psutil
 
-from dpserve.local import WorkerProcess, free_port
+from dpserve.local import WorkerProcess
+from dpserve.ports import free_port
 
 __all__ = ["WorkerProcess", "free_port", "ranks"]
 

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from dpserve.ports import free_ports
 
 HERE = Path(__file__).resolve().parent
 KUBECTL = os.environ.get("KUBECTL", shutil.which("kubectl") or "/usr/bin/kubectl")
@@ -35,18 +36,6 @@ def build_binaries() -> Path:
         ["bash", str(HERE / "build.sh")], check=True, capture_output=True, text=True
     )
     return Path(out.stdout.strip().splitlines()[-1])
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free this instant."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _openssl(*args: str) -> None:

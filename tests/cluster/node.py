@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from dpserve.ports import free_ports
 from tests.cluster import cni, hoststate
 from tests.cluster.containerd import Containerd
-from tests.cluster.controlplane import ControlPlane, free_ports
+from tests.cluster.controlplane import ControlPlane
 from tests.cluster.daemon import Daemon
 from tests.cluster.images import PAUSE_REF, pause_image
 from tests.cluster.leftovers import clean_host, clean_leftovers, cni_teardown

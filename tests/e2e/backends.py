@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from dpserve.ports import free_port
 from tests.chart import tools
 from tests.cluster.controlplane import build_binaries
 from tests.cluster.registry import Registry, deliver
@@ -174,7 +175,7 @@ class KindBackend(_Common):
     def router_url(self, namespace: str, name: str) -> str:
         key = f"{namespace}/{name}"
         if key not in self._forwards or self._forwards[key][0].poll() is not None:
-            port = _free_port()
+            port = free_port()
             proc = subprocess.Popen(
                 [shutil.which("kubectl") or "kubectl", f"--kubeconfig={self.kubeconfig}",
                  "-n", namespace, "port-forward", f"svc/{name}", f"{port}:80"],
@@ -188,14 +189,6 @@ class KindBackend(_Common):
         for proc, _ in self._forwards.values():
             proc.terminate()
         subprocess.run(["kind", "delete", "cluster", "--name", self.name], check=False)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kind_unavailable() -> str | None:
