@@ -32,7 +32,14 @@ def _rank(
     from dpserve.worker.comm import init_gang
     from dpserve.worker.denoiser import DenoiserPatch
     from dpserve.worker.parallel import ModelParallel
-    from dpserve.worker.pipeline import call_defaults, cfg_requested, load_pipeline, pipeline_kwargs
+    from dpserve.worker.pipeline import (
+        call_defaults,
+        cfg_requested,
+        guides_by_scale,
+        load_pipeline,
+        pipeline_kwargs,
+    )
+    from dpserve.worker.video_call import video_kwargs
 
     config = ParallelConfig(**layout)
     device = torch.device(os.environ.get("DPSERVE_TEST_DEVICE", "cpu"))
@@ -44,11 +51,14 @@ def _rank(
     parallel.check_loaded(pipe, TEXT_TOKENS)
     params = GenerateParams(**request)
     defaults = call_defaults(pipe)
-    kwargs = {**pipeline_kwargs(params, defaults, "latent"), "max_sequence_length": TEXT_TOKENS}
+    make_kwargs = pipeline_kwargs if params.video is None else video_kwargs
+    kwargs = {**make_kwargs(params, defaults, "latent"), "max_sequence_length": TEXT_TOKENS}
     patch = DenoiserPatch(comm.info.cfg_rank, comm.cfg_group, lambda: None, parallel.wrap)
-    split = patch.can_split(pipe.transformer) and cfg_requested(params, defaults)
+    by_guidance = guides_by_scale(pipe)  # a video model's CFG is its guidance_scale
+    split = patch.can_split(pipe.transformer) and cfg_requested(params, defaults, by_guidance)
     with torch.inference_mode(), patch.applied(pipe.transformer, split):
-        latents = pipe(**kwargs).images
+        output = pipe(**kwargs)
+    latents = output.images if params.video is None else output.frames
     if rank == 0:
         torch.save(latents.cpu(), out)
     dist.destroy_process_group()

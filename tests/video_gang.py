@@ -7,16 +7,20 @@ transformer passes it computed."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import av
 import msgspec
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 from dpserve import protocol as p
+from dpserve.layout import ParallelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +40,12 @@ class Answer:
     reply: p.Message
     partials: list[p.Message]
     passes: list[int]
+    tokens: list[int]  # each rank's tokens in its transformer blocks' last pass
 
 
-def _rank(rank: int, model: str, cfg: int, runs: Sequence[VideoRun], store: str, out: str) -> None:
+def _rank(
+    rank: int, model: str, layout: dict[str, int], runs: Sequence[VideoRun], store: str, out: str
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -47,7 +54,7 @@ def _rank(rank: int, model: str, cfg: int, runs: Sequence[VideoRun], store: str,
     from dpserve.worker.config import WorkerConfig
     from dpserve.worker.rank import _build_executor, _warmup
 
-    config = WorkerConfig(model=Path(model), port=1, device="cpu", cfg=cfg)
+    config = WorkerConfig(model=Path(model), port=1, device="cpu", **layout)
     device = torch.device("cpu")
     comm = init_gang(config.parallel, rank, store, device, 120.0)
     executor = _build_executor(config, comm, device, torch.float32)
@@ -57,8 +64,11 @@ def _rank(rank: int, model: str, cfg: int, runs: Sequence[VideoRun], store: str,
     passes = [0]
     embed = executor.pipe.transformer.patch_embedding
     embed.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+    seen = [0]  # and how many tokens its blocks hold (all of them, or its slice)
+    first = executor.pipe.transformer.blocks[0]
+    first.register_forward_hook(lambda _, __, out: seen.__setitem__(0, out.shape[1]))
     answers: list[tuple[list[bytes], list[list[bytes]]]] = []
-    counts: list[int] = []
+    counts: list[tuple[int, int]] = []
     for index, run in enumerate(runs):
         partials: list[list[bytes]] = []
         asked = {"n": 0}
@@ -78,22 +88,35 @@ def _rank(rank: int, model: str, cfg: int, runs: Sequence[VideoRun], store: str,
             partials.append if driver else None,
         )
         answers.append((reply, partials))
-        counts.append(passes[0] - sum(counts))
+        counts.append((passes[0] - sum(c for c, _ in counts), seen[0]))
     Path(f"{out}.{rank}").write_bytes(msgspec.msgpack.encode(counts))
     if comm.info.is_output_rank:
         Path(out).write_bytes(msgspec.msgpack.encode(answers))
     dist.destroy_process_group()
 
 
-def run_videos(model: Path, cfg: int, runs: Sequence[VideoRun]) -> list[Answer]:
-    """``runs`` in order on a gang of ``cfg`` CFG ranks (one process each)."""
+def run_videos(model: Path, runs: Sequence[VideoRun], **layout: int) -> list[Answer]:
+    """``runs`` in order on a gang laid out as ``layout`` (``WorkerConfig``'s cfg, sp,
+    ulysses, ring; one process per rank)."""
+    size = ParallelConfig(**layout).gang_size
     with tempfile.TemporaryDirectory(prefix="dpserve-video-gang-") as tmp:
         out = os.path.join(tmp, "answers.msgpack")
-        args = (str(model), cfg, list(runs), os.path.join(tmp, "store"), out)
-        mp.start_processes(_rank, args=args, nprocs=cfg, start_method="spawn")
+        args = (str(model), layout, list(runs), os.path.join(tmp, "store"), out)
+        mp.start_processes(_rank, args=args, nprocs=size, start_method="spawn")
         raw = msgspec.msgpack.decode(Path(out).read_bytes())
-        counts = [msgspec.msgpack.decode(Path(f"{out}.{r}").read_bytes()) for r in range(cfg)]
+        counts = [msgspec.msgpack.decode(Path(f"{out}.{r}").read_bytes()) for r in range(size)]
     return [
-        Answer(p.decode(reply), [p.decode(frames) for frames in partials], [c[i] for c in counts])
+        Answer(
+            p.decode(reply),
+            [p.decode(frames) for frames in partials],
+            [c[i][0] for c in counts],
+            [c[i][1] for c in counts],
+        )
         for i, (reply, partials) in enumerate(raw)
     ]
+
+
+def decoded_frames(mp4: bytes) -> np.ndarray:
+    """An mp4's frames, (frames, height, width, 3) uint8."""
+    with av.open(io.BytesIO(mp4)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])

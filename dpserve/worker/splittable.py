@@ -12,27 +12,32 @@ from pathlib import Path
 
 from dpserve.layout import LayoutError, ParallelConfig
 
-SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel",)
+# The denoisers each split can cut: tp needs a sharding plan, sp a sequence cut.
+TENSOR_SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel",)
+SEQUENCE_SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel", "WanTransformer3DModel")
+# Those whose sp splits the text tokens too (Flux attends jointly; Wan cross-attends,
+# each rank to the whole prompt).
+TEXT_SPLIT: tuple[str, ...] = ("FluxTransformer2DModel",)
 
 
-def splittable_problem(kind: str) -> str | None:
-    if kind in SPLITTABLE:
-        return None
-    # diffusers names its video transformers *Transformer3DModel (Wan, CogVideoX, ...).
-    video = (
-        " (a video model: sequence parallel over its frames x tokens is not built)"
-        if kind.endswith("Transformer3DModel")
-        else ""
-    )
-    return (
-        f"tp/sp need a transformer that can be split ({', '.join(SPLITTABLE)}); this "
-        f"model's denoiser is {kind}{video}: use --cfg and more replicas instead"
-    )
+def splittable_problem(kind: str, layout: ParallelConfig) -> str | None:
+    """Why ``layout``'s tp or sp cannot split a denoiser of class ``kind``, or None."""
+    for degree, axis, kinds in (
+        (layout.tp, "tp", TENSOR_SPLITTABLE),
+        (layout.sp, "sp", SEQUENCE_SPLITTABLE),
+    ):
+        if degree > 1 and kind not in kinds:
+            return (
+                f"{axis} needs a transformer it can split ({', '.join(kinds)}); this "
+                f"model's denoiser is {kind}: use --cfg and more replicas instead"
+            )
+    return None
 
 
-def text_tokens_problem(text_tokens: int, sp: int) -> str | None:
-    """sp splits the text tokens too (Flux pads every prompt to --max-sequence-length)."""
-    if text_tokens % sp == 0:
+def text_tokens_problem(kind: str, text_tokens: int | None, sp: int) -> str | None:
+    """Where sp splits the text tokens too (Flux, which pads every prompt to
+    --max-sequence-length), they must split evenly."""
+    if kind not in TEXT_SPLIT or text_tokens is None or text_tokens % sp == 0:
         return None
     return (
         f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by sp "
@@ -48,14 +53,15 @@ def layout_problem(model: Path, layout: ParallelConfig, text_tokens: int | None)
     """
     if layout.tp == 1 and layout.sp == 1:
         return None
-    if text_tokens is not None and (problem := text_tokens_problem(text_tokens, layout.sp)):
-        return problem
     config_file = model / "transformer" / "config.json"
     if not config_file.is_file():
-        return splittable_problem("not a transformer (no transformer/config.json)")
+        return splittable_problem("not a transformer (no transformer/config.json)", layout)
     config = json.loads(config_file.read_text())
-    problem = splittable_problem(str(config.get("_class_name")))
+    kind = str(config.get("_class_name"))
+    problem = splittable_problem(kind, layout)
     if problem is not None:
+        return problem
+    if problem := text_tokens_problem(kind, text_tokens, layout.sp):
         return problem
     try:
         layout.validate(num_heads=int(config["num_attention_heads"]))

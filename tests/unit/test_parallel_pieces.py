@@ -108,7 +108,15 @@ def test_layouts_a_model_cannot_split_are_named_before_start(tmp_path: Path) -> 
     assert "text tokens (77" in str(layout_problem(flux, ParallelConfig(sp=2), 77))
     assert layout_problem(flux, ParallelConfig(cfg=2), 77) is None  # CFG splits nothing
     other = _model(tmp_path / "q", "QwenImageTransformer2DModel", 24)
-    assert "transformer that can be split" in str(layout_problem(other, ParallelConfig(tp=2), None))
+    assert "needs a transformer it can split" in str(
+        layout_problem(other, ParallelConfig(tp=2), None)
+    )
+    # A video transformer: sp cuts its frames x tokens (and not its text), tp has no plan.
+    wan = _model(tmp_path / "w", "WanTransformer3DModel", 2)
+    assert layout_problem(wan, ParallelConfig(sp=2, ring=2), 77) is None
+    assert "tp needs a transformer it can split (FluxTransformer2DModel)" in str(
+        layout_problem(wan, ParallelConfig(tp=2), None)
+    )
     unet = tmp_path / "unet"
     unet.mkdir()
     assert "no transformer/config.json" in str(layout_problem(unet, ParallelConfig(sp=2), None))

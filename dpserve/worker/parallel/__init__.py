@@ -23,17 +23,20 @@ import torch.distributed as dist
 
 from dpserve.layout import ParallelConfig, RankInfo
 from dpserve.worker.parallel.attention import SequenceGroups
-from dpserve.worker.parallel.flux import (
-    AttentionScope,
-    SequenceParallelFluxProcessor,
-    SequenceSplit,
-    flux_plan,
-)
+from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
+from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut, SequenceSplit
 from dpserve.worker.parallel.tensor import TensorParallel
+from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut
 from dpserve.worker.splittable import splittable_problem, text_tokens_problem
 
 log = logging.getLogger(__name__)
 Forward = Callable[..., Any]
+# Each sequence-splittable family (splittable.SEQUENCE_SPLITTABLE): where its tokens
+# are cut, and its attention processor.
+_FAMILIES: Mapping[str, tuple[type[SequenceCut], Callable[[AttentionScope], Any]]] = {
+    "FluxTransformer2DModel": (FluxCut, SequenceParallelFluxProcessor),
+    "WanTransformer3DModel": (WanCut, SequenceParallelWanProcessor),
+}
 
 
 class ParallelUnsupported(ValueError):
@@ -72,6 +75,7 @@ class ModelParallel:
             weakref.WeakKeyDictionary()
         )
         self.split: SequenceSplit | None = None
+        self.cut: SequenceCut | None = None  # the prepared transformer's (``prepare``)
         if groups.sp is not None and sp > 1:
             sequence = SequenceGroups(groups.ulysses, groups.ring, info.ring_group, info.ring_rank)
             self.split = SequenceSplit(groups.sp, info.sp_rank, sp, sequence, self.scope)
@@ -113,7 +117,7 @@ class ModelParallel:
         """Refuse, naming the constraint, a transformer this layout cannot split."""
         if not self.active:
             return
-        problem = splittable_problem(type(transformer).__name__)
+        problem = splittable_problem(type(transformer).__name__, self.layout)
         if transformer is None or problem is not None:
             raise ParallelUnsupported(problem or "this pipeline has no transformer")
         try:
@@ -125,21 +129,30 @@ class ModelParallel:
 
     def check_loaded(self, pipe: Any, text_tokens: int | None) -> None:
         """What is known once the pipeline is loaded: it has a transformer (prepared by
-        ``prepare``), and its text tokens split evenly over the sp ranks."""
+        ``prepare``), its text tokens split evenly over the sp ranks where sp splits
+        them, and its timesteps are one per video (Wan 2.2 TI2V's are per token)."""
+        config: Any = getattr(pipe, "config", {})
+        if config.get("expand_timesteps"):
+            self.lending = None  # its calls cannot be cut (wan.WanCut)
+            if self.layout.sp > 1:
+                raise ParallelUnsupported(
+                    f"sp cannot split {type(pipe).__name__} with per-token timesteps "
+                    f"(expand_timesteps): use --cfg and more replicas instead"
+                )
         if not self.active:
             return
-        if getattr(pipe, "transformer", None) is None:
-            raise ParallelUnsupported(splittable_problem(type(pipe).__name__ + " without one"))
-        if text_tokens is not None and (
-            problem := text_tokens_problem(text_tokens, self.layout.sp)
-        ):
+        transformer = getattr(pipe, "transformer", None)
+        if transformer is None:
+            kind = type(pipe).__name__ + " without one"
+            raise ParallelUnsupported(splittable_problem(kind, self.layout) or kind)
+        if problem := text_tokens_problem(type(transformer).__name__, text_tokens, self.layout.sp):
             raise ParallelUnsupported(problem)
 
     def _lend_as(self, transformer: Any) -> str | None:
         """How requests without true CFG split over the CFG ranks, if they can."""
         if not self._lent_choices:
             return None
-        if splittable_problem(type(transformer).__name__) is not None:
+        if type(transformer).__name__ not in _FAMILIES:
             log.info("CFG ranks run requests without true CFG whole: the transformer can't split")
             return None
         heads = int(transformer.config.num_attention_heads) // self.layout.tp
@@ -163,7 +176,9 @@ class ModelParallel:
             tensor.install(transformer)
             self._tensor[transformer] = tensor
         # Outside a split call the processor runs diffusers' own attention.
-        transformer.set_attn_processor(SequenceParallelFluxProcessor(self.scope))
+        cut, processor = _FAMILIES[type(transformer).__name__]
+        self.cut = cut()
+        transformer.set_attn_processor(processor(self.scope))
         return transformer
 
     def adapters_changed(self, transformer: torch.nn.Module) -> None:
@@ -185,7 +200,9 @@ class ModelParallel:
         """The transformer's forward for one request: sequence-split under sp, and over
         the CFG ranks too when ``lend`` (a CFG gang's request without true CFG) and its
         tokens divide evenly (otherwise both branches' ranks run it, as before)."""
-        plain = forward if self.split is None else self.split.wrap(forward)
+        if self.cut is None:
+            return forward
+        plain = forward if self.split is None else self.split.wrap(forward, self.cut)
         if lend and self.lending is not None:
-            return self._lent_choices[self.lending].wrap(forward, fallback=plain)
+            return self._lent_choices[self.lending].wrap(forward, self.cut, fallback=plain)
         return plain

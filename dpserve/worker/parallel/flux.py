@@ -5,29 +5,28 @@
   modulation layers, a large share of Flux's weights, are split by output and
   gathered (their output is a few vectors per image). Embedders, the final norm
   and projection stay whole: they are small.
-- Sequence parallel: the transformer's inputs are cut along the sequence (image
-  tokens and text tokens, and their position ids), every block runs on its own
-  slice, attention runs through ``parallel_attention``, and the output is
-  gathered back. Rotary embeddings come from each slice's own ids, so they are
+- Sequence parallel (``FluxCut``): the transformer's inputs are cut along the
+  sequence (image tokens and text tokens, and their position ids), every block
+  runs on its own slice, attention runs through ``parallel_attention``, and the
+  output is gathered back. Rotary embeddings come from each slice's own ids, so they are
   right before any exchange.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from dpserve.protocol import INVALID_REQUEST, RequestError
-from dpserve.worker.parallel.attention import SequenceGroups, parallel_attention
-from dpserve.worker.parallel.tensor import Shard, gather_cat
+from dpserve.worker.parallel.attention import parallel_attention
+from dpserve.worker.parallel.sequence import AttentionScope, Piece
+from dpserve.worker.parallel.tensor import Shard
 
 COLUMN, ROW, GATHERED = Shard("column"), Shard("row"), Shard("gathered")
 Forward = Callable[..., Any]
@@ -56,26 +55,6 @@ def flux_plan(transformer: Any) -> dict[str, Shard]:
         plan[f"{p}.proj_out"] = Shard("row", (dim, block.mlp_hidden_dim))
         plan[f"{p}.norm.linear"] = GATHERED
     return plan
-
-
-class AttentionScope:
-    """The sequence groups the attention of the running call exchanges with.
-
-    Set by ``SequenceSplit`` around a split call; None otherwise, and then the
-    processor runs diffusers' own attention unchanged (CFG-split calls stay
-    bitwise equal to one rank).
-    """
-
-    def __init__(self) -> None:
-        self.groups: SequenceGroups | None = None
-
-    @contextlib.contextmanager
-    def using(self, groups: SequenceGroups) -> Iterator[None]:
-        previous, self.groups = self.groups, groups
-        try:
-            yield
-        finally:
-            self.groups = previous
 
 
 class SequenceParallelFluxProcessor:
@@ -134,63 +113,33 @@ class SequenceParallelFluxProcessor:
         return image_out, attn.to_add_out(text_out.contiguous())
 
 
-class SequenceSplit:
-    """Per-call wrapper of the transformer's forward: slice the inputs over ``group``
-    (this rank takes slice ``rank`` of ``degree``), attend through ``groups``, gather
-    the output."""
+class FluxCut:
+    """Flux takes its tokens as input: the image and text tokens and their position
+    ids are sliced before the call, and the output sample gathered after it."""
 
     # (argument, sequence dimension) of FluxTransformer2DModel.forward
     INPUTS = (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0))
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        rank: int,
-        degree: int,
-        groups: SequenceGroups,
-        scope: AttentionScope,
-    ) -> None:
-        self.group = group
-        self.rank = rank
-        self.degree = degree
-        self.groups = groups
-        self.scope = scope
+    def _inputs(self, call: inspect.BoundArguments) -> dict[str, tuple[torch.Tensor, int]]:
+        inputs = {}
+        for name, dim in self.INPUTS:
+            value = call.arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                if value.ndim == 3 and name.endswith("_ids"):
+                    value = value[0]  # diffusers' deprecated batched ids
+                inputs[name] = (value, dim)
+        return inputs
 
-    def wrap(self, forward: Forward, fallback: Forward | None = None) -> Forward:
-        """``forward`` split; a call whose tokens do not divide evenly goes to
-        ``fallback`` when there is one, and is refused otherwise."""
-        signature = inspect.signature(forward)
+    def lengths(self, module: Any, call: inspect.BoundArguments) -> list[tuple[str, int]]:
+        return [
+            ("image" if name in ("hidden_states", "img_ids") else "text", value.shape[dim])
+            for name, (value, dim) in self._inputs(call).items()
+        ]
 
-        def split_forward(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            inputs = {}
-            for name, dim in self.INPUTS:
-                value = bound.arguments.get(name)
-                if isinstance(value, torch.Tensor):
-                    if value.ndim == 3 and name.endswith("_ids"):
-                        value = value[0]  # diffusers' deprecated batched ids
-                    inputs[name] = (value, dim)
-            uneven = [(n, v.shape[d]) for n, (v, d) in inputs.items() if v.shape[d] % self.degree]
-            if uneven and fallback is not None:
-                return fallback(*args, **kwargs)
-            if uneven:
-                raise self._refusal(*uneven[0])
-            for name, (value, dim) in inputs.items():
-                piece = value.shape[dim] // self.degree
-                bound.arguments[name] = value.narrow(dim, self.rank * piece, piece)
-            with self.scope.using(self.groups):
-                output = forward(*bound.args, **bound.kwargs)
-            sample = output[0] if isinstance(output, tuple) else output.sample
-            gathered = gather_cat(sample, self.group, dim=1)
-            return (gathered,) if isinstance(output, tuple) else Transformer2DModelOutput(gathered)
-
-        return split_forward
-
-    def _refusal(self, name: str, length: int) -> RequestError:
-        what = "image" if name in ("hidden_states", "img_ids") else "text"
-        return RequestError(
-            INVALID_REQUEST,
-            f"{length} {what} tokens cannot be split over sp={self.degree} ranks: "
-            f"choose a size (or --max-sequence-length) whose token count is a multiple "
-            f"of {self.degree}",
-        )
+    def run(self, module: Any, forward: Forward, call: inspect.BoundArguments, piece: Piece) -> Any:
+        for name, (value, dim) in self._inputs(call).items():
+            call.arguments[name] = piece.take(value, dim)
+        output = forward(*call.args, **call.kwargs)
+        sample = output[0] if isinstance(output, tuple) else output.sample
+        gathered = piece.gather(sample, 1)
+        return (gathered,) if isinstance(output, tuple) else Transformer2DModelOutput(gathered)

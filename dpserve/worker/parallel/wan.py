@@ -1,0 +1,107 @@
+"""How a Wan video transformer (``WanTransformer3DModel``) is split along its sequence.
+
+Wan makes its tokens inside its forward: the video latent is patched into
+frames x rows x columns tokens, and rotary angles come from the same grid. So the
+cut is made there, for one call, by hooks (``WanCut``): the rotary angles and the
+first block's input are narrowed to this rank's tokens, every block runs on its
+slice, and the output projection's tokens are gathered before the forward folds
+them back into a latent. Self-attention exchanges through ``parallel_attention``;
+cross-attention needs no exchange (each token attends to the whole prompt, which
+every rank holds), nor do the norms and feed-forward (per token).
+
+Text tokens are not split, and per-token timesteps (Wan 2.2's TI2V) are refused at
+load: their conditioning would need the same cut.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from dpserve.protocol import INVALID_REQUEST, RequestError
+from dpserve.worker.parallel.attention import parallel_attention
+from dpserve.worker.parallel.sequence import AttentionScope, Piece
+
+Forward = Callable[..., Any]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on (B, S, H, D): interleaved pairs turned by each angle."""
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    turned = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return turned.flatten(-2).type_as(x)
+
+
+class SequenceParallelWanProcessor:
+    """Wan's self-attention spread over the sp ranks; its cross-attention, and every
+    call outside a split, is diffusers' own."""
+
+    def __init__(self, scope: AttentionScope) -> None:
+        self.scope = scope
+        self.whole = WanAttnProcessor()
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        groups = self.scope.groups
+        if groups is None or encoder_hidden_states is not None:
+            return self.whole(
+                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
+            )
+        if attention_mask is not None:
+            raise RequestError(INVALID_REQUEST, "sequence parallel does not take attention masks")
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))
+
+        query = heads(attn.norm_q(attn.to_q(hidden_states)))
+        key = heads(attn.norm_k(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        if rotary_emb is not None:
+            query, key = _rotate(query, *rotary_emb), _rotate(key, *rotary_emb)
+        out = parallel_attention(query, key, value, groups).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class WanCut:
+    """Cut a Wan call between its patching and its blocks (module docstring)."""
+
+    def lengths(self, module: Any, call: inspect.BoundArguments) -> list[tuple[str, int]]:
+        if call.arguments["timestep"].ndim != 1:
+            raise RequestError(INVALID_REQUEST, "per-token timesteps are not sequence-split")
+        frames, height, width = call.arguments["hidden_states"].shape[2:]
+        p_t, p_h, p_w = module.config.patch_size
+        return [("video", (frames // p_t) * (height // p_h) * (width // p_w))]
+
+    def run(self, module: Any, forward: Forward, call: inspect.BoundArguments, piece: Piece) -> Any:
+        def own_angles(_: Any, __: Any, angles: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+            return tuple(piece.take(a, 1) for a in angles)  # (1, S, 1, D) each
+
+        def own_tokens(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args:
+                return (piece.take(args[0], 1), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": piece.take(kwargs["hidden_states"], 1)}
+
+        def all_tokens(_: Any, __: Any, out: torch.Tensor) -> torch.Tensor:
+            return piece.gather(out, 1)
+
+        hooks = [
+            module.rope.register_forward_hook(own_angles),
+            module.blocks[0].register_forward_pre_hook(own_tokens, with_kwargs=True),
+            module.proj_out.register_forward_hook(all_tokens),
+        ]
+        try:
+            return forward(*call.args, **call.kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
