@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.layout import ParallelConfig
+from dpserve.layout import ParallelConfig, rank_info
 from dpserve.protocol import Limits, RequestError, parse_generate
 from dpserve.worker.splittable import layout_problem
 
 torch = pytest.importorskip("torch")
 
+from dpserve.worker.parallel import ModelParallel, ParallelGroups, ParallelUnsupported  # noqa: E402
 from dpserve.worker.parallel.attention import _merge, attention_with_lse  # noqa: E402
 from dpserve.worker.parallel.flux import flux_plan  # noqa: E402
 from dpserve.worker.parallel.tensor import Shard, TensorParallel, shard_indices  # noqa: E402
@@ -145,3 +146,26 @@ def test_encoder_outputs_cross_the_gang_exactly() -> None:
     assert isinstance(pair, tuple) and torch.equal(pair[1], layers[0])
     with pytest.raises(RuntimeError, match="output rank's text encoder failed: boom"):
         _unpack(b"Eboom", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("layout", "pipe", "reason"),
+    [
+        # Wan 2.2's second expert: no split reaches it, so a gang would repeat its passes.
+        (ParallelConfig(cfg=2), {"transformer_2": object()}, "second denoiser"),
+        (ParallelConfig(sp=2), {"transformer_2": object()}, "second denoiser"),
+        # Wan 2.2 TI2V's per-token timesteps: the cut does not carry them.
+        (ParallelConfig(sp=2), {"config": {"expand_timesteps": True}}, "per-token timesteps"),
+    ],
+)
+def test_pipelines_a_gang_cannot_split_are_refused_once_loaded(
+    layout: ParallelConfig, pipe: dict[str, object], reason: str
+) -> None:
+    from types import SimpleNamespace
+
+    parallel = ModelParallel(rank_info(layout, 0), ParallelGroups(), layout)
+    loaded = SimpleNamespace(**{"config": {}, "transformer": object(), **pipe})
+    with pytest.raises(ParallelUnsupported, match=reason):
+        parallel.check_loaded(loaded, None)
+    one = ParallelConfig()
+    ModelParallel(rank_info(one, 0), ParallelGroups(), one).check_loaded(loaded, None)
