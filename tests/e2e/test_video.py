@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import av
+import numpy as np
 import openai
 import pytest
 
@@ -117,6 +118,29 @@ def test_a_job_whose_owner_dies_is_run_again_elsewhere(
 def _running(client: openai.OpenAI, job_id: str) -> Any:
     job = client.videos.retrieve(job_id)
     return job if job.status == "in_progress" and job.progress > 0 else None
+
+
+def test_an_sp_replica_splits_each_video_and_makes_the_same_frames(
+    tiny_video_model: Path, client: openai.OpenAI
+) -> None:
+    """`serve --sp 2`: one replica whose two ranks each hold half of every pass's
+    frames x tokens (docs/worker.md); its video is the one-rank replicas' within
+    rounding, and a size whose tokens per frame do not split is a 400 naming sizes
+    that do."""
+    with (
+        ServeProcess(tiny_video_model, 1, "--sp", "2", timeout_s=300) as sp2,
+        openai.OpenAI(base_url=f"{sp2.url}/v1", api_key="unused", max_retries=0) as split,
+    ):
+        with pytest.raises(openai.BadRequestError, match=r"sequence-parallel ranks .* e\.g\. "):
+            split.videos.create(prompt="x", size="48x48")  # 3 x 3 patches a frame
+        mine = _poll(split, split.videos.create(**JOB, extra_body=EXTRA).id)
+        assert mine.status == "completed", mine
+        got = np.stack(_frames(split.videos.download_content(mine.id).read()))
+    theirs = _poll(client, client.videos.create(**JOB, extra_body=EXTRA).id)
+    want = np.stack(_frames(client.videos.download_content(theirs.id).read()))
+    assert got.shape == want.shape == (9, 48, 64, 3)
+    gap = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    assert gap.mean() < 0.5 and gap.max() <= 8, (gap.mean(), gap.max())
 
 
 def _poll(client: openai.OpenAI, job_id: str, timeout_s: float = 120.0) -> Any:
