@@ -1,0 +1,91 @@
+"""Parallel modes of one replica's gang on a video: pipeline time of each 2-rank
+layout vs one rank, with the tiny Wan-style video model.
+
+One `serve --dp-size 1` per layout runs at once: ``single``, ``cfg2`` (``--cfg 2``:
+the guidance branches, one per rank), ``ulysses2`` and ``ring2`` (``--sp 2``: each
+rank holds half of every pass's frames x tokens), one thread per rank. Each round
+asks each layout for the same video job in turn (guidance CFG on, Wan's 5.0), so
+drift on the machine hits every layout alike and only one gang computes at a time;
+``cfg2_plain`` is cfg2 on a job without CFG (``guidance_scale`` 1), whose tokens the
+CFG pair splits instead. Times are the replica's own pipeline time of the job
+(``inference_time_s``: no queue, encode or polling). Rounds where other processes
+used more than MAX_FOREIGN cores are dropped; each figure is a median.
+
+``<layout>=<x>`` is ``t_single / t_layout`` (above 1: faster than one rank).
+Last line: ``cfg2=<x> ulysses2=<y> ring2=<z> cfg2_plain=<w>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import cached_model, median, timed_round
+from bench.dp_pair import Serve
+from bench.video import run_job
+
+MAX_FOREIGN = 0.15
+LAYOUTS: dict[str, list[str]] = {
+    "single": [],
+    "cfg2": ["--cfg", "2"],
+    "ulysses2": ["--sp", "2", "--ulysses", "2"],
+    "ring2": ["--sp", "2", "--ring", "2"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", default="128x96")
+    parser.add_argument("--frames", type=int, default=33)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    model = cached_model("video")
+    body: dict[str, Any] = {
+        "prompt": "a lighthouse in a storm",
+        "size": args.size,
+        "num_frames": args.frames,
+        "num_inference_steps": args.steps,
+        "seed": 11,
+    }
+    plain = {**body, "guidance_scale": 1.0}
+    serves = {name: Serve(model, 1, ["--threads-per-rank", "1", *flags])
+              for name, flags in LAYOUTS.items()}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in [*LAYOUTS, "single_plain", "cfg2_plain"]}
+    asks = [(name, name, body) for name in LAYOUTS]
+    asks += [("single_plain", "single", plain), ("cfg2_plain", "cfg2", plain)]
+    dropped = 0
+    try:
+        procs = [p for serve in serves.values() for p in serve.processes()]
+        for _, layout, job in asks:  # warm each path once
+            run_job(serves[layout].http, job, 0.02)
+        for _ in range(args.rounds):
+            for name, layout, job in asks:
+                ask = partial(run_job, serves[layout].http, job, 0.02)
+                _, foreign, (_, done) = timed_round(procs, ask)
+                if foreign > MAX_FOREIGN:
+                    dropped += 1
+                    continue
+                times[name].append(done["inference_time_s"])
+    finally:
+        for serve in serves.values():
+            serve.close()
+    t = {name: median(values) for name, values in times.items()}
+    print(f"model=video size={args.size} frames={args.frames} steps={args.steps} "
+          f"rounds={args.rounds} threads_per_rank=1")  # fmt: skip
+    print("median pipeline s: " + " ".join(f"{name}={s:.3f}" for name, s in t.items()))
+    print(f"measurements dropped for a noisy neighbour: {dropped}")
+    print(
+        f"cfg2={t['single'] / t['cfg2']:.2f} ulysses2={t['single'] / t['ulysses2']:.2f} "
+        f"ring2={t['single'] / t['ring2']:.2f} "
+        f"cfg2_plain={t['single_plain'] / t['cfg2_plain']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
