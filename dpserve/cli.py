@@ -166,7 +166,7 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("dir", type=Path)
     # The builder's VARIANTS and VIDEO_VARIANTS, spelled out: importing them here would
     # load torch for every command.
-    variants = ("tiny", "tiny4", "small", "large", "video", "video-i2v")
+    variants = ("tiny", "tiny4", "small", "large", "video", "video-small", "video-i2v")
     t.add_argument("--variant", choices=variants, default="tiny")
     t.add_argument("--seed", type=int, default=0)
     lora = sub.add_parser("make-tiny-lora", help="build a random LoRA for a tiny model")

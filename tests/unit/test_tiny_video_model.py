@@ -94,7 +94,7 @@ def test_the_cli_offers_every_variant() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     variant = next(a for a in sub.choices["make-tiny-model"]._actions if a.dest == "variant")
     assert set(variant.choices or ()) == {*VARIANTS, *VIDEO_VARIANTS}
-    assert set(VIDEO_VARIANTS) == {"video", "video-i2v"}
+    assert set(VIDEO_VARIANTS) == {"video", "video-small", "video-i2v"}
 
 
 def test_generates_seeded_frames_in_well_under_a_second(pipe: Any) -> None:
