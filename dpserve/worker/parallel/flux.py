@@ -23,9 +23,8 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
-from dpserve.protocol import INVALID_REQUEST, RequestError
-from dpserve.worker.parallel.attention import parallel_attention
-from dpserve.worker.parallel.sequence import AttentionScope, Piece
+from dpserve.worker.parallel.attention import SequenceGroups, parallel_attention
+from dpserve.worker.parallel.sequence import AttentionScope, Piece, SplitAttention
 from dpserve.worker.parallel.tensor import Shard
 
 COLUMN, ROW, GATHERED = Shard("column"), Shard("row"), Shard("gathered")
@@ -57,33 +56,23 @@ def flux_plan(transformer: Any) -> dict[str, Shard]:
     return plan
 
 
-class SequenceParallelFluxProcessor:
+class SequenceParallelFluxProcessor(SplitAttention):
     """Flux's joint attention with the attention itself spread over the sp ranks.
 
     Heads are counted from ``head_dim``, so the projections may be tp-split.
     """
 
     def __init__(self, scope: AttentionScope) -> None:
-        self.scope = scope
-        self.whole = FluxAttnProcessor()
+        super().__init__(scope, FluxAttnProcessor())
 
-    def __call__(
+    def split(
         self,
         attn: Any,
+        groups: SequenceGroups,
         hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        encoder_hidden_states: torch.Tensor | None,
+        rotary: Any,  # (cos, sin)
     ) -> Any:
-        groups = self.scope.groups
-        if groups is None:
-            whole: Any = self.whole  # diffusers' hints are narrower than its calls
-            return whole(
-                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
-            )
-        if attention_mask is not None:
-            raise RequestError(INVALID_REQUEST, "sequence parallel does not take attention masks")
-
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.unflatten(-1, (-1, attn.head_dim))
 
@@ -99,10 +88,9 @@ class SequenceParallelFluxProcessor:
             query = torch.cat([text_q, query], dim=1)
             key = torch.cat([text_k, key], dim=1)
             value = torch.cat([text_v, value], dim=1)
-        if image_rotary_emb is not None:
-            rope: Any = image_rotary_emb  # (cos, sin); diffusers' hint says a 1-tuple
-            query = apply_rotary_emb(query, rope, sequence_dim=1)
-            key = apply_rotary_emb(key, rope, sequence_dim=1)
+        if rotary is not None:
+            query = apply_rotary_emb(query, rotary, sequence_dim=1)
+            key = apply_rotary_emb(key, rotary, sequence_dim=1)
         out = parallel_attention(query, key, value, groups).flatten(2, 3).to(query.dtype)
         if not joint:
             return out

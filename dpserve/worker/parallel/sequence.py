@@ -45,6 +45,47 @@ class AttentionScope:
             self.groups = previous
 
 
+class SplitAttention:
+    """A family's attention processor: diffusers' own (``whole``) outside a split call
+    and for calls that need no exchange (``exchanges``), else the family's ``split``.
+
+    diffusers calls processors positionally: (attn, hidden, encoder hidden, mask,
+    rotary embedding).
+    """
+
+    def __init__(self, scope: AttentionScope, whole: Any) -> None:
+        self.scope = scope
+        self.whole = whole
+
+    def exchanges(self, encoder_hidden_states: torch.Tensor | None) -> bool:
+        return True
+
+    def split(
+        self,
+        attn: Any,
+        groups: SequenceGroups,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        rotary: Any,
+    ) -> Any:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary: Any = None,
+    ) -> Any:
+        groups = self.scope.groups
+        if groups is None or not self.exchanges(encoder_hidden_states):
+            return self.whole(attn, hidden_states, encoder_hidden_states, attention_mask, rotary)
+        if attention_mask is not None:
+            raise RequestError(INVALID_REQUEST, "sequence parallel does not take attention masks")
+        return self.split(attn, groups, hidden_states, encoder_hidden_states, rotary)
+
+
 class Piece(Protocol):
     """This rank's part of a split call's sequence."""
 

@@ -23,8 +23,8 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from dpserve.protocol import INVALID_REQUEST, RequestError
-from dpserve.worker.parallel.attention import parallel_attention
-from dpserve.worker.parallel.sequence import AttentionScope, Piece
+from dpserve.worker.parallel.attention import SequenceGroups, parallel_attention
+from dpserve.worker.parallel.sequence import AttentionScope, Piece, SplitAttention
 
 Forward = Callable[..., Any]
 
@@ -37,38 +37,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return turned.flatten(-2).type_as(x)
 
 
-class SequenceParallelWanProcessor:
-    """Wan's self-attention spread over the sp ranks; its cross-attention, and every
-    call outside a split, is diffusers' own."""
+class SequenceParallelWanProcessor(SplitAttention):
+    """Wan's self-attention spread over the sp ranks; its cross-attention (each token
+    to the whole prompt, which every rank holds) is diffusers' own."""
 
     def __init__(self, scope: AttentionScope) -> None:
-        self.scope = scope
-        self.whole = WanAttnProcessor()
+        super().__init__(scope, WanAttnProcessor())
 
-    def __call__(
+    def exchanges(self, encoder_hidden_states: torch.Tensor | None) -> bool:
+        return encoder_hidden_states is None
+
+    def split(
         self,
         attn: Any,
+        groups: SequenceGroups,
         hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        groups = self.scope.groups
-        if groups is None or encoder_hidden_states is not None:
-            return self.whole(
-                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
-            )
-        if attention_mask is not None:
-            raise RequestError(INVALID_REQUEST, "sequence parallel does not take attention masks")
-
+        encoder_hidden_states: torch.Tensor | None,
+        rotary: Any,  # (cos, sin), this rank's tokens' (WanCut)
+    ) -> Any:
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.unflatten(2, (attn.heads, -1))
 
         query = heads(attn.norm_q(attn.to_q(hidden_states)))
         key = heads(attn.norm_k(attn.to_k(hidden_states)))
         value = heads(attn.to_v(hidden_states))
-        if rotary_emb is not None:
-            query, key = _rotate(query, *rotary_emb), _rotate(key, *rotary_emb)
+        if rotary is not None:
+            query, key = _rotate(query, *rotary), _rotate(key, *rotary)
         out = parallel_attention(query, key, value, groups).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
