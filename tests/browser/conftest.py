@@ -28,8 +28,10 @@ OUTPUT = Path(__file__).resolve().parents[2] / ".test-output" / "playground"
 SCHEMES = ("light", "dark")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """Per module: Playwright's sync API holds an event loop on this thread while it
+    runs, which would break every later test that calls asyncio.run."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run tests/browser/setup.sh (make test does)")
     from playwright.sync_api import sync_playwright
