@@ -13,4 +13,4 @@ export DEBIAN_FRONTEND=noninteractive
 # Wait for another apt run (CI images and other jobs may hold the lock) instead of failing.
 apt-get -o DPkg::Lock::Timeout=600 update -qq
 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null
-"$CHROMIUM" --version
+echo "installed Debian's chromium $(dpkg-query -W -f='${Version}' chromium)"
