@@ -6,7 +6,7 @@ STAMP := $(VENV)/.dpserve-installed
 CACHE ?= $(HOME)/.cache/dpserve
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint cluster-bins bench-cfg images clean
+.PHONY: setup serve test test-fast lint cluster-bins browser bench-cfg images clean
 
 setup: $(STAMP)
 
@@ -25,17 +25,21 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check dpserve tests bench
 	$(VENV)/bin/mypy
 
-# Every tier: unit, gang (multi-process worker gangs), e2e, and cluster (a real control
-# plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s).
-test: lint cluster-bins
+# Every tier: unit, gang (multi-process worker gangs), e2e, cluster (a real control
+# plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s), and browser
+# (Debian's chromium, installed once).
+test: lint cluster-bins browser
 	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
 
 cluster-bins:
 	bash tests/cluster/build.sh >/dev/null
 
-# The quick loop while working: skips the gang, e2e and cluster tiers.
+browser:
+	bash tests/browser/setup.sh
+
+# The quick loop while working: skips the gang, e2e, cluster and browser tiers.
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not gang and not e2e and not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not gang and not e2e and not cluster and not browser" $(PYTEST_ARGS)
 
 bench-cfg: $(STAMP)
 	$(PY) bench/cfg_parallel.py

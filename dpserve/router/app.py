@@ -27,6 +27,7 @@ from dpserve.router.deps import Running
 from dpserve.router.desired import DesiredState
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import error_body
+from dpserve.router.playground import routes as playground
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
 from dpserve.router.request_ids import RequestIdMiddleware, of_scope
@@ -100,7 +101,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         else None
     )
     _handle_errors(app)
-    for routes in (images, videos, info, control, health, realtime):
+    for routes in (images, videos, info, control, health, realtime, playground):
         routes.install(app)
 
     keys = Keys.of(settings.api_keys, settings.admin_keys)

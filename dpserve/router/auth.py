@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from dpserve.router.openai_api import error_body
+from dpserve.router.playground import PATHS as PLAYGROUND_PATHS
 
 OPEN, INFERENCE, ADMIN = "open", "inference", "admin"
 
@@ -35,6 +36,7 @@ OPEN_PATHS: Final = frozenset(
         "/docs/oauth2-redirect",
         "/redoc",
         "/openapi.json",
+        *PLAYGROUND_PATHS,  # the page and its files: static, no secret (its API calls need a key)
     }
 )
 # A stored image's name holds 122 random bits (a UUID4): the URL is the capability, like a
