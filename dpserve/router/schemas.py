@@ -48,7 +48,7 @@ class _ImageFields(BaseModel):
     partial_images: int = Field(
         0, ge=0, le=p.MAX_PARTIAL_IMAGES, description="previews per image, with stream"
     )
-    step_cache: str | dict[str, str | float] | None = Field(
+    step_cache: str | dict[str, str | float | None] | None = Field(
         None,
         description='a step cache for this request: "first_block_cache" or "taylorseer" '
         '(its default knob), {"type": "first_block_cache", "threshold": 0.08}, '

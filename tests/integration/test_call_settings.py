@@ -17,6 +17,7 @@ from PIL import Image
 from dpserve import protocol as p
 from dpserve.worker.config import WorkerConfig
 from tests.executors import one_rank_executors, reply_to
+from tests.pixels import psnr_db
 from tests.workers import free_port
 
 torch = pytest.importorskip("torch")
@@ -78,10 +79,11 @@ def test_a_flow_shift_replaces_the_size_shift_and_the_scheduler_comes_back(
 ) -> None:
     scheduler = executor.pipe.scheduler
     plain = _image(executor)
-    # Flux's dynamic shift at 64x64 is e**mu: given as a fixed shift, the same schedule.
-    assert _image(executor, flow_shift=size_shift(executor, 64, 64)) == plain
+    # Flux's dynamic shift at 64x64 is e**mu: given as a fixed shift, the same schedule
+    # up to float rounding (the two formulas round differently).
+    assert psnr_db(_image(executor, flow_shift=size_shift(executor, 64, 64)), plain) > 70
     shifted = _image(executor, flow_shift=3.0)
-    assert shifted != plain and _image(executor, flow_shift=3.0) == shifted
+    assert psnr_db(shifted, plain) < 60 and _image(executor, flow_shift=3.0) == shifted
     assert executor.pipe.scheduler is scheduler and scheduler.config.use_dynamic_shifting
     assert _image(executor) == plain
 
