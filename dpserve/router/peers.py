@@ -61,8 +61,8 @@ def translate(body: Any) -> tuple[Any, list[p.FieldError]]:
             p.FieldError(
                 "generator_device",
                 f"must be {GENERATOR_DEVICE!r} or left out, got {_shown(device)}: this server "
-                "draws every seed's noise on the CPU, so a seed makes the same image on "
-                "any device and layout",
+                "draws every seed's noise on the CPU, so a seed gives the same starting "
+                "noise on any device",
             )
         )
     for name in _KEYWORD_BAGS:

@@ -17,9 +17,9 @@ request never asks for something the call would silently skip:
   pipeline's config with that shift, and the pipeline's own comes back after it.
 - ``vae_use_tiling`` / ``vae_use_slicing``: the VAE's tiled decoding (tiles blended
   at their seams) and sliced decoding (one image of a batch at a time), on for the
-  call. Both save memory and both change pixels a little (the tiles' seams; a batched
-  convolution's rounding), so they are request fields, and the batching rule keeps
-  requests that differ in them apart (worker/batch.py).
+  call. Both save memory and both change pixels (tiling where the image spans several
+  tiles; slicing by a batched convolution's rounding), so they are request fields, and
+  the batching rule keeps requests that differ in them apart (worker/batch.py).
 """
 
 from __future__ import annotations
