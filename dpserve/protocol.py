@@ -80,6 +80,10 @@ MAX_PROMPT_CHARS: Final = 10_000
 OUTPUT_FORMATS: Final = ("png", "jpeg", "webp")
 COMPRESSIBLE_FORMATS: Final = ("jpeg", "webp")  # output_compression applies to these
 MAX_PARTIAL_IMAGES: Final = 3  # OpenAI's bound on previews per image
+# A request's text length and scheduler shift, before the replica's own bounds
+# (its features: max_sequence_length, flow_shift) narrow them.
+MAX_SEQUENCE_LENGTH: Final = 4096
+FLOW_SHIFT_RANGE: Final = (0.01, 100.0)
 # Edits: the images (and mask) a request may upload, each checked before it queues.
 MAX_EDIT_IMAGES: Final = 16
 MAX_EDIT_IMAGE_BYTES: Final = 8 << 20  # per file, like a realtime session's first frame
@@ -169,7 +173,7 @@ class Message:
 # ---------------------------------------------------------------- generation
 
 
-class EditInput(msgspec.Struct, frozen=True, kw_only=True):
+class EditInput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """An edit's inputs: indexes of the message's blobs (encoded image files).
 
     With a mask, the model's inpainting pipeline repaints where the mask is white;
@@ -183,7 +187,7 @@ class EditInput(msgspec.Struct, frozen=True, kw_only=True):
     strength: float | None = None
 
 
-class StepCache(msgspec.Struct, frozen=True, kw_only=True):
+class StepCache(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A step cache asked for: ``type`` is a ``STEP_CACHE_KNOBS`` kind or "none"; the
     kind's knob (``threshold`` or ``interval``) is None for the replica's default."""
 
@@ -192,7 +196,7 @@ class StepCache(msgspec.Struct, frozen=True, kw_only=True):
     interval: int | None = None
 
 
-class VideoSpec(msgspec.Struct, frozen=True, kw_only=True):
+class VideoSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What makes a generation a video (dpserve.video): its frames and their rate.
 
     As a client asks, ``num_frames`` and ``seconds`` may both be None (the model's
@@ -205,7 +209,7 @@ class VideoSpec(msgspec.Struct, frozen=True, kw_only=True):
     fps: int | None = None
 
 
-class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
+class GenerateParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A validated generation request; ``None`` means "the model's default"."""
 
     prompt: str
@@ -227,6 +231,15 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     step_cache: StepCache | None = None
     # A video job's frames (dpserve.video); None: an image request.
     video: VideoSpec | None = None
+    # Text tokens the prompt is padded or cut to (the pipeline's max_sequence_length);
+    # None: the service's (--max-sequence-length, else the pipeline's default).
+    max_sequence_length: int | None = None
+    # The scheduler's shift s for this request (sigma -> s*sigma / (1 + (s-1)*sigma));
+    # None: the scheduler's own (Flux's depends on the image size).
+    flow_shift: float | None = None
+    # Decode in tiles, or one image at a time: less memory, slightly different pixels.
+    vae_use_tiling: bool = False
+    vae_use_slicing: bool = False
 
 
 class PartialImage(msgspec.Struct, frozen=True, kw_only=True):
@@ -343,6 +356,13 @@ class FieldChecker:
             return None
         return float(value)
 
+    def boolean(self, field: str) -> bool | None:
+        value = self.body.get(field)
+        if value is None or isinstance(value, bool):
+            return value
+        self.bad(field, f"must be true or false, got {type(value).__name__}")
+        return None
+
     def side(self, field: str, limits: Limits) -> int | None:
         value = self.integer(field, limits.min_side, limits.max_side)
         if value is not None and value % limits.size_factor:
@@ -421,7 +441,7 @@ def _parse_seeds(check: FieldChecker, n: int) -> list[int] | None:
     return seeds if isinstance(seed, list) else [(seed + i) % (MAX_SEED + 1) for i in range(n)]
 
 
-_GENERATE_FIELDS: Final = frozenset(
+GENERATE_FIELDS: Final = frozenset(
     {
         "prompt",
         "negative_prompt",
@@ -437,6 +457,10 @@ _GENERATE_FIELDS: Final = frozenset(
         "output_compression",
         "partial_images",
         "step_cache",
+        "max_sequence_length",
+        "flow_shift",
+        "vae_use_tiling",
+        "vae_use_slicing",
     }
 )
 
@@ -454,9 +478,8 @@ def parse_generate(
     if not isinstance(body, Mapping):
         raise RequestError(INVALID_REQUEST, "the request body must be an object")
     check = FieldChecker(body)
-    known = _GENERATE_FIELDS | ignore | ({"edit"} if blobs is not None else set())
-    # GenerateParams' own "video" comes as null from a router; a set one is a job's.
-    unknown = sorted(str(k) for k in body if k not in known and (k, body[k]) != ("video", None))
+    known = GENERATE_FIELDS | ignore | ({"edit"} if blobs is not None else set())
+    unknown = sorted(str(k) for k in body if k not in known)
     for key in unknown:
         check.bad(key, "is not a known field")
     prompt = check.text("prompt", required=True)
@@ -476,6 +499,9 @@ def parse_generate(
     partials = check.integer("partial_images", 0, MAX_PARTIAL_IMAGES)
     edit = _parse_edit(check, blobs) if blobs is not None else None
     step_cache = parse_step_cache(check, check.body.get("step_cache"))
+    text_length = check.integer("max_sequence_length", 1, MAX_SEQUENCE_LENGTH)
+    flow_shift = check.number("flow_shift", *FLOW_SHIFT_RANGE)
+    tiling, slicing = check.boolean("vae_use_tiling"), check.boolean("vae_use_slicing")
     if check.errors:
         raise invalid_fields(check.errors)
     assert prompt is not None  # a missing prompt was recorded as an error above
@@ -494,15 +520,22 @@ def parse_generate(
         partial_images=partials or 0,
         edit=edit,
         step_cache=step_cache,
+        max_sequence_length=text_length,
+        flow_shift=flow_shift,
+        vae_use_tiling=bool(tiling),
+        vae_use_slicing=bool(slicing),
     )
 
 
 def parse_step_cache(check: FieldChecker, raw: Any) -> StepCache | None:
     """``step_cache``: a kind's name (its default knob), ``{"type": kind, knob: value}``,
-    or "none". Which kinds a replica offers is its own check (worker/step_cache.py)."""
+    or "none". A knob given as null is left out, as a null field is anywhere in a request.
+    Which kinds a replica offers is its own check (worker/step_cache.py)."""
     if raw is None:
         return None
     kinds = ", ".join([*STEP_CACHE_KNOBS, STEP_CACHE_OFF])
+    if isinstance(raw, Mapping):
+        raw = {k: v for k, v in raw.items() if v is not None}
     body = {"type": raw} if isinstance(raw, str) else raw
     kind = body.get("type") if isinstance(body, Mapping) else None
     if not isinstance(kind, str) or (kind != STEP_CACHE_OFF and kind not in STEP_CACHE_KNOBS):

@@ -22,10 +22,20 @@ FORM_TYPE: Final = "multipart/form-data"
 IMAGE_FIELDS: Final = ("image", "image[]")  # the openai client sends a list as image[]
 MASK_FIELD: Final = "mask"
 _INTS: Final = frozenset(
-    {"n", "num_inference_steps", "output_compression", "partial_images", "width", "height"}
+    {
+        "n",
+        "num_inference_steps",
+        "output_compression",
+        "partial_images",
+        "width",
+        "height",
+        "max_sequence_length",
+    }
 )
-_FLOATS: Final = frozenset({"guidance_scale", "true_cfg_scale", "strength"})
-_BOOLS: Final = frozenset({"stream"})
+_FLOATS: Final = frozenset({"guidance_scale", "true_cfg_scale", "strength", "flow_shift"})
+_BOOLS: Final = frozenset(
+    {"stream", "vae_use_tiling", "vae_use_slicing", "enable_teacache", "enable_cache_dit"}
+)
 _MAX_FIELDS: Final = 64
 _MAX_FIELD_BYTES: Final = 64 << 10  # a prompt is at most 40 KB of UTF-8
 

@@ -11,6 +11,7 @@ from typing import Any, Final
 import msgspec
 
 from dpserve import protocol as p
+from dpserve.router import peers
 
 RESPONSE_FORMATS: Final = ("b64_json", "url")
 # OpenAI fields the router handles itself (response_format, stream) or accepts and
@@ -30,6 +31,17 @@ OPENAI_ONLY: Final = frozenset(
 )
 # An edit's form also takes these OpenAI fields, accepted and ignored.
 EDIT_IGNORED: Final = frozenset({"input_fidelity"})
+# An edit's own fields: the uploads (forms.py) and how far the result may go.
+EDIT_FIELDS: Final = frozenset({"image", "image[]", "mask", "strength"})
+
+
+def request_fields() -> dict[str, list[str]]:
+    """Every field each image route takes, as /v1/models advertises them."""
+    shared = p.GENERATE_FIELDS | OPENAI_ONLY | peers.ACCEPTED
+    return {
+        "generations": sorted(shared),
+        "edits": sorted(shared | EDIT_IGNORED | EDIT_FIELDS),
+    }
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,8 @@ def parse_image_request(
             )
         )
     params: p.GenerateParams | None = None
+    body, peer_problems = peers.translate(body)
+    problems += peer_problems
     try:
         params = p.parse_generate(body, limits, ignore=OPENAI_ONLY | ignore, blobs=blobs)
     except p.RequestError as exc:

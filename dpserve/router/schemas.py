@@ -15,6 +15,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpserve import protocol as p
+from dpserve.router import peers
 
 Names = str | list[str]
 Target = Literal["all", "transformer"]  # dpserve.control_state.LORA_TARGETS
@@ -47,12 +48,44 @@ class _ImageFields(BaseModel):
     partial_images: int = Field(
         0, ge=0, le=p.MAX_PARTIAL_IMAGES, description="previews per image, with stream"
     )
-    step_cache: str | dict[str, str | float] | None = Field(
+    step_cache: str | dict[str, str | float | None] | None = Field(
         None,
         description='a step cache for this request: "first_block_cache" or "taylorseer" '
         '(its default knob), {"type": "first_block_cache", "threshold": 0.08}, '
         '{"type": "taylorseer", "interval": 3}, or "none" (off, whatever the service\'s '
         "default); which ones a service offers: GET /v1/models features.step_caches",
+    )
+    max_sequence_length: int | None = Field(
+        None,
+        ge=1,
+        le=p.MAX_SEQUENCE_LENGTH,
+        description="text tokens the prompt is padded or cut to; at most "
+        "features.max_sequence_length.max (null there: the model takes none)",
+    )
+    flow_shift: float | None = Field(
+        None,
+        ge=p.FLOW_SHIFT_RANGE[0],
+        le=p.FLOW_SHIFT_RANGE[1],
+        description="the flow-matching schedule's shift s (sigma -> s*sigma/(1+(s-1)*sigma)), "
+        "instead of the scheduler's own; where features.flow_shift is not null",
+    )
+    vae_use_tiling: bool = Field(False, description="decode in tiles (less memory)")
+    vae_use_slicing: bool = Field(False, description="decode one image at a time (less memory)")
+    # SGLang's names (docs/router.md, "Fields from other servers").
+    enable_teacache: bool | None = Field(
+        None, description='SGLang\'s: true is step_cache "first_block_cache", false "none"'
+    )
+    enable_cache_dit: bool | None = Field(
+        None, description='SGLang\'s: true is step_cache "first_block_cache", false "none"'
+    )
+    output_quality: Literal["maximum", "high", "default", "medium", "low"] | None = Field(
+        None,
+        description="SGLang's: output_compression "
+        + ", ".join(f"{k} {v}" for k, v in peers.OUTPUT_QUALITIES.items())
+        + " (jpeg/webp; a png has none)",
+    )
+    generator_device: Literal["cpu"] | None = Field(
+        None, description="SGLang's: noise is always drawn on the CPU here"
     )
     model: str | None = Field(None, description="accepted and ignored (one model per service)")
     user: str | None = None

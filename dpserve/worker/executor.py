@@ -28,7 +28,7 @@ from dpserve.protocol import (
     encode,
     encode_error,
 )
-from dpserve.worker import step_cache, video_call
+from dpserve.worker import call_settings, step_cache, video_call
 from dpserve.worker.batch import split
 from dpserve.worker.batch_call import batch_kwargs
 from dpserve.worker.comm import GangComm
@@ -51,6 +51,7 @@ from dpserve.worker.pipeline import (
 )
 from dpserve.worker.preview import Emit, Previews, can_preview, output_size
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
+from dpserve.worker.splittable import text_split
 from dpserve.worker.step_cache import StepCaches
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
 
@@ -102,11 +103,25 @@ class Executor:
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
         )
         self.features: Features = features_of(
-            self.pipe, step_caches=self.step_caches, max_frames=self.max_frames
+            self.pipe,
+            step_caches=self.step_caches,
+            max_frames=self.max_frames,
+            settings=self._call_settings(),
         )
         video = self.features.video
         shape = cost_shape(self.pipe, self.call_defaults, self.fixed_kwargs, video)
         self.status.calibration.configure(shape)
+
+    def _call_settings(self) -> call_settings.CallSettings:
+        """What a request may set on this replica's calls: text tokens up to the
+        service's, splitting evenly where a sequence split cuts them too."""
+        accepted = self.call_defaults
+        text = self.fixed_kwargs.get("max_sequence_length", accepted.get("max_sequence_length"))
+        length = int(text) if "max_sequence_length" in accepted and text is not None else None
+        layout = self.parallel.layout if self.parallel is not None else None
+        kind = type(denoiser_of(self.pipe)).__name__
+        multiple = text_split(kind, layout.sp, layout.cfg) if layout is not None else 1
+        return call_settings.offer(self.pipe, length, multiple)
 
     def _progress(self) -> None:
         self.status.progress_at = time.monotonic()
@@ -192,7 +207,8 @@ class Executor:
                 watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             else:
                 pipe, kwargs, watch = self._image_call(batch, blobs, emit)
-            with watch:
+            # The request's scheduler goes in before the previews hook its steps.
+            with self.features.settings.applied(pipe, first), watch:
                 images = self.run_pipe(pipe, kwargs, first)
         except Halted as exc:
             if output_rank:

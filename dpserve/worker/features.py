@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dpserve.protocol import MAX_PARTIAL_IMAGES, OUTPUT_FORMATS, Limits
+from dpserve.worker.call_settings import CallSettings
 from dpserve.worker.edit import EditSupport, edit_support
 from dpserve.worker.pipeline import Pipeline, call_defaults
 from dpserve.worker.preview import can_preview
@@ -79,6 +80,7 @@ class Features:
     max_n: int = Limits.max_n
     step_caches: StepCaches = field(default_factory=lambda: StepCaches(()))
     video: VideoSupport | None = None  # None: an image model
+    settings: CallSettings = field(default_factory=CallSettings)  # text length, shift, VAE
 
     def info(self) -> dict[str, Any]:
         """The ``features`` entry of model_info (the router shows it to clients)."""
@@ -91,6 +93,7 @@ class Features:
             "output_compression": True,
             "max_n": self.max_n,
             **self.step_caches.info(),
+            **self.settings.info(),
             "video": self.video.info() if self.video is not None else None,
         }
 
@@ -100,6 +103,7 @@ def features_of(
     max_n: int = Limits.max_n,
     step_caches: StepCaches | None = None,
     max_frames: int = 0,
+    settings: CallSettings | None = None,
 ) -> Features:
     """``max_frames`` is the replica's ``--max-frames`` (a video model's cap)."""
     video = video_support(pipe, max_frames)
@@ -109,4 +113,5 @@ def features_of(
         max_n=max_n,
         step_caches=step_caches or StepCaches(()),
         video=video,
+        settings=settings or CallSettings(),
     )

@@ -461,6 +461,7 @@ class Ingress:
             )
         if features is not None:
             features.step_caches.check(params.step_cache)
+            features.settings.check(params)
         if params.edit is None:
             return params
         size = check_edit(params.edit, blobs, features.edit if features is not None else None)

@@ -45,6 +45,7 @@ _FIELD_ARGS: Mapping[str, str] = {
     "num_inference_steps": "num_inference_steps",
     "guidance_scale": "guidance_scale",
     "true_cfg_scale": "true_cfg_scale",
+    "max_sequence_length": "max_sequence_length",
 }
 
 

@@ -34,6 +34,12 @@ def splittable_problem(kind: str, layout: ParallelConfig) -> str | None:
     return None
 
 
+def text_split(kind: str, sp: int, cfg: int) -> int:
+    """The most ranks one call may split the text tokens over: where sp splits them
+    (Flux), the sequence ranks with the CFG ranks a request without true CFG borrows."""
+    return sp * cfg if kind in TEXT_SPLIT else 1
+
+
 def text_tokens_problem(kind: str, text_tokens: int | None, sp: int) -> str | None:
     """Where sp splits the text tokens too (Flux, which pads every prompt to
     --max-sequence-length), they must split evenly."""

@@ -177,7 +177,11 @@ def applied(denoiser: torch.nn.Module, cache: StepCache | None) -> Iterator[None
     module: Any = denoiser
     module.enable_cache(config_of(cache))
     try:
-        yield
+        # The hooks keep their state per cache_context. Flux's text-to-image pipeline
+        # enters one at each denoiser call; its image-to-image and inpainting pipelines
+        # enter none, so their calls run in "cond" (a pipeline's own contexts override it).
+        with module.cache_context("cond"):
+            yield
     finally:
         module.disable_cache()
 

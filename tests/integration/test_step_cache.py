@@ -149,3 +149,26 @@ def test_the_ingress_refuses_a_cache_the_replica_lacks_before_it_queues() -> Non
             assert front.work.qsize() == 1
     finally:
         front.close()
+
+
+def test_each_cache_works_on_edits_and_inpainting(executors: Any) -> None:
+    """Flux's image-to-image and inpainting pipelines enter no cache_context of their
+    own; the hooks' state then lives in one context for the call (step_cache.applied)."""
+    plain, cached, _ = executors
+    source = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(source, format="PNG")
+    mask = io.BytesIO()
+    Image.new("L", (64, 64), 255).save(mask, format="PNG")
+    blobs = [source.getvalue(), mask.getvalue()]
+    for edit in (p.EditInput(images=[0], strength=1.0), p.EditInput(images=[0], mask=1)):
+        fields = {**BASE, "edit": edit}
+        uncached = reply_to(plain, fields, blobs).blobs[0]
+        for cache in (SKIPPING, p.StepCache(type="taylorseer", interval=2)):
+            first = reply_to(plain, {**fields, "step_cache": cache}, blobs).blobs[0]
+            assert first != uncached and _psnr_db(first, uncached) > 20, (edit, cache)
+            assert reply_to(plain, {**fields, "step_cache": cache}, blobs).blobs[0] == first
+            assert _hooks(plain) == []
+        assert (
+            reply_to(cached, fields, blobs).blobs[0]
+            == reply_to(plain, {**fields, "step_cache": SKIPPING}, blobs).blobs[0]
+        )

@@ -70,6 +70,10 @@ def test_features_say_what_the_tiny_flux_serves(executor: Executor) -> None:
         "max_n": 10,
         "step_caches": {"first_block_cache": {"threshold": 0.08}, "taylorseer": {"interval": 3}},
         "step_cache_default": None,
+        "max_sequence_length": {"max": 512, "multiple_of": 1},
+        "flow_shift": {"default": None},  # Flux shifts by the image size
+        "vae_tiling": True,
+        "vae_slicing": True,
         "video": None,  # an image model
     }
 

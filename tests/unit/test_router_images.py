@@ -25,10 +25,10 @@ import zmq.asyncio
 from fastapi import FastAPI
 
 from dpserve import protocol as p
-from dpserve.router import schemas
+from dpserve.router import peers, schemas
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.forms import IMAGE_FIELDS, MASK_FIELD
-from dpserve.router.openai_api import EDIT_IGNORED, OPENAI_ONLY
+from dpserve.router.openai_api import EDIT_IGNORED, OPENAI_ONLY, request_fields
 from dpserve.router.pool import PoolSettings
 from tests.stub_replica import StubReplica
 
@@ -425,8 +425,9 @@ def test_the_edit_form_schema_names_what_the_parser_takes() -> None:
     schema = create_app(RouterSettings()).openapi()
     form = schema["paths"][EDITS]["post"]["requestBody"]["content"]["multipart/form-data"]
     declared = set(form["schema"]["properties"])
-    accepted = set(p._GENERATE_FIELDS) | OPENAI_ONLY | EDIT_IGNORED | {"strength"}
+    accepted = set(p.GENERATE_FIELDS) | OPENAI_ONLY | EDIT_IGNORED | peers.ACCEPTED | {"strength"}
     assert declared == accepted | set(IMAGE_FIELDS) | {MASK_FIELD}
+    assert sorted(declared) == request_fields()["edits"]
     assert form["schema"]["properties"]["image[]"]["anyOf"][0]["items"]["format"] == "binary"
     paths = schema["paths"]
     assert "/v1/images/{request_id}/cancel" in paths

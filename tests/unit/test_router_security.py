@@ -26,10 +26,10 @@ from starlette.testclient import TestClient, WebSocketDenialResponse
 from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.cli import _router_settings, build_parser
-from dpserve.router import schemas
+from dpserve.router import peers, schemas
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.auth import ADMIN, INFERENCE, OPEN, Keys, access, load_key_file
-from dpserve.router.openai_api import OPENAI_ONLY
+from dpserve.router.openai_api import OPENAI_ONLY, request_fields
 from dpserve.router.pool import PoolSettings
 from dpserve.untrusted import too_deep
 from tests.stub_replica import StubReplica
@@ -425,7 +425,8 @@ def test_openapi_declares_every_body_and_the_key() -> None:
     paths = schema["paths"]
     generation = paths["/v1/images/generations"]["post"]
     body = generation["requestBody"]["content"]["application/json"]["schema"]
-    assert set(body["properties"]) == set(p._GENERATE_FIELDS) | OPENAI_ONLY
+    assert set(body["properties"]) == set(p.GENERATE_FIELDS) | OPENAI_ONLY | peers.ACCEPTED
+    assert sorted(body["properties"]) == request_fields()["generations"]
     assert body["required"] == ["prompt"] and body["additionalProperties"] is False
     for path in ("/v1/set_lora", "/update_weights_from_disk", "/release_memory_occupation"):
         assert "application/json" in paths[path]["post"]["requestBody"]["content"], path

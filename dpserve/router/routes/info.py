@@ -13,7 +13,7 @@ from dpserve import protocol as p
 from dpserve.layout import ParallelConfig, describe
 from dpserve.router import deps
 from dpserve.router.deps import PoolDep, SettingsDep
-from dpserve.router.openai_api import error_body
+from dpserve.router.openai_api import error_body, request_fields
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.settings import RouterSettings
 
@@ -63,6 +63,8 @@ def router_features(settings: RouterSettings) -> dict[str, Any]:
         "max_upload_bytes": settings.max_upload_bytes,
         "max_partial_images": p.MAX_PARTIAL_IMAGES,
         "response_formats": ["b64_json", "url"] if settings.output_dir else ["b64_json"],
+        # Every field each image route takes (what the model takes: ``features``).
+        "request_fields": request_fields(),
     }
 
 

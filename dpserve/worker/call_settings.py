@@ -1,0 +1,150 @@
+"""Per-request settings of a pipeline call beyond the prompt and the sampling numbers:
+the text length, the scheduler's shift, and how the VAE decodes.
+
+What a replica offers is read from its pipeline once (``offer``), shown in
+model_info's features and checked by the ingress before a request queues, so a
+request never asks for something the call would silently skip:
+
+- ``max_sequence_length``: the pipeline's argument of that name (Flux, Wan,
+  Qwen-Image), at most the service's text length (``--max-sequence-length``, else
+  the pipeline's default). Where sequence parallel splits the text tokens (Flux),
+  a multiple of the ranks that may split them.
+- ``flow_shift``: the shift ``s`` of a flow-matching schedule, ``sigma -> s*sigma /
+  (1 + (s-1)*sigma)``: the ``shift`` of ``FlowMatchEulerDiscreteScheduler`` or the
+  ``flow_shift`` of a multistep scheduler on flow sigmas (UniPC, DPM-Solver). A
+  scheduler that shifts by the image size (Flux's dynamic shifting, ``s = e**mu``)
+  takes the given ``s`` instead. The call runs with a scheduler made from the
+  pipeline's config with that shift, and the pipeline's own comes back after it.
+- ``vae_use_tiling`` / ``vae_use_slicing``: the VAE's tiled decoding (tiles blended
+  at their seams) and sliced decoding (one image of a batch at a time), on for the
+  call. Both save memory and both change pixels (tiling where the image spans several
+  tiles; slicing by a batched convolution's rounding), so they are request fields, and
+  the batching rule keeps requests that differ in them apart (worker/batch.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from dpserve.protocol import UNSUPPORTED, FieldError, GenerateParams, RequestError
+
+# The scheduler switch that, when on, replaces its shift by one from the image size.
+_DYNAMIC: Final = "use_dynamic_shifting"
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """What a request may set on this replica's pipeline call beyond its arguments.
+
+    ``text_length``: the most text tokens a request may ask (None: the pipeline takes
+    no ``max_sequence_length``); ``text_multiple``: what they must divide by.
+    ``shift_key``: the scheduler config key a ``flow_shift`` sets (None: it has no
+    shift); ``shift_default``: the scheduler's own (None: by image size).
+    """
+
+    text_length: int | None = None
+    text_multiple: int = 1
+    shift_key: str | None = None
+    shift_default: float | None = None
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+
+    def info(self) -> dict[str, Any]:
+        """The ``features`` entries (model_info) that say what a request may set."""
+        text = None
+        if self.text_length is not None:
+            text = {"max": self.text_length, "multiple_of": self.text_multiple}
+        shift = None if self.shift_key is None else {"default": self.shift_default}
+        return {
+            "max_sequence_length": text,
+            "flow_shift": shift,
+            "vae_tiling": self.vae_tiling,
+            "vae_slicing": self.vae_slicing,
+        }
+
+    def check(self, params: GenerateParams) -> None:
+        """Refuse, naming each field and what to send, what this pipeline cannot do."""
+        bad: list[FieldError] = []
+        length = params.max_sequence_length
+        if length is not None:
+            if self.text_length is None:
+                bad.append(FieldError("max_sequence_length", "is not taken by this pipeline"))
+            elif length > self.text_length or length % self.text_multiple:
+                multiple = f", a multiple of {self.text_multiple}" if self.text_multiple > 1 else ""
+                bad.append(
+                    FieldError(
+                        "max_sequence_length",
+                        f"must be at most {self.text_length}{multiple} "
+                        f"(this service's text tokens), got {length}",
+                    )
+                )
+        if params.flow_shift is not None and self.shift_key is None:
+            bad.append(FieldError("flow_shift", "this model's scheduler has no shift to set"))
+        if params.vae_use_tiling and not self.vae_tiling:
+            bad.append(FieldError("vae_use_tiling", "this model's VAE cannot decode in tiles"))
+        if params.vae_use_slicing and not self.vae_slicing:
+            bad.append(FieldError("vae_use_slicing", "this model's VAE cannot decode in slices"))
+        if bad:
+            detail = "; ".join(f"{e.field} {e.message}" for e in bad)
+            raise RequestError(UNSUPPORTED, f"not supported by the served model: {detail}", bad)
+
+    @contextlib.contextmanager
+    def applied(self, pipe: Any, params: GenerateParams) -> Iterator[None]:
+        """``pipe`` with the request's shift and VAE decoding for one call."""
+        vae: Any = getattr(pipe, "vae", None)
+        before = (getattr(vae, "use_tiling", False), getattr(vae, "use_slicing", False))
+        scheduler = pipe.scheduler if params.flow_shift is not None else None
+        try:
+            if scheduler is not None:
+                assert self.shift_key is not None  # checked by the ingress
+                pipe.scheduler = shifted(scheduler, self.shift_key, params.flow_shift)
+            if params.vae_use_tiling:
+                vae.use_tiling = True
+            if params.vae_use_slicing:
+                vae.use_slicing = True
+            yield
+        finally:
+            if scheduler is not None:
+                pipe.scheduler = scheduler
+            if vae is not None and (params.vae_use_tiling or params.vae_use_slicing):
+                vae.use_tiling, vae.use_slicing = before
+
+
+def shifted(scheduler: Any, key: str, shift: float | None) -> Any:
+    """A new scheduler of ``scheduler``'s kind and config with a fixed ``shift``."""
+    overrides: dict[str, Any] = {key: shift}
+    if _DYNAMIC in scheduler.config:
+        overrides[_DYNAMIC] = False
+    return type(scheduler).from_config(scheduler.config, **overrides)
+
+
+def shift_of(scheduler: Any) -> tuple[str | None, float | None]:
+    """The config key of ``scheduler``'s flow-matching shift and its value (None when
+    it shifts by the image size), or ``(None, None)`` when it has none."""
+    config: Mapping[str, Any] = getattr(scheduler, "config", None) or {}
+    if "shift" in config and type(scheduler).__name__.startswith("FlowMatch"):
+        key = "shift"
+    elif config.get("use_flow_sigmas") and "flow_shift" in config:
+        key = "flow_shift"
+    else:
+        return None, None
+    value = None if config.get(_DYNAMIC) else float(config[key])
+    return key, value
+
+
+def offer(pipe: Any, text_length: int | None, text_multiple: int) -> CallSettings:
+    """What ``pipe`` lets a request set. ``text_length``: the service's text tokens
+    (None: the pipeline takes no max_sequence_length)."""
+    key, default = shift_of(getattr(pipe, "scheduler", None))
+    vae = getattr(pipe, "vae", None)
+    return CallSettings(
+        text_length=text_length,
+        text_multiple=text_multiple,
+        shift_key=key,
+        shift_default=default,
+        vae_tiling=hasattr(vae, "use_tiling"),
+        vae_slicing=hasattr(vae, "use_slicing"),
+    )
