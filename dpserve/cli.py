@@ -44,7 +44,13 @@ def _add_router_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--max-waiting", type=positive, default=256, help="queued requests, then 429")
     r.add_argument("--output-dir", type=Path, default=None, help="enables response_format=url")
     r.add_argument("--public-url", default=None, help="base of image URLs (default: own address)")
-    r.add_argument("--served-model-name", default=None, help="model id in /v1/models")
+    r.add_argument(
+        "--served-model-name",
+        type=_served_name,
+        default=None,
+        help="the model's name in /v1/models and in requests' model (another is a 404); "
+        "default: the model folder's name",
+    )
     r.add_argument(
         "--max-connections",
         type=positive,
@@ -93,6 +99,15 @@ def _key(value: str) -> str:
         return check_key(value, "key")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None  # the message names no key
+
+
+def _served_name(value: str) -> str:
+    from dpserve.router.served_model import check_name
+
+    try:
+        return check_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _key_file(value: str) -> tuple[str, ...]:
@@ -268,8 +283,17 @@ def _serve(args: argparse.Namespace) -> int:
     from dpserve.local import serve
 
     replicas = _replica_set(args, args.model)
+    return serve(replicas, args.host, args.port, _serve_settings(args, replicas.model))
+
+
+def _serve_settings(args: argparse.Namespace, model: Path) -> RouterSettings:
+    """``serve``'s router; it names the model from the start (its folder, unless given),
+    so the name holds whatever the replicas load later."""
     settings = _router_settings(args, [])
-    return serve(replicas, args.host, args.port, settings)
+    if settings.served_model_name is not None:
+        return settings
+    name = model.name or model.resolve().name or None
+    return dataclasses.replace(settings, served_model_name=name)
 
 
 def _operator(args: argparse.Namespace) -> int:

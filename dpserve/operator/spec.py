@@ -179,6 +179,14 @@ class RouterSpec(_Model):
     auth: RouterAuth | None = Field(
         None, description="API keys; without it the router serves anyone who reaches it"
     )
+    servedModelName: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        pattern=r"^[!-~]+$",  # served_model.check_name: printable ASCII, no spaces
+        description="the model's name in /v1/models and in requests' model (another is a "
+        "404); default: this resource's name",
+    )
 
 
 class UpdateStrategy(_Model):

@@ -10,6 +10,7 @@ with a message that says what to fix, and the request's id.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -88,6 +89,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="dpserve router", lifespan=lifespan)
     app.state.settings = settings
+    app.state.started = int(time.time())  # the Model object's created
     app.state.metrics = RouterMetrics()
     app.state.running = None
     app.state.store = (
@@ -117,17 +119,21 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
 
 def _error(
-    request: Request, status: int, message: str, fields: list[p.FieldError] | None = None
+    request: Request,
+    status: int,
+    message: str,
+    fields: list[p.FieldError] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
     headers = {"Retry-After": "1"} if status in (429, 503) else None
-    body = error_body(status, message, fields, of_scope(request.scope))
+    body = error_body(status, message, fields, of_scope(request.scope), code)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _handle_errors(app: FastAPI) -> None:
     @app.exception_handler(p.RequestError)
     async def on_request_error(request: Request, exc: p.RequestError) -> JSONResponse:
-        return _error(request, exc.status, str(exc), exc.fields)
+        return _error(request, exc.status, str(exc), exc.fields, exc.code)
 
     @app.exception_handler(BadBody)
     async def on_bad_body(request: Request, exc: BadBody) -> JSONResponse:

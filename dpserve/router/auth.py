@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from dpserve.router.openai_api import error_body
 from dpserve.router.playground import PATHS as PLAYGROUND_PATHS
+from dpserve.router.request_ids import of_scope
 
 OPEN, INFERENCE, ADMIN = "open", "inference", "admin"
 
@@ -212,21 +213,21 @@ class AuthMiddleware:
         if refusal is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            await _refuse_http(send, refusal)
+            await _refuse_http(scope, send, refusal)
         else:
             await _refuse_websocket(scope, send, refusal)
 
 
-def _refusal_response(refusal: Refusal) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    body = json.dumps(error_body(refusal.status, refusal.message)).encode()
+def _refusal_response(scope: Any, refusal: Refusal) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps(error_body(refusal.status, refusal.message, None, of_scope(scope))).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     if refusal.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     return headers, body
 
 
-async def _refuse_http(send: Any, refusal: Refusal) -> None:
-    headers, body = _refusal_response(refusal)
+async def _refuse_http(scope: Any, send: Any, refusal: Refusal) -> None:
+    headers, body = _refusal_response(scope, refusal)
     await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -235,7 +236,7 @@ async def _refuse_websocket(scope: Any, send: Any, refusal: Refusal) -> None:
     """Never accepted: the upgrade gets the HTTP refusal where the server can send one
     (ASGI's websocket.http.response extension, which uvicorn has), else close 1008."""
     if "websocket.http.response" in scope.get("extensions", {}):
-        headers, body = _refusal_response(refusal)
+        headers, body = _refusal_response(scope, refusal)
         start = {"type": "websocket.http.response.start", "status": refusal.status}
         await send({**start, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": body})

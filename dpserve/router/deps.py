@@ -18,6 +18,7 @@ from fastapi import Depends
 from starlette.requests import HTTPConnection
 
 from dpserve import protocol as p
+from dpserve.router import served_model
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
@@ -96,6 +97,12 @@ RequestIdDep = Annotated[str, Depends(request_id)]
 def model_info(pool: ReplicaPool) -> dict[str, Any] | None:
     """A serving replica's model_info (every replica serves the same model)."""
     return next((r.info for r in pool.serving() if r.info is not None), None)
+
+
+def served_name(pool: ReplicaPool, settings: RouterSettings) -> str | None:
+    """The served model's name (dpserve/router/served_model.py); None: not known yet."""
+    infos = (r.info for r in pool.replicas.values() if r.info is not None)
+    return served_model.served_name(settings.served_model_name, infos)
 
 
 def features(pool: ReplicaPool) -> dict[str, Any] | None:

@@ -74,6 +74,24 @@ class EditForm:
         }
         return body
 
+    def variation_body(self) -> dict[str, Any]:
+        """OpenAI's variation: an image-to-image edit of one image, without a prompt (the
+        pipeline's unconditioned text); a prompt or a mask makes it an edit, so it says so."""
+        problems: list[p.FieldError] = []
+        if "prompt" in self.fields:
+            problems.append(p.FieldError("prompt", _NO_PROMPT))
+        if self.mask is not None:
+            problems.append(p.FieldError(MASK_FIELD, _NO_MASK))
+        if len(self.images) > 1:
+            problems.append(p.FieldError("image", "a variation starts from one image"))
+        if problems:
+            raise p.invalid_fields(problems)
+        return {**self.body(), "prompt": ""}
+
+
+_NO_PROMPT: Final = "a variation takes none: for an edit with a prompt use POST /v1/images/edits"
+_NO_MASK: Final = "a variation takes none: inpainting is POST /v1/images/edits"
+
 
 def is_form(content_type: str | None) -> bool:
     return content_type is not None and content_type.split(";", 1)[0].strip().lower() == FORM_TYPE

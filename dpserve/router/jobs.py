@@ -110,7 +110,7 @@ async def events(job: Job, kind: str) -> AsyncIterator[dict[str, Any]]:
             yield error_event(rid, error_body(499, CANCELLED_MESSAGE))
             return
         except p.RequestError as exc:
-            yield error_event(rid, error_body(exc.status, str(exc), exc.fields))
+            yield error_event(rid, error_body(exc.status, str(exc), exc.fields, code=exc.code))
             return
         except Exception:  # still a bug, logged; the stream ends in the error shape
             log.exception("image stream %s failed", rid)

@@ -12,10 +12,11 @@ import msgspec
 
 from dpserve import protocol as p
 from dpserve.router import peers
+from dpserve.router.served_model import MODEL_NOT_FOUND, check_model
 
 RESPONSE_FORMATS: Final = ("b64_json", "url")
-# OpenAI fields the router handles itself (response_format, stream) or accepts and
-# ignores (one model per service; no quality tiers, styles or moderation levels).
+# OpenAI fields the router handles itself before the generation's own parse: the
+# model's name, the answer's shape, and the choices below.
 OPENAI_ONLY: Final = frozenset(
     {
         "model",
@@ -29,8 +30,39 @@ OPENAI_ONLY: Final = frozenset(
         "safety_identifier",
     }
 )
-# An edit's form also takes these OpenAI fields, accepted and ignored.
-EDIT_IGNORED: Final = frozenset({"input_fidelity"})
+# An edit's form also takes this OpenAI field.
+EDIT_ONLY: Final = frozenset({"input_fidelity"})
+# OpenAI's choices among renderings: the values this server honours (what every image
+# here is). Any other value would change the image, so it is refused, naming the field
+# and what to send instead, never ignored. moderation changes no pixel (this server
+# filters nothing), so both of OpenAI's levels are taken; user and safety_identifier
+# (_TEXT) are any string.
+_CHOICES: Final[Mapping[str, tuple[tuple[str, ...], str]]] = {
+    "background": (
+        ("auto", "opaque"),
+        "this model renders opaque images only: send opaque or auto, or leave it out",
+    ),
+    "quality": (
+        ("auto",),
+        "this server has no quality tiers (num_inference_steps sets the work per image): "
+        "send auto or leave it out",
+    ),
+    "style": ((), "is DALL-E 3's and this model has no styles: describe the style in the prompt"),
+    "input_fidelity": (
+        (),
+        "is not supported: strength (0-1] says how far the result may go from the input",
+    ),
+    "moderation": (("auto", "low"), "must be auto or low"),
+}
+_TEXT: Final = ("user", "safety_identifier")
+# OpenAI's completed images carry token usage; a diffusion model counts no tokens.
+NO_USAGE: Final = {
+    "input_tokens": 0,
+    "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+    "output_tokens": 0,
+    "total_tokens": 0,
+}
+BACKGROUND: Final = "opaque"  # every image this server makes
 # An edit's own fields: the uploads (forms.py) and how far the result may go.
 EDIT_FIELDS: Final = frozenset({"image", "image[]", "mask", "strength"})
 
@@ -40,7 +72,7 @@ def request_fields() -> dict[str, list[str]]:
     shared = p.GENERATE_FIELDS | OPENAI_ONLY | peers.ACCEPTED
     return {
         "generations": sorted(shared),
-        "edits": sorted(shared | EDIT_IGNORED | EDIT_FIELDS),
+        "edits": sorted(shared | EDIT_ONLY | EDIT_FIELDS),
     }
 
 
@@ -60,16 +92,21 @@ def parse_image_request(
     features: Mapping[str, Any] | None = None,
     blobs: int | None = None,
     ignore: frozenset[str] = frozenset(),
+    served: str | None = None,
 ) -> ImageRequest:
     """The validated request; every bad field is named.
 
     ``blobs``: an edit, whose body names its uploads in ``edit``. ``features``: the
     replicas' (model_info); previews past what they can make are capped there (OpenAI
     allows fewer previews than asked), and only a stream gets previews at all.
+    ``served``: the served model's name (None: not known yet); a request naming
+    another model is a 404 before anything else is looked at.
     """
+    if isinstance(body, dict):
+        check_model(body.get("model"), served)
     fmt = body.get("response_format", "b64_json") if isinstance(body, dict) else "b64_json"
     stream = body.get("stream", False) if isinstance(body, dict) else False
-    problems: list[p.FieldError] = []
+    problems: list[p.FieldError] = openai_choices(body) if isinstance(body, dict) else []
     if not isinstance(stream, bool):
         problems.append(p.FieldError("stream", f"must be true or false, got {stream!r}"))
         stream = False
@@ -107,6 +144,21 @@ def parse_image_request(
     if partials != params.partial_images:
         params = msgspec.structs.replace(params, partial_images=partials)
     return ImageRequest(params, str(fmt), stream)
+
+
+def openai_choices(body: Mapping[str, Any]) -> list[p.FieldError]:
+    """OpenAI's rendering choices this server cannot honour, each named (``_CHOICES``)."""
+    problems = []
+    for name, (honoured, why) in _CHOICES.items():
+        value = body.get(name)
+        if value is not None and value not in honoured:
+            shown = value[:40] if isinstance(value, str) else type(value).__name__
+            problems.append(p.FieldError(name, f"{shown!r} {why}" if honoured else why))
+    for name in _TEXT:
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            problems.append(p.FieldError(name, f"must be a string, got {type(value).__name__}"))
+    return problems
 
 
 def size_of(width: int, height: int) -> str:
@@ -148,12 +200,17 @@ def image_response(
             item["b64_json"] = base64.b64encode(images[i]).decode()
         data.append(item)
     first = result.images[0] if result.images else None
+    # The openai client's ImagesResponse: background, quality (null: OpenAI's answer
+    # names a tier, and this server has none), output_format, size and usage.
     return {
         "id": request_id,
         "created": int(time.time()),
         "data": data,
+        "background": BACKGROUND,
+        "quality": None,
         "output_format": first.format if first else None,
         "size": size_of(first.width, first.height) if first else None,
+        "usage": NO_USAGE,
         "inference_time_s": result.inference_time_s,
         "encode_time_s": result.encode_time_s,
         "queue_time_s": result.queue_time_s,
@@ -168,6 +225,37 @@ _ERROR_TYPES: Final = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+# error.code: why, as a short string a client can branch on (OpenAI's where it has
+# one). A replica's refusal keeps its wire code (dpserve.protocol); the router's own by
+# status; a refusal naming fields is invalid_value (unsupported_value: the model
+# cannot do it).
+_STATUS_CODES: Final = {
+    400: p.INVALID_REQUEST,
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: p.NOT_FOUND,
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: p.CONFLICT,
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: p.OVERLOADED,
+    499: p.CANCELLED,
+    500: p.INTERNAL,
+    503: p.UNAVAILABLE,
+    504: p.DEADLINE_EXCEEDED,
+}
+_WITH_FIELDS: Final = {p.INVALID_REQUEST: "invalid_value", p.UNSUPPORTED: "unsupported_value"}
+ERROR_CODES: Final = frozenset(
+    {*_STATUS_CODES.values(), *_WITH_FIELDS.values(), p.UNSUPPORTED, MODEL_NOT_FOUND}
+)
+
+
+def error_code(status: int, code: str | None, fields: bool) -> str | None:
+    """``error.code`` for a failure: ``code`` (the wire's, or the router's own such as
+    model_not_found) refined where fields are named; else the status's."""
+    code = code or _STATUS_CODES.get(status)
+    return _WITH_FIELDS.get(code, code) if fields and code is not None else code
 
 
 def error_body(
@@ -175,17 +263,17 @@ def error_body(
     message: str,
     fields: list[p.FieldError] | None = None,
     request_id: str | None = None,
+    code: str | None = None,
 ) -> dict[str, Any]:
     """OpenAI's error shape, plus every bad field for clients that want them all, and
-    the request's id where it has one."""
+    the request's id. The one shape of every error the router answers."""
     error: dict[str, Any] = {
         "message": message,
         "type": _ERROR_TYPES.get(
             status, "invalid_request_error" if status < 500 else "server_error"
         ),
         "param": fields[0].field if fields else None,
-        "code": status,
+        "code": error_code(status, code, bool(fields)),
+        "fields": [{"field": f.field, "message": f.message} for f in fields or ()],
     }
-    if fields:
-        error["fields"] = [{"field": f.field, "message": f.message} for f in fields]
     return {"error": error} if request_id is None else {"id": request_id, "error": error}

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple, Protocol
 
-from dpserve.protocol import HTTP_STATUS, ErrorBody
+from dpserve.protocol import HTTP_STATUS, UNAVAILABLE, ErrorBody
 
 PolicyName = Literal["round_robin", "least_work"]
 POLICIES: Final[tuple[PolicyName, ...]] = ("round_robin", "least_work")
@@ -213,6 +213,7 @@ class ReplicaOutcome:
 class FanoutAnswer:
     status: int
     body: dict[str, Any] = field(default_factory=dict)
+    code: str | None = None  # a failed one's: the first error's wire code
 
 
 # Fields of a read-only answer that legitimately differ between replicas.
@@ -236,6 +237,7 @@ def merge_fanout(op: str, outcomes: Sequence[ReplicaOutcome], read_only: bool) -
                 "message": "no replica could be asked",
                 "replicas": replicas,
             },
+            UNAVAILABLE,
         )
     if errors:
         first = errors[0]
@@ -243,7 +245,9 @@ def merge_fanout(op: str, outcomes: Sequence[ReplicaOutcome], read_only: bool) -
         status = HTTP_STATUS.get(first.error.code, 500)
         message = f"{first.replica}: {first.error.message}"
         return FanoutAnswer(
-            status, {"op": op, "success": False, "message": message, "replicas": replicas}
+            status,
+            {"op": op, "success": False, "message": message, "replicas": replicas},
+            first.error.code,
         )
     body: dict[str, Any] = {"op": op, "success": True, "replicas": replicas}
     if read_only:

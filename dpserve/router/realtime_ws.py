@@ -27,6 +27,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from dpserve import protocol as p
 from dpserve import realtime as rt
+from dpserve.router.served_model import check_model
 from dpserve.router.sessions import Attached, Frame, SessionLost, SessionMoved, SessionRouter
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,13 @@ class RealtimeConnection:
         sessions: SessionRouter,
         limits: Callable[[], p.Limits],
         settings: RealtimeSettings,
+        served: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.ws = ws
         self.sessions = sessions
         self.limits = limits
         self.settings = settings
+        self.served = served  # the served model's name, which an init's model must be
         self.attached: Attached | None = None  # set as soon as the owner holds a session
 
     async def run(self) -> None:
@@ -127,6 +130,7 @@ class RealtimeConnection:
             kind = message["type"]
             try:
                 if kind == "init":
+                    check_model(message.pop("model", None), self.served())
                     init = rt.parse_init(message, self.limits())
                     self.attached, first = await self.sessions.open(init)
                     await self._ack(self.attached, init.options, resumed=False, frames=1)

@@ -87,12 +87,16 @@ class _ImageFields(BaseModel):
     generator_device: Literal["cpu"] | None = Field(
         None, description="SGLang's: noise is always drawn on the CPU here"
     )
-    model: str | None = Field(None, description="accepted and ignored (one model per service)")
+    model: str | None = Field(
+        None, description="the served model's name (GET /v1/models); another is a 404"
+    )
     user: str | None = None
-    quality: str | None = None
-    style: str | None = None
-    background: str | None = None
-    moderation: str | None = None
+    quality: Literal["auto"] | None = Field(None, description="no tiers: only auto")
+    style: None = Field(None, description="DALL-E 3's; refused: describe the style in the prompt")
+    background: Literal["auto", "opaque"] | None = Field(
+        None, description="images are opaque; transparent is refused"
+    )
+    moderation: Literal["auto", "low"] | None = Field(None, description="nothing is filtered")
     safety_identifier: str | None = None
 
 
@@ -114,7 +118,16 @@ class ImageEditForm(_ImageFields):
     mask: bytes | None = None
     strength: float | None = Field(None, gt=0, le=1, description="how far from the input")
     seed: int | None = Field(None, ge=0, le=p.MAX_SEED, description="image i gets seed + i")
-    input_fidelity: str | None = None
+    input_fidelity: None = Field(None, description="refused: strength says how far to go")
+
+
+class ImageVariationForm(ImageEditForm):
+    """OpenAI's variation form: an image-to-image edit of one ``image`` without a prompt
+    (or a mask; either is a 400 pointing to /v1/images/edits)."""
+
+    prompt: None = Field(None, description="refused: with a prompt it is an edit")  # type: ignore[assignment]
+    image_list: None = Field(None, alias="image[]", description="one image: send it as image")
+    mask: None = Field(None, description="refused: inpainting is an edit")
 
 
 # ---------------------------------------------------------------- answers
@@ -126,14 +139,32 @@ class ImageData(BaseModel):
     seed: int
 
 
+class InputTokens(BaseModel):
+    image_tokens: Literal[0] = 0
+    text_tokens: Literal[0] = 0
+
+
+class Usage(BaseModel):
+    """OpenAI's token usage, all zeros: a diffusion model here counts no tokens."""
+
+    input_tokens: Literal[0] = 0
+    input_tokens_details: InputTokens
+    output_tokens: Literal[0] = 0
+    total_tokens: Literal[0] = 0
+
+
 class ImagesResponse(BaseModel):
-    """A generation's or an edit's answer (without stream)."""
+    """A generation's or an edit's answer (without stream), the openai client's
+    ``ImagesResponse`` and this server's extras."""
 
     id: str = Field(description="the request's id (also the X-Request-Id header)")
     created: int
     data: list[ImageData]
+    background: Literal["opaque"] = "opaque"
+    quality: None = Field(None, description="no quality tiers here")
     output_format: str
     size: str = Field(description='"WIDTHxHEIGHT"')
+    usage: Usage
     inference_time_s: float = Field(description="the pipeline, without encoding")
     encode_time_s: float
     queue_time_s: float
@@ -147,15 +178,23 @@ class CancelResponse(BaseModel):
     stage: Literal["queued_in_router", "at_replica", "queued_at_replica", "running_at_replica"]
 
 
-class ErrorDetail(BaseModel):
+class FieldProblem(BaseModel):
+    field: str
     message: str
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what to fix")
     type: str
-    param: str | None = None
-    code: int
+    param: str | None = Field(None, description="the first bad field")
+    code: str | None = Field(
+        None, description="why, e.g. invalid_value, model_not_found (docs/router.md)"
+    )
+    fields: list[FieldProblem] = Field(description="every bad field")
 
 
 class ErrorResponse(BaseModel):
-    id: str | None = None
+    id: str = Field(description="the request's id (also the X-Request-Id header)")
     error: ErrorDetail
 
 

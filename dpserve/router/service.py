@@ -188,7 +188,7 @@ class RouterService:
             return await self._read(op, args)
         outcomes, summary = await self._change(op, args)
         answer = merge_fanout(op, outcomes, read_only=False)
-        return FanoutAnswer(answer.status, {**answer.body, "control_state": summary})
+        return FanoutAnswer(answer.status, {**answer.body, "control_state": summary}, answer.code)
 
     async def _read(self, op: str, args: dict[str, Any]) -> FanoutAnswer:
         replicas = self.pool.members()

@@ -21,18 +21,11 @@ from typing import Any, Final
 from starlette.responses import StreamingResponse
 
 from dpserve import protocol as p
-from dpserve.router.openai_api import size_of
+from dpserve.router.openai_api import BACKGROUND, NO_USAGE, size_of
 
 MEDIA_TYPE: Final = "text/event-stream"
 _NO_CACHE: Final = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 GENERATION, EDIT = "image_generation", "image_edit"
-# OpenAI's completed events carry token usage; a diffusion model has no tokens.
-_NO_USAGE: Final = {
-    "input_tokens": 0,
-    "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
-    "output_tokens": 0,
-    "total_tokens": 0,
-}
 
 
 def _common(request_id: str, blob: bytes, fmt: str, width: int, height: int) -> dict[str, Any]:
@@ -42,7 +35,7 @@ def _common(request_id: str, blob: bytes, fmt: str, width: int, height: int) -> 
         "created_at": int(time.time()),
         "size": size_of(width, height),
         "quality": "auto",
-        "background": "opaque",
+        "background": BACKGROUND,
         "output_format": fmt,
     }
 
@@ -67,7 +60,7 @@ def completed_events(
         {
             "type": f"{kind}.completed",
             **_common(request_id, images[i], meta.format, meta.width, meta.height),
-            "usage": _NO_USAGE,
+            "usage": NO_USAGE,
             "image_index": meta.index,
             "seed": meta.seed,
             "inference_time_s": result.inference_time_s,

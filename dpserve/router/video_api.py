@@ -21,9 +21,10 @@ from dpserve import protocol as p
 from dpserve import video
 from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
 from dpserve.router.forms import FORM_TYPE, form_items, is_form, typed_value
+from dpserve.router.served_model import check_model
 
 REFERENCE: Final = "input_reference"
-# OpenAI fields accepted and ignored: one model per service.
+# OpenAI fields checked before the job's own parse (the served model's name).
 IGNORED: Final = frozenset({"model"})
 # Form fields are text: these become numbers before the body is checked.
 _INTS: Final = frozenset({"width", "height", "fps", "num_frames", "seed", "num_inference_steps"})
@@ -75,9 +76,14 @@ async def read_create(raw: bytes, content_type: str | None) -> VideoAsk:
 
 
 def parse_create(
-    asked: VideoAsk, limits: p.Limits, features: Mapping[str, Any] | None
+    asked: VideoAsk,
+    limits: p.Limits,
+    features: Mapping[str, Any] | None,
+    served: str | None = None,
 ) -> p.GenerateParams:
-    """The job's generation; 400 naming what to fix (an image model included)."""
+    """The job's generation; 400 naming what to fix (an image model included), 404 for
+    another model's name than ``served``."""
+    check_model(asked.body.get("model"), served)
     _check_model(features, asked.reference is not None)
     return video.parse_video(asked.body, limits, ignore=IGNORED, blobs=len(asked.blobs))
 

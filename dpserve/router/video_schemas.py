@@ -35,7 +35,9 @@ class _VideoFields(BaseModel):
     seed: int | None = Field(None, ge=0, le=p.MAX_SEED, description="default: a random one")
     num_inference_steps: int | None = Field(None, ge=1, le=p.Limits.max_steps)
     guidance_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
-    model: str | None = Field(None, description="accepted and ignored (one model per service)")
+    model: str | None = Field(
+        None, description="the served model's name (GET /v1/models); another is a 404"
+    )
 
 
 class VideoCreateRequest(_VideoFields):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -129,7 +130,7 @@ def upload_size(data: bytes, field: str) -> tuple[int, int]:
     except Image.DecompressionBombError:
         raise _bad(field, f"has too many pixels; at most {MAX_EDIT_PIXELS} (4096x4096)") from None
     except _UNREADABLE as exc:
-        raise _bad(field, f"is not a readable image (PNG, JPEG or WebP): {exc}") from None
+        raise _bad(field, f"is not a readable image (PNG, JPEG or WebP): {_why(exc)}") from None
     problem = _pixels_problem(*size)
     if problem is not None:
         raise _bad(field, problem)
@@ -207,7 +208,15 @@ def _decoded(data: bytes, field: str) -> Image.Image:
             img.load()
             return img.copy()
     except _UNREADABLE as exc:
-        raise _bad(field, f"is not a readable image: {exc}") from None
+        raise _bad(field, f"is not a readable image: {_why(exc)}") from None
+
+
+def _why(exc: Exception) -> str:
+    """What Pillow found, in the client's terms: its "cannot identify" names the
+    in-memory file object (a Python repr), which says nothing to a client."""
+    if isinstance(exc, UnidentifiedImageError):
+        return "its bytes are not in an image format the server reads"
+    return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the upload", str(exc))
 
 
 # ---------------------------------------------------------------- the call

@@ -124,8 +124,27 @@ def test_edits_and_inpainting_through_the_openai_client(client: openai.OpenAI) -
             prompt="a blue house",
             extra_body=EXTRA,
         )
-    with pytest.raises(openai.BadRequestError, match="image"):
-        client.images.edit(model="tiny", image=("in.png", b"not a png", "image/png"), prompt="x")
+    for junk in (b"not a png", b"\x89PNG\r\n\x1a\n" + b"garbage"):
+        with pytest.raises(openai.BadRequestError, match="image") as unreadable:
+            client.images.edit(model="tiny", image=("in.png", junk, "image/png"), prompt="x")
+        assert "0x" not in unreadable.value.message  # no Python repr of Pillow's file object
+        assert unreadable.value.code == "invalid_value"
+
+
+def test_a_variation_is_served_as_an_edit_without_a_prompt(client: openai.OpenAI) -> None:
+    source = _png((64, 48), (30, 120, 200))
+    ask: dict[str, Any] = {"image": ("in.png", source, "image/png"), "n": 2, "extra_body": EXTRA}
+    varied = client.images.create_variation(model="tiny", **ask)
+    again = client.images.create_variation(**ask)
+    assert varied.data is not None and again.data is not None and len(varied.data) == 2
+    images = [base64.b64decode(d.b64_json or "") for d in varied.data]
+    assert images == [base64.b64decode(d.b64_json or "") for d in again.data]  # same seeds
+    assert images[0] != images[1] and source not in images
+    assert all(_size(d.b64_json or "") == (64, 48) for d in varied.data)  # the input's size
+    with pytest.raises(openai.BadRequestError, match="/v1/images/edits"):
+        client.images.create_variation(
+            model="tiny", image=ask["image"], extra_body={**EXTRA, "prompt": "a dog"}
+        )
 
 
 def test_output_compression_and_the_format_are_reported(serve: ServeProcess) -> None:

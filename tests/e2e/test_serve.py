@@ -22,9 +22,13 @@ pytestmark = pytest.mark.e2e
 REQUEST = {"prompt": "a paper boat", "size": "64x64", "num_inference_steps": 3, "seed": 42}
 
 
+# The name `make serve` (serve without --model) gives its model, which the README uses.
+SERVED = "tiny-seed0"
+
+
 @pytest.fixture(scope="module")
 def dp2(tiny_model: Path, allow_tmp: tuple[str, str]) -> Iterator[ServeProcess]:
-    with ServeProcess(tiny_model, 2, *allow_tmp) as serve:
+    with ServeProcess(tiny_model, 2, *allow_tmp, "--served-model-name", SERVED) as serve:
         yield serve
 
 
@@ -99,11 +103,12 @@ def test_concurrent_pair_runs_on_both_replicas(dp2: ServeProcess) -> None:
 
 
 def test_openai_client_works_unchanged(dp2: ServeProcess) -> None:
+    import openai
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{dp2.url}/v1", api_key="unused")
     out = client.images.generate(
-        model="tiny",
+        model=SERVED,
         prompt="a kite",
         n=2,
         size="64x64",  # type: ignore[arg-type]
@@ -113,7 +118,11 @@ def test_openai_client_works_unchanged(dp2: ServeProcess) -> None:
     assert len(out.data) == 2
     pngs = [base64.b64decode(d.b64_json or "") for d in out.data]
     assert all(p.startswith(b"\x89PNG") for p in pngs) and pngs[0] != pngs[1]
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == [SERVED]
+    assert client.models.retrieve(SERVED).created > 0
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.images.generate(model="tiny", prompt="a kite", size="64x64")  # type: ignore[arg-type]
+    assert refused.value.code == "model_not_found" and refused.value.param == "model"
 
 
 def test_control_fan_out_reaches_every_replica(dp2: ServeProcess, tiny_lora: Path) -> None:

@@ -475,6 +475,37 @@ def test_router_policy_reaches_the_router_and_the_crd_names_the_clis_choices() -
         svc(router={"policy": "random"})
 
 
+def test_the_served_model_name_reaches_the_router_and_rolls_no_replica() -> None:
+    import re
+
+    from dpserve.cli import build_parser
+    from dpserve.operator.spec import RouterSpec
+    from dpserve.router.served_model import check_name
+
+    parser = build_parser()
+    assert parser.parse_args(b.router_args(svc())).served_model_name == "qwen"  # its name
+    named = svc(router={"servedModelName": "Qwen/Qwen-Image"})
+    assert parser.parse_args(b.router_args(named)).served_model_name == "Qwen/Qwen-Image"
+    assert b.spec_hash(named.spec) == b.spec_hash(svc().spec)  # the replicas stay
+    router = b.build_router_deployment(named, IMAGES)["spec"]["template"]["spec"]
+    assert "Qwen/Qwen-Image" in router["containers"][0]["args"]
+    # The CRD's rule is the router's: what the apiserver admits, the router starts with.
+    schema = RouterSpec.model_json_schema()["properties"]["servedModelName"]["anyOf"][0]
+    for name in ("tiny", "a/b:c", "two words", "é", "", "x" * 257):
+        admitted = (
+            re.fullmatch(schema["pattern"].strip("^$"), name) is not None
+            and schema["minLength"] <= len(name) <= schema["maxLength"]
+        )
+        try:
+            started = check_name(name) == name
+        except ValueError:
+            started = False
+        assert admitted == started, name
+        if not admitted:
+            with pytest.raises(ValueError, match="servedModelName"):
+                svc(router={"servedModelName": name})
+
+
 def test_a_new_pod_shape_rolls_the_replicas(monkeypatch: Any) -> None:
     before = b.spec_hash(svc().spec)
     monkeypatch.setattr(b, "POD_SHAPE", b.POD_SHAPE + 1)

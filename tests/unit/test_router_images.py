@@ -28,7 +28,7 @@ from dpserve import protocol as p
 from dpserve.router import peers, schemas
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.forms import IMAGE_FIELDS, MASK_FIELD
-from dpserve.router.openai_api import EDIT_IGNORED, OPENAI_ONLY, request_fields
+from dpserve.router.openai_api import EDIT_ONLY, OPENAI_ONLY, request_fields
 from dpserve.router.pool import PoolSettings
 from tests.stub_replica import StubReplica
 
@@ -297,7 +297,7 @@ def test_an_error_mid_stream_is_an_error_event() -> None:
             events = _events((await streaming).text)
             name, error = events[-1]
             assert name == "error" and error["id"] == "s-err"
-            assert error["error"]["code"] == 499
+            assert error["error"]["code"] == "cancelled"
 
     _run(scenario)
 
@@ -306,7 +306,7 @@ def test_the_openai_client_streams_generations_and_edits_unchanged() -> None:
     async def scenario() -> None:
         async with _router() as (http, stub), _openai(http) as client:
             stream = await client.images.generate(
-                model="m", prompt="x", size="64x64", stream=True, partial_images=2
+                model="stub", prompt="x", size="64x64", stream=True, partial_images=2
             )
             got = [event async for event in stream]
             assert [type(e).__name__ for e in got] == [
@@ -316,7 +316,7 @@ def test_the_openai_client_streams_generations_and_edits_unchanged() -> None:
             ]
             assert got[-1].size == "64x64" and got[-1].b64_json
             edits = await client.images.edit(
-                model="m",
+                model="stub",
                 image=[("a.png", PNG, "image/png"), ("b.png", PNG + b"2", "image/png")],
                 mask=("m.png", PNG + b"m", "image/png"),
                 prompt="y",
@@ -425,7 +425,7 @@ def test_the_edit_form_schema_names_what_the_parser_takes() -> None:
     schema = create_app(RouterSettings()).openapi()
     form = schema["paths"][EDITS]["post"]["requestBody"]["content"]["multipart/form-data"]
     declared = set(form["schema"]["properties"])
-    accepted = set(p.GENERATE_FIELDS) | OPENAI_ONLY | EDIT_IGNORED | peers.ACCEPTED | {"strength"}
+    accepted = set(p.GENERATE_FIELDS) | OPENAI_ONLY | EDIT_ONLY | peers.ACCEPTED | {"strength"}
     assert declared == accepted | set(IMAGE_FIELDS) | {MASK_FIELD}
     assert sorted(declared) == request_fields()["edits"]
     assert form["schema"]["properties"]["image[]"]["anyOf"][0]["items"]["format"] == "binary"

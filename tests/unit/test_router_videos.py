@@ -228,7 +228,7 @@ def test_the_openai_client_creates_retrieves_lists_downloads_and_deletes() -> No
                     prompt="a kite takes off",
                     size="64x64",
                     seconds="2",
-                    model="sora-2",
+                    model="stub",
                     input_reference=("first.png", reference, "image/png"),
                     extra_body={"num_inference_steps": 2},
                 )

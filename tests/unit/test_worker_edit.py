@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from dpserve import protocol as p
-from dpserve.worker.edit import EditSupport, check_edit, fitted_size, upload_size
+from dpserve.worker.edit import EditSupport, check_edit, decode_image, fitted_size, upload_size
 from dpserve.worker.encode import encode_image
 from dpserve.worker.preview import preview_steps
 
@@ -45,6 +45,19 @@ def test_uploads_are_checked_from_their_headers_naming_the_field() -> None:
         64,
         48,
     )
+
+
+def test_unreadable_uploads_are_named_without_python_reprs() -> None:
+    """Pillow's "cannot identify image file <_io.BytesIO object at 0x…>" is reworded, in
+    the header check and in the decode (a broken PNG passes the first, not the second)."""
+    truncated = _png((32, 32))[:60]
+    for data in (b"\x89PNG\r\n\x1a\n" + b"not a png", b"GIF? no", truncated):
+        for check in (upload_size, decode_image):
+            with pytest.raises(p.RequestError) as refused:
+                check(data, "image[0]")
+            message = str(refused.value)
+            assert "image[0] is not a readable image" in message
+            assert "0x" not in message and "BytesIO" not in message, message
 
 
 def test_edits_the_model_cannot_serve_are_unsupported_naming_the_limit() -> None:

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse
 from dpserve import protocol as p
 from dpserve.router import schemas
 from dpserve.router.bodies import parse_object, read_body
-from dpserve.router.deps import ServiceDep, SettingsDep
+from dpserve.router.deps import RequestIdDep, ServiceDep, SettingsDep
+from dpserve.router.openai_api import error_body
 
 ROUTES: Final = (
     ("/update_weights_from_disk", "update_weights_from_disk"),
@@ -25,11 +26,17 @@ ROUTES: Final = (
 
 
 def _handler(op: str):  # type: ignore[no-untyped-def]
-    async def handler(request: Request, settings: SettingsDep, service: ServiceDep) -> JSONResponse:
+    async def handler(
+        request: Request, rid: RequestIdDep, settings: SettingsDep, service: ServiceDep
+    ) -> JSONResponse:
         raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         body = parse_object(raw, request.headers.get("content-type"), required=False)
         answer = await service.control(op, body)
-        return JSONResponse(answer.body, status_code=answer.status)
+        shown = answer.body
+        if answer.status >= 400:  # the one error shape, beside SGLang's success and message
+            error = error_body(answer.status, str(shown["message"]), None, rid, answer.code)
+            shown = {**error, **shown}
+        return JSONResponse(shown, status_code=answer.status)
 
     return handler
 

@@ -7,16 +7,18 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
-from dpserve.router.deps import MetricsDep, PoolDep
+from dpserve.router.deps import MetricsDep, PoolDep, RequestIdDep
+from dpserve.router.openai_api import error_body
 from dpserve.router.routes.info import control_state
 
 
-async def health(pool: PoolDep) -> JSONResponse:
+async def health(pool: PoolDep, rid: RequestIdDep) -> JSONResponse:
     replicas = list(pool.replicas.values())
     silent = [pool.snapshot(r) for r in replicas if not r.answering]
     if not replicas or silent:
         message = "no replicas known" if not replicas else "some replicas do not answer"
-        return JSONResponse({"status": "unhealthy", "message": message, "silent": silent}, 503)
+        shown = {"status": "unhealthy", "message": message, "silent": silent}
+        return JSONResponse({**error_body(503, message, None, rid), **shown}, 503)
     return JSONResponse({"status": "ok", "replicas": len(replicas)})
 
 
@@ -25,12 +27,12 @@ async def livez() -> dict[str, str]:
     return {"status": "ok"}
 
 
-async def ready(pool: PoolDep) -> JSONResponse:
+async def ready(pool: PoolDep, rid: RequestIdDep) -> JSONResponse:
     serving = len(pool.serving())
-    return JSONResponse(
-        {"ready": serving > 0, "serving": serving, "replicas": len(pool.replicas)},
-        200 if serving else 503,
-    )
+    shown = {"ready": serving > 0, "serving": serving, "replicas": len(pool.replicas)}
+    if not serving:
+        shown = {**error_body(503, "no replica serves yet", None, rid), **shown}
+    return JSONResponse(shown, 200 if serving else 503)
 
 
 async def health_replicas(pool: PoolDep) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
@@ -21,17 +21,26 @@ from dpserve.router.deps import (
     SettingsDep,
     StoreDep,
 )
-from dpserve.router.forms import parse_form
+from dpserve.router.forms import EditForm, parse_form
 from dpserve.router.openai_api import (
-    EDIT_IGNORED,
+    EDIT_ONLY,
     ImageRequest,
     check_edit_supported,
-    error_body,
     image_response,
     parse_image_request,
 )
-from dpserve.router.registry import CANCELLED, COMPLETED, QUEUED_AT_REPLICA, RUNNING_AT_REPLICA
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.registry import (
+    CANCELLED,
+    COMPLETED,
+    QUEUED_AT_REPLICA,
+    RUNNING_AT_REPLICA,
+    Registry,
+)
 from dpserve.router.request_ids import RULE, valid
+from dpserve.router.served_model import check_model
+from dpserve.router.service import RouterService
+from dpserve.router.settings import RouterSettings
 from dpserve.router.store import OutputStore
 from dpserve.router.streaming import EDIT, GENERATION, EventStream
 
@@ -50,7 +59,13 @@ async def generate(
 ) -> Response:
     raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     body = parse_object(raw, request.headers.get("content-type"), required=True)
-    asked = parse_image_request(body, deps.limits(pool), store is not None, deps.features(pool))
+    asked = parse_image_request(
+        body,
+        deps.limits(pool),
+        store is not None,
+        deps.features(pool),
+        served=deps.served_name(pool, settings),
+    )
     job = jobs.start(registry, service, rid, asked.params)
     return await _answer(request, job, asked, GENERATION, store)
 
@@ -66,12 +81,42 @@ async def edit(
 ) -> Response:
     raw = await read_body(request, settings.max_upload_bytes, settings.body_timeout_s)
     form = await parse_form(raw, request.headers.get("content-type"))
+    return await _edit(request, rid, form, form.body(), settings, pool, service, registry, store)
+
+
+async def variation(
+    request: Request,
+    rid: RequestIdDep,
+    settings: SettingsDep,
+    pool: PoolDep,
+    service: ServiceDep,
+    registry: RegistryDep,
+    store: StoreDep,
+) -> Response:
+    """OpenAI's variations: an image-to-image edit of one image without a prompt."""
+    raw = await read_body(request, settings.max_upload_bytes, settings.body_timeout_s)
+    form = await parse_form(raw, request.headers.get("content-type"))
+    body = form.variation_body()
+    return await _edit(request, rid, form, body, settings, pool, service, registry, store)
+
+
+async def _edit(
+    request: Request,
+    rid: str,
+    form: EditForm,
+    body: dict[str, Any],
+    settings: RouterSettings,
+    pool: ReplicaPool,
+    service: RouterService,
+    registry: Registry,
+    store: OutputStore | None,
+) -> Response:
+    check_model(body.get("model"), deps.served_name(pool, settings))
     features = deps.features(pool)
     check_edit_supported(features, form.mask is not None)
     blobs = form.blobs()
-    asked = parse_image_request(
-        form.body(), deps.limits(pool), store is not None, features, len(blobs), EDIT_IGNORED
-    )
+    limits = deps.limits(pool)
+    asked = parse_image_request(body, limits, store is not None, features, len(blobs), EDIT_ONLY)
     job = jobs.start(registry, service, rid, asked.params, blobs)
     return await _answer(request, job, asked, EDIT, store)
 
@@ -130,7 +175,7 @@ def _too_late(request_id: str, ended: str) -> str:
 async def stored_image(name: str, store: StoreDep) -> Response:
     path = store.path(name) if store is not None else None
     if path is None:
-        return JSONResponse(error_body(404, f"no stored image {name!r}"), status_code=404)
+        raise p.RequestError(p.NOT_FOUND, f"no stored image {name[:80]!r}")
     return FileResponse(path)
 
 
@@ -174,6 +219,13 @@ def install(app: FastAPI) -> None:
         ),
         responses=schemas.image_responses(),
     )(edit)
+    app.post(
+        "/v1/images/variations",
+        openapi_extra=schemas.request_body(
+            schemas.ImageVariationForm, required=True, media_type="multipart/form-data"
+        ),
+        responses=schemas.image_responses(),
+    )(variation)
     app.post(
         "/v1/images/{request_id}/cancel",
         response_model=schemas.CancelResponse,

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from dpserve import protocol as p
@@ -15,19 +14,41 @@ from dpserve.router import deps
 from dpserve.router.deps import PoolDep, SettingsDep
 from dpserve.router.openai_api import error_body, request_fields
 from dpserve.router.pool import ReplicaPool
+from dpserve.router.schemas import ErrorResponse
+from dpserve.router.served_model import UNKNOWN, model_not_found
 from dpserve.router.settings import RouterSettings
 
 
-async def models(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
-    entry = {"id": model_name(pool, settings), "object": "model", "owned_by": "dpserve"}
-    shown = {"features": deps.features(pool), "router_features": router_features(settings)}
-    return {"object": "list", "data": [{**entry, **shown}]}
+async def models(request: Request, pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model(request, pool, settings)]}
+
+
+async def model(
+    model_id: str, request: Request, pool: PoolDep, settings: SettingsDep
+) -> dict[str, Any]:
+    """OpenAI's ``GET /v1/models/{id}``: the served model, or 404 model_not_found."""
+    shown = _model(request, pool, settings)
+    if model_id != shown["id"]:
+        raise model_not_found(model_id, shown["id"])
+    return shown
+
+
+def _model(request: Request, pool: ReplicaPool, settings: RouterSettings) -> dict[str, Any]:
+    """OpenAI's Model object (``created``: when this router started) and what it serves."""
+    return {
+        "id": model_name(pool, settings),
+        "object": "model",
+        "created": request.app.state.started,
+        "owned_by": "dpserve",
+        "features": deps.features(pool),
+        "router_features": router_features(settings),
+    }
 
 
 async def model_info(pool: PoolDep, settings: SettingsDep) -> JSONResponse:
     infos = [r.info for r in pool.serving() if r.info is not None]
     if not infos:
-        return JSONResponse(error_body(503, "no replica is serving yet"), 503, {"Retry-After": "1"})
+        raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet")
     shown = {**infos[0], "replicas_serving": len(infos)}
     shown.update(features=deps.features(pool), router_features=router_features(settings))
     return JSONResponse(shown)
@@ -82,10 +103,8 @@ def control_state(pool: ReplicaPool) -> dict[str, Any] | None:
 
 
 def model_name(pool: ReplicaPool, settings: RouterSettings) -> str:
-    if settings.served_model_name:
-        return settings.served_model_name
-    info = next((r.info for r in pool.replicas.values() if r.info is not None), None)
-    return Path(str(info["model_path"])).name if info else "dpserve"
+    """The name /v1/models lists, a placeholder until a replica has said."""
+    return deps.served_name(pool, settings) or UNKNOWN
 
 
 def _layout(info: dict[str, Any], replicas: int) -> str | None:
@@ -106,5 +125,9 @@ def _shown_settings(settings: RouterSettings) -> dict[str, Any]:
 def install(app: FastAPI) -> None:
     """Add these routes to ``app``."""
     app.get("/v1/models")(models)
+    app.get(
+        "/v1/models/{model_id:path}",
+        responses={404: {"model": ErrorResponse, "description": "not the served model"}},
+    )(model)
     app.get("/model_info")(model_info)
     app.get("/server_info")(server_info)

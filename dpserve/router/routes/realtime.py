@@ -10,8 +10,10 @@ from dpserve.router.realtime_ws import RealtimeConnection
 
 
 async def realtime(ws: WebSocket, running: RunningDep, settings: SettingsDep) -> None:
-    limits = lambda: deps.limits(running.pool)  # noqa: E731  (read when each init arrives)
-    await RealtimeConnection(ws, running.sessions, limits, settings.realtime).run()
+    # Read when each init arrives: replicas say their limits and model once they serve.
+    limits = lambda: deps.limits(running.pool)  # noqa: E731
+    served = lambda: deps.served_name(running.pool, settings)  # noqa: E731
+    await RealtimeConnection(ws, running.sessions, limits, settings.realtime, served).run()
 
 
 def install(app: FastAPI) -> None:

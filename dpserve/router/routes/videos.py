@@ -21,7 +21,8 @@ async def create(
     limit = settings.max_upload_bytes if is_form(content_type) else settings.max_body_bytes
     raw = await read_body(request, limit, settings.body_timeout_s)
     asked = await video_api.read_create(raw, content_type)
-    params = video_api.parse_create(asked, deps.video_limits(pool), deps.features(pool))
+    served = deps.served_name(pool, settings)
+    params = video_api.parse_create(asked, deps.video_limits(pool), deps.features(pool), served)
     job = await videos.submit(params, asked.blobs)
     return JSONResponse(video_api.job_json(job, model_name(pool, settings)))
 
