@@ -62,7 +62,7 @@ async def change(
             if attempt + 1 < ATTEMPTS:
                 run.rebased_on = met
                 log.info(
-                    "%s met control state version %d (%s) of another router; applied on top",
+                    "%s met control state version %d (%s) of another router; applying it on top",
                     op,
                     met.version,
                     met.op or "boot",

@@ -7,7 +7,7 @@ deleted picks up the state the service really has instead of starting over.
 Writes go through the store's compare-and-swap ``advance``, which only ever
 moves the stored document forward, and only to a document made knowing the stored
 one (``stored_after``): an op built on a stale state loses to the stored one, and
-its router builds it again on top (dpserve/router/service.py).
+its router builds it again on top (dpserve/router/changes.py).
 
 Where the document lives is a ``StateStore``: process memory for the embedded
 mode (the replicas' own reports are what a restarted router recovers from),
