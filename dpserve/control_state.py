@@ -8,8 +8,12 @@ ops, restarted, or meets a new router gets one call whatever happened before.
 States travel in documents ordered by ``(version, id)``. Each op makes the next
 version; the id (random) orders two routers that raced for the same version.
 Every router adopts the greatest document it sees — in its store, or held by a
-replica — so routers never undo each other's ops. This module is torch-free: the
-router reduces ops and compares digests, the worker applies states.
+replica — so routers never undo each other's ops. A document also names the
+newest one it was made knowing (``base``): a replica, or a store, takes an op's
+document only over one it knows (:meth:`StateDoc.knows`), so an op built on a
+stale state is refused instead of replacing another router's newer one, and its
+router builds it again on top (dpserve/router/service.py). This module is
+torch-free: the router reduces ops and compares digests, the worker applies states.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import msgspec
 
 from dpserve.protocol import (
     INVALID_REQUEST,
+    SYNC_STATE,
     UNAVAILABLE,
     FieldError,
     RequestError,
@@ -54,13 +59,24 @@ class StateDoc(msgspec.Struct, frozen=True, kw_only=True):
     id: str = "boot"
     op: str = ""  # the op that made it, for people reading status
     state: ControlState = msgspec.field(default_factory=ControlState)
+    # The key of the newest document its maker knew: every one up to there is in its
+    # state, or lost a race to one that is. (-1, ""): none (the boot document).
+    base: tuple[int, str] = (-1, "")
 
     @property
     def key(self) -> tuple[int, str]:
         return (self.version, self.id)
 
     def successor(self, op: str, state: ControlState) -> StateDoc:
-        return StateDoc(version=self.version + 1, id=uuid.uuid4().hex[:12], op=op, state=state)
+        """The next document, made knowing this one (``state``: the op's change to it)."""
+        return StateDoc(
+            version=self.version + 1, id=uuid.uuid4().hex[:12], op=op, state=state, base=self.key
+        )
+
+    def knows(self, other: StateDoc) -> bool:
+        """Whether this document may replace ``other``: it is ``other``, or was made
+        knowing it (or something newer), so taking it undoes no op."""
+        return other.key == self.key or other.key <= self.base
 
     def to_builtins(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
@@ -73,6 +89,31 @@ _CANONICAL: Final = msgspec.json.Encoder(order="sorted")
 def newest(*docs: StateDoc | None) -> StateDoc | None:
     known = [d for d in docs if d is not None]
     return max(known, key=lambda d: d.key) if known else None
+
+
+def stored_after(stored: StateDoc | None, offered: StateDoc) -> StateDoc:
+    """What a store holds once ``offered`` is written with compare-and-swap: it, when it
+    knows what is stored; else what is stored (another router's op won; build on it)."""
+    return offered if stored is None or offered.knows(stored) else stored
+
+
+def refusal(held: StateDoc, doc: StateDoc, op: str) -> str | None:
+    """Why a replica holding ``held`` must not take ``doc`` (sent with ``op``); None: it may.
+
+    A sync only brings a replica forward. An op's document must know what the replica
+    holds: one built on an older state would undo the op that made the replica's.
+    """
+    if op == SYNC_STATE:
+        if doc.key >= held.key:
+            return None
+        return f"this replica holds control state version {held.version}, newer than {doc.version}"
+    if doc.knows(held):
+        return None
+    return (
+        f"this replica holds control state version {held.version} ({held.op or 'boot'}), "
+        f"which version {doc.version} was not made from: another router changed the state "
+        "at the same time; retry"
+    )
 
 
 def parse_doc(raw: Any) -> StateDoc:

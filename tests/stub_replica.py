@@ -1,7 +1,7 @@
 """An in-process replica for router tests: the real wire protocol on a real ZMQ socket.
 
 It holds a control state the way a worker does (dpserve.control_state: documents
-ordered by version, whole states applied, refusals for older documents) and
+ordered by version, whole states applied, the worker's refusals) and
 answers pings (with its load: cost units in flight, a calibration, a busy share and
 a batch size, as a driver reports them), model_info (with features), control ops,
 and generations and edits:
@@ -28,13 +28,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 import zmq
 import zmq.asyncio
 from PIL import Image
 
 from dpserve import protocol as p
 from dpserve import video as v
-from dpserve.control_state import StateDoc, answer, parse_doc, reduce
+from dpserve.control_state import StateDoc, answer, parse_doc, reduce, refusal
 from dpserve.cost import cost_units
 from dpserve.transport import bind_router
 from dpserve.wire import Gatekeeper, WireKey
@@ -92,6 +93,9 @@ class StubReplica:
     video_submits: list[tuple[v.VideoRequest, int]] = field(default_factory=list)  # and blobs
     video_cancelled: list[str] = field(default_factory=list)  # unfinished jobs deleted
     draining: bool = False  # see drain()
+    # The next this-many state-changing ops find another router's op (an adapter
+    # ``foreign-<version>``) landed here just before them.
+    foreign_ops: int = 0
 
     def __post_init__(self) -> None:
         # A gatekeeper is one per context: a secured stub has a context of its own.
@@ -305,8 +309,14 @@ class StubReplica:
         if request.state is None:
             raise p.RequestError(p.INVALID_REQUEST, "this stub takes states from routers only")
         doc = parse_doc(request.state)
-        if doc.key < self.held.key:
-            raise p.RequestError(p.CONFLICT, f"holds newer version {self.held.version}")
+        if self.foreign_ops and request.op != p.SYNC_STATE:
+            self.foreign_ops -= 1  # another router's op lands here first
+            loras = {**self.held.state.loras, f"foreign-{self.held.version + 1}": "/loras/x"}
+            state = msgspec.structs.replace(self.held.state, loras=loras)
+            self.held = self.held.successor("set_lora", state)
+        refused = refusal(self.held, doc, request.op)
+        if refused is not None:
+            raise p.RequestError(p.CONFLICT, refused)
         wanted = {*doc.state.loras.values(), *(w.path for w in doc.state.weights.values())}
         bad = sorted(wanted & self.fail_paths)
         if bad:

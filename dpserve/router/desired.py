@@ -5,7 +5,9 @@ One owner: :class:`DesiredState`. It adopts the greatest document
 ping — so a restarted router, a second router, or a router whose ConfigMap was
 deleted picks up the state the service really has instead of starting over.
 Writes go through the store's compare-and-swap ``advance``, which only ever
-moves the stored document forward.
+moves the stored document forward, and only to a document made knowing the stored
+one (``stored_after``): an op built on a stale state loses to the stored one, and
+its router builds it again on top (dpserve/router/changes.py).
 
 Where the document lives is a ``StateStore``: process memory for the embedded
 mode (the replicas' own reports are what a restarted router recovers from),
@@ -19,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dpserve.control_state import ControlState, StateDoc, newest
+from dpserve.control_state import ControlState, StateDoc, newest, stored_after
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,8 @@ class StateStore(Protocol):
     def load(self) -> StateDoc | None: ...
 
     def advance(self, doc: StateDoc) -> StateDoc:
-        """Store ``doc`` if it is newer than what is stored; returns what is stored after."""
+        """Store ``doc`` if it knows what is stored (``stored_after``); returns what is
+        stored after."""
         ...
 
     def report(self, out_of_sync: OutOfSync, known: set[str]) -> None:
@@ -47,8 +50,7 @@ class MemoryStore:
         return self.doc
 
     def advance(self, doc: StateDoc) -> StateDoc:
-        self.doc = newest(self.doc, doc)
-        assert self.doc is not None
+        self.doc = stored_after(self.doc, doc)
         return self.doc
 
     def report(self, out_of_sync: OutOfSync, known: set[str]) -> None:
@@ -88,9 +90,10 @@ class DesiredState:
         self.doc = newest(self.doc, stored)
 
     async def commit(self, doc: StateDoc) -> StateDoc:
-        """Make ``doc`` the desired state; returns the stored one (newer if another won)."""
+        """Make ``doc`` the desired state; returns the stored one: another router's,
+        which becomes the desired one instead, when ``doc`` did not know it."""
         stored = await asyncio.to_thread(self.store.advance, doc)
-        self.doc = newest(self.doc, stored, doc)
+        self.doc = newest(self.doc, stored)
         return stored
 
     async def report(self, out_of_sync: OutOfSync, known: set[str]) -> None:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from dpserve.control_state import StateDoc, newest, parse_doc
+from dpserve.control_state import StateDoc, parse_doc, stored_after
 from dpserve.layout import replica_endpoint
 
 log = logging.getLogger(__name__)
@@ -184,17 +184,17 @@ class ConfigMapStateStore:
         return self._doc(self._read())
 
     def advance(self, doc: StateDoc) -> StateDoc:
-        def change(cm: Any) -> StateDoc:
-            stored = newest(self._doc(cm), doc)
-            assert stored is not None
+        def change(cm: Any) -> tuple[StateDoc, bool]:
+            current = self._doc(cm)
+            stored = stored_after(current, doc)
             if stored is doc:
                 cm.data = {**(cm.data or {}), self.STATE: json.dumps(doc.to_builtins())}
-            return stored
+            return stored, stored is doc and current != doc
 
         return self._swap(change, doc)
 
     def report(self, out_of_sync: dict[str, str], known: set[str]) -> None:
-        def change(cm: Any) -> None:
+        def change(cm: Any) -> tuple[None, bool]:
             try:
                 entries = dict(json.loads((cm.data or {}).get(self.REPLICAS) or "{}"))
             except (ValueError, TypeError):
@@ -206,11 +206,13 @@ class ConfigMapStateStore:
             for endpoint, reason in out_of_sync.items():
                 entries[endpoint] = {"reason": reason, "since": now, "router": self.router}
             cm.data = {**(cm.data or {}), self.REPLICAS: json.dumps(entries, sort_keys=True)}
+            return None, True
 
         self._swap(change, None)
 
-    def _swap(self, change: Callable[[Any], T], missing: T) -> T:
-        """Read, change, replace with the read's resourceVersion; re-read on a conflict."""
+    def _swap(self, change: Callable[[Any], tuple[T, bool]], missing: T) -> T:
+        """Read, change, replace with the read's resourceVersion; re-read on a conflict.
+        ``change`` says what to return and whether there is anything to write."""
         api = self._api()
         for _ in range(self.attempts):
             cm = self._read()
@@ -219,7 +221,9 @@ class ConfigMapStateStore:
                     "%s/%s is missing: control state kept in memory", self.namespace, self.name
                 )
                 return missing
-            result = change(cm)
+            result, write = change(cm)
+            if not write:
+                return result
             try:
                 api.replace_namespaced_config_map(self.name, self.namespace, cm)
             except ApiException as exc:

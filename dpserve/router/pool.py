@@ -231,7 +231,12 @@ class ReplicaPool:
                 log.exception("health check of %s failed", replica.name)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(r) for r in self.members()))
+        await self.recheck(self.members())
+
+    async def recheck(self, replicas: Iterable[Replica]) -> None:
+        """Ping these replicas now, not at their next turn: what they hold, adopted
+        when it is newer (a control op met another router's state there)."""
+        await asyncio.gather(*(self._check(r) for r in replicas))
 
     async def _check(self, replica: Replica) -> None:
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -13,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dpserve import protocol as p
-from dpserve.control_state import reduce
+from dpserve.router.changes import change
 from dpserve.router.coalesce import Coalescer, retrieve
 from dpserve.router.connection import ReplicaLost
-from dpserve.router.policies import FanoutAnswer, ReplicaOutcome, merge_fanout
+from dpserve.router.policies import FanoutAnswer, merge_fanout
 from dpserve.router.pool import Replica, ReplicaPool, Slot
 
 log = logging.getLogger(__name__)
@@ -186,7 +185,7 @@ class RouterService:
             return await self.heavy_reads.run(key, lambda: self._read(op, args), op)
         if op not in p.MUTATING_OPS:
             return await self._read(op, args)
-        outcomes, summary = await self._change(op, args)
+        outcomes, summary = await change(self.pool, op, args)
         answer = merge_fanout(op, outcomes, read_only=False)
         return FanoutAnswer(answer.status, {**answer.body, "control_state": summary}, answer.code)
 
@@ -195,61 +194,3 @@ class RouterService:
         request = p.ControlRequest(op=op, args=args)
         outcomes = await asyncio.gather(*(self.pool.ask(r, request) for r in replicas))
         return merge_fanout(op, outcomes, read_only=True)
-
-    async def _change(
-        self, op: str, args: dict[str, Any]
-    ) -> tuple[list[ReplicaOutcome], dict[str, Any]]:
-        """Make the op's state the desired one, and bring every replica there.
-
-        **Decision** (docs/router.md): the state is desired before it is sent, so
-        a replica that joins meanwhile is brought there too. If no replica could
-        take it, the state goes back (a new version holding the old state) and the
-        answer is the replicas' error. If some could, the state stays: the others
-        leave rotation, named with their reason, and are retried until they hold it.
-        """
-        desired = self.pool.desired
-        async with desired.ops:
-            with contextlib.suppress(Exception):  # unreachable store: go on with ours
-                await desired.refresh()
-            base = desired.doc
-            if base is None:
-                raise p.RequestError(
-                    p.UNAVAILABLE, "no replica has reported its control state yet; retry shortly"
-                )
-            doc = base.successor(op, reduce(base.state, op, args, revision=base.version + 1))
-            try:
-                stored = await desired.commit(doc)
-            except Exception as exc:
-                raise p.RequestError(p.UNAVAILABLE, f"control state store: {exc}") from exc
-            if stored.key != doc.key:
-                raise p.RequestError(
-                    p.CONFLICT,
-                    f"another router changed the control state (now version {stored.version}) "
-                    "at the same moment; retry",
-                )
-            desired.before = base.state
-            try:
-                replicas = self.pool.members()
-                outcomes = list(
-                    await asyncio.gather(*(self.pool.apply(r, doc, op, args) for r in replicas))
-                )
-            finally:
-                desired.before = None
-            taken = sum(o.result is not None for o in outcomes)
-            final = doc
-            if not taken:
-                final = doc.successor(f"undo {op}", base.state)
-                try:
-                    await desired.commit(final)
-                except Exception as exc:  # the replicas still hold the old state
-                    log.warning("control state store: undo not stored: %s", exc)
-            self.pool.state_changed()
-        behind = [o.replica for o in outcomes if o.result is None]
-        summary = {
-            "version": final.version,
-            "digest": final.state.digest(),
-            "applied": taken > 0,
-            "replicas_holding": taken,
-            "out_of_rotation_until_synced": behind if taken else [],
-        }
-        return outcomes, summary

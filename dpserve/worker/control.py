@@ -14,9 +14,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
-from dpserve.control_state import ControlState, StateDoc, answer, bad, names, parse_doc, reduce
+from dpserve.control_state import (
+    ControlState,
+    StateDoc,
+    answer,
+    bad,
+    names,
+    parse_doc,
+    reduce,
+    refusal,
+)
 from dpserve.protocol import (
     CONFLICT,
     INVALID_REQUEST,
@@ -74,9 +84,7 @@ class ControlOps:
 
     def held(self) -> StateDoc:
         """The document this replica reports: the last one sent, with the state it really has."""
-        return StateDoc(
-            version=self._doc.version, id=self._doc.id, op=self._doc.op, state=self.state()
-        )
+        return msgspec.structs.replace(self._doc, state=self.state())
 
     def state(self) -> ControlState:
         return self.applier.state()
@@ -117,12 +125,9 @@ class ControlOps:
             doc = parse_doc(request.state)
         except ValueError as exc:
             raise bad("state", str(exc)) from None
-        if doc.key < self._doc.key:
-            raise RequestError(
-                CONFLICT,
-                f"this replica holds control state version {self._doc.version} from "
-                f"another router, newer than {doc.version}; refresh and retry",
-            )
+        refused = refusal(self._doc, doc, request.op)
+        if refused is not None:
+            raise RequestError(CONFLICT, refused)
         return doc, doc.state
 
     def _converge(

@@ -12,8 +12,10 @@ from dpserve.control_state import (
     newest,
     parse_doc,
     reduce,
+    refusal,
+    stored_after,
 )
-from dpserve.protocol import RequestError
+from dpserve.protocol import SYNC_STATE, RequestError
 
 LORA = {"lora_nickname": "a", "lora_path": "/l/a"}
 
@@ -93,6 +95,31 @@ def test_documents_order_by_version_then_id_and_round_trip() -> None:
     for bad in ({"version": "x"}, [], {"state": {"loras": 3}}):
         with pytest.raises(ValueError):
             parse_doc(bad)
+
+
+def test_an_op_replaces_only_a_document_it_was_made_knowing() -> None:
+    boot = StateDoc()
+    mine = boot.successor("set_lora", _after(("set_lora", LORA)))
+    other = {"lora_nickname": "b", "lora_path": "/l/b"}
+    theirs = boot.successor("set_lora", _after(("set_lora", other)))
+    # Two routers built on the same state: neither undoes the other, whatever the ids.
+    assert not mine.knows(theirs) and not theirs.knows(mine)
+    assert "another router changed the state" in str(refusal(theirs, mine, "set_lora"))
+    assert stored_after(theirs, mine) is theirs
+    # Built again on top of theirs, and over my first try: it replaces both.
+    again = newest(theirs, mine)
+    assert again is not None
+    on_top = again.successor("set_lora", reduce(theirs.state, "set_lora", LORA, 2))
+    assert on_top.state.loras == {"a": "/l/a", "b": "/l/b"}
+    assert on_top.version == 2 and on_top.knows(theirs) and on_top.knows(mine)
+    assert refusal(theirs, on_top, "set_lora") is None
+    assert refusal(mine, on_top, "set_lora") is None and refusal(on_top, on_top, "set_lora") is None
+    assert stored_after(theirs, on_top) is on_top and stored_after(None, mine) is mine
+    # A replica behind (missed ops, restarted) takes it; a sync only moves forward.
+    assert refusal(boot, on_top, "set_lora") is None
+    assert refusal(on_top, mine, SYNC_STATE) is not None
+    assert refusal(mine, on_top, SYNC_STATE) is None
+    assert parse_doc(on_top.to_builtins()).base == again.key
 
 
 def test_digest_is_stable_and_order_free() -> None:
