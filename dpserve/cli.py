@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpserve.bind import PortUnavailable, check_tcp, hold_tcp
 from dpserve.layout import LayoutError
 from dpserve.wire import WireKeyError
 from dpserve.worker.config import add_gang_args, add_worker_args, port_number, positive, seconds
@@ -176,14 +177,40 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lora.add_argument("--rank", type=positive, default=4)
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """``--help`` says each option's default, where it has one worth saying (not None,
+    an empty list or an off switch) and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        unsaid = default in (None, False, (), []) or default is argparse.SUPPRESS
+        if unsaid or "default" in text or action.option_strings == []:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dpserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dpserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_worker(sub)
     _add_router(sub)
     _add_serve(sub)
     _add_k8s(sub)
     _add_tiny(sub)
+    for command in sub.choices.values():
+        command.formatter_class = _ShowDefaults
     return parser
 
 
@@ -238,8 +265,9 @@ def _router(args: argparse.Namespace) -> int:
     elif not args.worker:
         print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
         return 2
+    sockets = hold_tcp(args.host, args.port)  # before the app is built: a taken port fails now
     app = create_app(settings)
-    uvicorn.Server(server_config(app, args.host, args.port, settings)).run()
+    uvicorn.Server(server_config(app, args.host, args.port, settings)).run(sockets=sockets)
     return 0
 
 
@@ -265,11 +293,19 @@ def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConf
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from dpserve.local import serve
+    # The HTTP port first: a taken one fails in a second, not after every replica loaded.
+    # (The drivers' ports need no check: a taken one settles on a free one.)
+    sockets = hold_tcp(args.host, args.port)
+    try:
+        from dpserve.local import serve
 
-    replicas = _replica_set(args, args.model)
-    settings = _router_settings(args, [])
-    return serve(replicas, args.host, args.port, settings)
+        replicas = _replica_set(args, args.model)
+        settings = _router_settings(args, [])
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return serve(replicas, sockets, args.host, args.port, settings)
 
 
 def _operator(args: argparse.Namespace) -> int:
@@ -320,12 +356,17 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)
         return 2
     _wire_key(config.wire_key_file)  # a bad key file fails here, before any rank starts
+    if config.endpoint_file is None:  # a fixed port (a pod's): taken, it fails now, not after load
+        check_tcp(config.bind, config.port)
     return run_gang(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from dpserve.worker.quiet import quiet_torchvision_fallback
+
+    quiet_torchvision_fallback()  # make-tiny-model and serve's first start import diffusers
     try:
         if args.command == "worker":
             return _worker(args)
@@ -351,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             return _probe(args)
         return _serve(args)
-    except (LayoutError, WireKeyError) as exc:
+    except (LayoutError, WireKeyError, PortUnavailable) as exc:
         print(f"dpserve {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -30,7 +30,7 @@ from dpserve.router.openai_api import error_body
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
 from dpserve.router.request_ids import RequestIdMiddleware, of_scope
-from dpserve.router.routes import control, health, images, info, realtime, videos
+from dpserve.router.routes import control, docs, health, images, info, realtime, videos
 from dpserve.router.routes.images import REPLICA_HEADER
 from dpserve.router.service import RouterService
 from dpserve.router.sessions import SessionRouter
@@ -85,7 +85,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
-    app = FastAPI(title="dpserve router", lifespan=lifespan)
+    # /docs and /redoc are docs.install's: the same pages, with their files served here.
+    app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.metrics = RouterMetrics()
     app.state.running = None
@@ -100,7 +101,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         else None
     )
     _handle_errors(app)
-    for routes in (images, videos, info, control, health, realtime):
+    for routes in (images, videos, info, control, health, realtime, docs):
         routes.install(app)
 
     keys = Keys.of(settings.api_keys, settings.admin_keys)
