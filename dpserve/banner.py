@@ -81,10 +81,11 @@ def _video(url: str, api: str, model: ModelFacts) -> list[str]:
     size = f"{4 * model.size_factor}x{3 * model.size_factor}"
     if model.text_to_video:
         body = f'{{"prompt": "a paper boat on a pond", "size": "{size}", "seconds": "1", '
-        body += '"seed": 7}'
+        body += '"num_inference_steps": 8, "seed": 7}'
         submit = [f"    curl -s {url}/v1/videos {_CT}{api} \\", f"      -d '{body}'"]
     else:  # image-to-video: the job animates an image of the caller's
-        form = f"-F prompt='a paper boat on a pond' -F size={size} -F seconds=1 -F seed=7"
+        form = f"-F prompt='a paper boat on a pond' -F size={size} -F seconds=1"
+        form += " -F num_inference_steps=8 -F seed=7"
         submit = [
             f"    curl -s {url}/v1/videos{api} {form} \\",
             "      -F input_reference=@YOUR_IMAGE.png",

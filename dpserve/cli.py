@@ -108,7 +108,12 @@ def _key_file(value: str) -> tuple[str, ...]:
 def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser("router", help="HTTP front over replicas (OpenAI images API)")
     r.add_argument("--worker", action="append", default=[], help="replica driver tcp://HOST:PORT")
-    r.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    r.add_argument(
+        "--discovery",
+        choices=("static", "kubernetes"),
+        default="static",
+        help="static: the --worker endpoints; kubernetes: a headless Service's ready endpoints",
+    )
     r.add_argument("--namespace", help="kubernetes: namespace of the replicas' Service")
     r.add_argument("--service", help="kubernetes: the replicas' headless Service")
     r.add_argument(
@@ -149,9 +154,9 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     o.add_argument("--liveness-port", type=port_number, default=8080, help="serves /healthz")
     sub.add_parser("crd", help="print the DiffusionService CRD (generated from the code)")
     probe = sub.add_parser("probe", help="ping a local replica's driver (pod probes)")
-    probe.add_argument("--port", type=port_number, required=True)
-    probe.add_argument("--host", default="127.0.0.1")
-    probe.add_argument("--timeout", type=float, default=3.0)
+    probe.add_argument("--port", type=port_number, required=True, help="the driver's port")
+    probe.add_argument("--host", default="127.0.0.1", help="the driver's address")
+    probe.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the ping")
     probe.add_argument("--wire-key-file", type=Path, default=None, help="the replica's wire key")
     probe.add_argument(
         "--live", action="store_true", help="liveness: answering and not stalled is enough"
@@ -164,17 +169,19 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="build a tiny Flux-style pipeline, or with --variant video (video-i2v) a "
         "Wan-style text-to-video (image-to-video) one (random weights)",
     )
-    t.add_argument("dir", type=Path)
+    t.add_argument("dir", type=Path, help="folder to write the pipeline to (absent or empty)")
     # The builder's VARIANTS and VIDEO_VARIANTS, spelled out: importing them here would
     # load torch for every command.
     variants = ("tiny", "tiny4", "small", "large", "video", "video-small", "video-i2v")
-    t.add_argument("--variant", choices=variants, default="tiny")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--variant", choices=variants, default="tiny", help="docs/worker.md, Tiny models"
+    )
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     lora = sub.add_parser("make-tiny-lora", help="build a random LoRA for a tiny model")
-    lora.add_argument("dir", type=Path)
-    lora.add_argument("--model", type=Path, required=True)
-    lora.add_argument("--seed", type=int, default=0)
-    lora.add_argument("--rank", type=positive, default=4)
+    lora.add_argument("dir", type=Path, help="folder to write the LoRA to")
+    lora.add_argument("--model", type=Path, required=True, help="the tiny model it fits")
+    lora.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    lora.add_argument("--rank", type=positive, default=4, help="the LoRA's rank")
 
 
 class _ShowDefaults(argparse.HelpFormatter):
@@ -251,21 +258,23 @@ def _wire_key(path: Path | None) -> WireKey | None:
 
 
 def _router(args: argparse.Namespace) -> int:
+    kubernetes = args.discovery == "kubernetes"
+    if kubernetes and not (args.namespace and args.service):
+        print("dpserve router: kubernetes discovery needs --namespace and --service")
+        return 2
+    if not (kubernetes or args.worker):
+        print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
+        return 2
+    # The port first, before FastAPI and the app are imported: a taken one fails at once.
+    sockets = hold_tcp(args.host, args.port)
     import uvicorn
 
     from dpserve.router.app import KubernetesDiscovery, create_app, server_config
 
     settings = _router_settings(args, args.worker)
-    if args.discovery == "kubernetes":
-        if not (args.namespace and args.service):
-            print("dpserve router: kubernetes discovery needs --namespace and --service")
-            return 2
+    if kubernetes:
         k8s = KubernetesDiscovery(args.namespace, args.service, args.control_state_configmap)
         settings = dataclasses.replace(settings, kubernetes=k8s)
-    elif not args.worker:
-        print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
-        return 2
-    sockets = hold_tcp(args.host, args.port)  # before the app is built: a taken port fails now
     app = create_app(settings)
     uvicorn.Server(server_config(app, args.host, args.port, settings)).run(sockets=sockets)
     return 0

@@ -35,6 +35,9 @@ from dpserve.wire import WireKey
 from dpserve.worker.config import worker_flags
 
 if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
     from dpserve.router.app import RouterSettings
 
 log = logging.getLogger("dpserve.serve")
@@ -293,9 +296,16 @@ def serve(
 
     began = time.monotonic()
 
-    async def run(server: uvicorn.Server, endpoints: list[str], model: ModelFacts) -> None:
+    async def run(
+        app: FastAPI, server: uvicorn.Server, endpoints: list[str], model: ModelFacts
+    ) -> None:
         async def announce() -> None:
             while not server.started:
+                await asyncio.sleep(0.05)
+            # The router's own first pings may still be under way on a busy machine:
+            # the banner's calls must not meet a 503 "no replica serves".
+            deadline = time.monotonic() + 60
+            while _serving(app) < replicas.dp_size and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             keyed = bool(settings.api_keys or settings.admin_keys)
             took = time.monotonic() - began
@@ -322,9 +332,10 @@ def serve(
     try:
         local.start()
         settings = dataclasses.replace(settings, workers=tuple(local.endpoints), public_url=url)
-        server = uvicorn.Server(server_config(create_app(settings), host, port, settings))
+        app = create_app(settings)
+        server = uvicorn.Server(server_config(app, host, port, settings))
         log.info("router listening on %s", url)
-        asyncio.run(run(server, local.endpoints, _model_facts(local.workers[0])))
+        asyncio.run(run(app, server, local.endpoints, _model_facts(local.workers[0])))
     except _Stopped:
         pass  # asked to stop: what follows is the stop
     finally:
@@ -357,6 +368,11 @@ def _unwind_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, unwind)
+
+
+def _serving(app: FastAPI) -> int:
+    running = getattr(app.state, "running", None)  # set by the app's lifespan
+    return 0 if running is None else len(running.pool.serving())
 
 
 def _model_facts(worker: WorkerProcess) -> ModelFacts:
