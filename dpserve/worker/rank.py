@@ -133,7 +133,7 @@ def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
     with startup.phase("warm-up"):
         _warmup(executor, cfg, startup)
     ingress = _open_ingress(cfg, executor) if comm.info.is_driver else None
-    startup.say("replica %d ready after %s", cfg.replica, startup.summary())
+    startup.say("%s", startup.summary())  # after the ingress's "replica r ready: … on …"
     try:
         _loop(comm, executor, ingress, cfg, draining)
     finally:

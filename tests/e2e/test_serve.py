@@ -200,7 +200,7 @@ def test_readme_openai_example_runs(
     assert scope["event"].type == "image_generation.completed"
     with Image.open(tmp_path / "in.png") as image, Image.open(tmp_path / "mask.png") as mask:
         assert (image.format, image.size, mask.size) == ("PNG", (256, 256), (256, 256))
-        assert set(mask.getdata()) == {0, 255}  # black: keep, white: repaint
+        assert {value for _, value in mask.getcolors()} == {0, 255}  # black: keep; white: repaint
     edit = scope["edit"]
     assert edit.size == "256x256"
     assert base64.b64decode(edit.data[0].b64_json) != (tmp_path / "in.png").read_bytes()

@@ -127,7 +127,7 @@ PHASES = (
     "loading ",
     "loaded FluxPipeline in ",
     "warming up at 64x64",
-    "ready after start-up ",
+    " INFO start-up ",
 )
 
 

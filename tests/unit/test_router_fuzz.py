@@ -7,8 +7,9 @@ runs over an in-process replica speaking the real wire protocol on a real ZMQ
 socket (tests/stub_replica.py). No answer may be a 5xx.
 
 About 50 s of CPU; ``DPSERVE_FUZZ_EXAMPLES`` sets the examples per operation and
-mode (default 60: 2,704 cases over 27 operations, no 5xx). The figures are printed and recorded as ``fuzz_cases`` and ``fuzz_5xx``
-(``pytest -s`` or ``--junitxml`` shows them).
+mode (default 60: 2,704 cases over 27 operations, no 5xx). The figures are printed
+and recorded as ``fuzz_cases`` and ``fuzz_5xx`` (``pytest -s`` or ``--junitxml``
+shows them).
 """
 
 from __future__ import annotations
