@@ -170,14 +170,20 @@ def test_serve_logs_its_phases_and_its_banner_calls_answer(
     assert "torchvision" not in log
 
 
+@pytest.mark.parametrize("fixture", ["tiny_video_model", "tiny_i2v_model"])
 def test_a_video_models_banner_shows_video_calls_that_work(
-    tiny_video_model: Path, tmp_path: Path
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    serve = Serve(tiny_video_model, 1, tmp_path / "stderr")
+    serve = Serve(request.getfixturevalue(fixture), 1, tmp_path / "stderr")
     try:
         banner = serve.banner()
         assert not any("/v1/images" in line or "realtime" in line for line in banner)
         submit, status, content, health = _commands(banner)
+        if fixture == "tiny_i2v_model":  # the one word the user fills in: their image
+            from PIL import Image
+
+            Image.new("RGB", (80, 60), (30, 90, 200)).save(tmp_path / "YOUR_IMAGE.png")
+            assert "input_reference=@YOUR_IMAGE.png" in submit
         job = json.loads(_sh(submit, tmp_path))
         assert (job.get("object"), job.get("size")) == ("video", "64x48"), job
         poll = status.replace("VIDEO_ID", shlex.quote(job["id"]))
