@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpserve-installed
 CACHE ?= $(HOME)/.cache/dpserve
 PYTEST_ARGS ?=
+# Extra `dpserve serve` flags: make serve ARGS="--port 9000 --api-key K"
+ARGS ?=
 
 .PHONY: setup serve test test-fast lint cluster-bins browser bench-cfg images clean
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 serve: $(STAMP)
-	$(VENV)/bin/dpserve serve --dp-size 2
+	$(VENV)/bin/dpserve serve --dp-size 2 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dpserve tests bench

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpserve.bind import PortUnavailable, check_tcp, hold_tcp
 from dpserve.layout import LayoutError
 from dpserve.wire import WireKeyError
 from dpserve.worker.config import add_gang_args, add_worker_args, port_number, positive, seconds
@@ -122,7 +123,12 @@ def _key_file(value: str) -> tuple[str, ...]:
 def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser("router", help="HTTP front over replicas (OpenAI images API)")
     r.add_argument("--worker", action="append", default=[], help="replica driver tcp://HOST:PORT")
-    r.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    r.add_argument(
+        "--discovery",
+        choices=("static", "kubernetes"),
+        default="static",
+        help="static: the --worker endpoints; kubernetes: a headless Service's ready endpoints",
+    )
     r.add_argument("--namespace", help="kubernetes: namespace of the replicas' Service")
     r.add_argument("--service", help="kubernetes: the replicas' headless Service")
     r.add_argument(
@@ -163,9 +169,9 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     o.add_argument("--liveness-port", type=port_number, default=8080, help="serves /healthz")
     sub.add_parser("crd", help="print the DiffusionService CRD (generated from the code)")
     probe = sub.add_parser("probe", help="ping a local replica's driver (pod probes)")
-    probe.add_argument("--port", type=port_number, required=True)
-    probe.add_argument("--host", default="127.0.0.1")
-    probe.add_argument("--timeout", type=float, default=3.0)
+    probe.add_argument("--port", type=port_number, required=True, help="the driver's port")
+    probe.add_argument("--host", default="127.0.0.1", help="the driver's address")
+    probe.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the ping")
     probe.add_argument("--wire-key-file", type=Path, default=None, help="the replica's wire key")
     probe.add_argument(
         "--live", action="store_true", help="liveness: answering and not stalled is enough"
@@ -178,27 +184,55 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="build a tiny Flux-style pipeline, or with --variant video (video-i2v) a "
         "Wan-style text-to-video (image-to-video) one (random weights)",
     )
-    t.add_argument("dir", type=Path)
+    t.add_argument("dir", type=Path, help="folder to write the pipeline to (absent or empty)")
     # The builder's VARIANTS and VIDEO_VARIANTS, spelled out: importing them here would
     # load torch for every command.
     variants = ("tiny", "tiny4", "small", "large", "video", "video-small", "video-i2v")
-    t.add_argument("--variant", choices=variants, default="tiny")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--variant", choices=variants, default="tiny", help="docs/worker.md, Tiny models"
+    )
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     lora = sub.add_parser("make-tiny-lora", help="build a random LoRA for a tiny model")
-    lora.add_argument("dir", type=Path)
-    lora.add_argument("--model", type=Path, required=True)
-    lora.add_argument("--seed", type=int, default=0)
-    lora.add_argument("--rank", type=positive, default=4)
+    lora.add_argument("dir", type=Path, help="folder to write the LoRA to")
+    lora.add_argument("--model", type=Path, required=True, help="the tiny model it fits")
+    lora.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    lora.add_argument("--rank", type=positive, default=4, help="the LoRA's rank")
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """``--help`` says each option's default, where it has one worth saying (not None,
+    an empty list or an off switch) and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        unsaid = default in (None, False, (), []) or default is argparse.SUPPRESS
+        if unsaid or "default" in text or action.option_strings == []:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dpserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dpserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_worker(sub)
     _add_router(sub)
     _add_serve(sub)
     _add_k8s(sub)
     _add_tiny(sub)
+    for command in sub.choices.values():
+        command.formatter_class = _ShowDefaults
     return parser
 
 
@@ -239,22 +273,25 @@ def _wire_key(path: Path | None) -> WireKey | None:
 
 
 def _router(args: argparse.Namespace) -> int:
+    kubernetes = args.discovery == "kubernetes"
+    if kubernetes and not (args.namespace and args.service):
+        print("dpserve router: kubernetes discovery needs --namespace and --service")
+        return 2
+    if not (kubernetes or args.worker):
+        print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
+        return 2
+    # The port first, before FastAPI and the app are imported: a taken one fails at once.
+    sockets = hold_tcp(args.host, args.port)
     import uvicorn
 
     from dpserve.router.app import KubernetesDiscovery, create_app, server_config
 
     settings = _router_settings(args, args.worker)
-    if args.discovery == "kubernetes":
-        if not (args.namespace and args.service):
-            print("dpserve router: kubernetes discovery needs --namespace and --service")
-            return 2
+    if kubernetes:
         k8s = KubernetesDiscovery(args.namespace, args.service, args.control_state_configmap)
         settings = dataclasses.replace(settings, kubernetes=k8s)
-    elif not args.worker:
-        print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
-        return 2
     app = create_app(settings)
-    uvicorn.Server(server_config(app, args.host, args.port, settings)).run()
+    uvicorn.Server(server_config(app, args.host, args.port, settings)).run(sockets=sockets)
     return 0
 
 
@@ -280,10 +317,19 @@ def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConf
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from dpserve.local import serve
+    # The HTTP port first: a taken one fails in a second, not after every replica loaded.
+    # (The drivers' ports need no check: a taken one settles on a free one.)
+    sockets = hold_tcp(args.host, args.port)
+    try:
+        from dpserve.local import serve
 
-    replicas = _replica_set(args, args.model)
-    return serve(replicas, args.host, args.port, _serve_settings(args, replicas.model))
+        replicas = _replica_set(args, args.model)
+        settings = _serve_settings(args, replicas.model)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return serve(replicas, sockets, args.host, args.port, settings)
 
 
 def _serve_settings(args: argparse.Namespace, model: Path) -> RouterSettings:
@@ -344,12 +390,17 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)
         return 2
     _wire_key(config.wire_key_file)  # a bad key file fails here, before any rank starts
+    if config.endpoint_file is None:  # a fixed port (a pod's): taken, it fails now, not after load
+        check_tcp(config.bind, config.port)
     return run_gang(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from dpserve.worker.quiet import quiet_torchvision_fallback
+
+    quiet_torchvision_fallback()  # make-tiny-model and serve's first start import diffusers
     try:
         if args.command == "worker":
             return _worker(args)
@@ -375,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             return _probe(args)
         return _serve(args)
-    except (LayoutError, WireKeyError) as exc:
+    except (LayoutError, WireKeyError, PortUnavailable) as exc:
         print(f"dpserve {args.command}: {exc}", file=sys.stderr)
         return 2
 

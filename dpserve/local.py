@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,14 +25,19 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
+from dpserve.banner import ModelFacts, Ready, banner
 from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.layout import replica_endpoint
 from dpserve.ports import free_port
 from dpserve.proc import die_with_parent
+from dpserve.protocol import RequestError
 from dpserve.wire import WireKey
 from dpserve.worker.config import worker_flags
 
 if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
     from dpserve.router.app import RouterSettings
 
 log = logging.getLogger("dpserve.serve")
@@ -191,6 +197,15 @@ class LocalReplicas:
         return [w.endpoint for w in self.workers]
 
     def start(self, ready_timeout_s: float = 300.0) -> None:
+        began = time.monotonic()
+        c = self.config
+        log.info(
+            "starting %d replica(s) of %s, a gang of %d rank(s) each; each logs its "
+            "start-up (imports, load, warm-up) as replica<r>/rank0",
+            c.dp_size,
+            c.model,
+            c.gang_size,
+        )
         for r in range(self.config.dp_size):
             port = self.config.scheduler_port + r
             args = self.config.replica_args(r)
@@ -204,8 +219,10 @@ class LocalReplicas:
             )
             self.workers.append(worker)
         try:
-            for worker in self.workers:  # they start in parallel; wait for each in turn
+            for r, worker in enumerate(self.workers):  # they start in parallel; each in turn
                 worker.wait_ready(ready_timeout_s)
+                took = time.monotonic() - began
+                log.info("replica %d answers on %s %.1fs after the start", r, worker.endpoint, took)
         except BaseException:
             self.stop()
             raise
@@ -249,18 +266,26 @@ class LocalReplicas:
 
 def default_model() -> Path:
     """The tiny model, built once into the user's cache."""
-    from dpserve.worker.tiny_model import build_tiny_pipeline
-
     cache = Path(os.environ.get("DPSERVE_CACHE", Path.home() / ".cache" / "dpserve"))
     path = cache / "models" / "tiny-seed0"
-    if not (path / "model_index.json").is_file():
-        log.info("building the tiny model into %s", path)
-        build_tiny_pipeline(path, variant="tiny", seed=0)
+    if (path / "model_index.json").is_file():
+        return path  # no torch in this process: the replicas import it, not serve
+    log.info("building the tiny model into %s (once)", path)
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    build_tiny_pipeline(path, variant="tiny", seed=0)
     return path
 
 
-def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSettings) -> int:
-    """Start the replicas, then the router; stop everything on Ctrl-C or SIGTERM."""
+def serve(
+    replicas: ReplicaSetConfig,
+    sockets: list[socket.socket],
+    host: str,
+    port: int,
+    settings: RouterSettings,
+) -> int:
+    """Start the replicas, then the router on ``sockets`` (``host:port``, bound by the
+    caller before anything slow); stop everything on Ctrl-C or SIGTERM."""
     import asyncio
 
     import uvicorn
@@ -269,16 +294,27 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
 
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
-    async def run(server: uvicorn.Server, endpoints: list[str]) -> None:
+    began = time.monotonic()
+
+    async def run(
+        app: FastAPI, server: uvicorn.Server, endpoints: list[str], model: ModelFacts
+    ) -> None:
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
+            # The router's own first pings may still be under way on a busy machine:
+            # the banner's calls must not meet a 503 "no replica serves".
+            deadline = time.monotonic() + 60
+            while _serving(app) < replicas.dp_size and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             keyed = bool(settings.api_keys or settings.admin_keys)
-            print(_banner(url, replicas, endpoints, keyed), flush=True)
+            took = time.monotonic() - began
+            ready = Ready(url, replicas.dp_size, str(replicas.model), endpoints, keyed, took)
+            print(banner(ready, model), flush=True)
 
         announcer = asyncio.create_task(announce())
         try:
-            await server.serve()
+            await server.serve(sockets=sockets)
         finally:
             announcer.cancel()
 
@@ -296,8 +332,10 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
     try:
         local.start()
         settings = dataclasses.replace(settings, workers=tuple(local.endpoints), public_url=url)
-        server = uvicorn.Server(server_config(create_app(settings), host, port, settings))
-        asyncio.run(run(server, local.endpoints))
+        app = create_app(settings)
+        server = uvicorn.Server(server_config(app, host, port, settings))
+        log.info("router listening on %s", url)
+        asyncio.run(run(app, server, local.endpoints, _model_facts(local.workers[0])))
     except _Stopped:
         pass  # asked to stop: what follows is the stop
     finally:
@@ -307,6 +345,8 @@ def serve(replicas: ReplicaSetConfig, host: str, port: int, settings: RouterSett
             signal.signal(sig, signal.SIG_IGN)
         local.stop()
         keys.cleanup()
+        for sock in sockets:
+            sock.close()
     return 0
 
 
@@ -330,19 +370,16 @@ def _unwind_on_signals() -> None:
         signal.signal(sig, unwind)
 
 
-def _banner(url: str, replicas: ReplicaSetConfig, endpoints: list[str], keyed: bool) -> str:
-    # With keys, the commands say which key goes where, never the key itself.
-    api = " -H 'Authorization: Bearer <your --api-key>'" if keyed else ""
-    admin = " -H 'Authorization: Bearer <your --admin-key>'" if keyed else ""
-    return (
-        f"\ndpserve ready: {replicas.dp_size} replica(s) of {replicas.model} behind {url}\n"
-        f"  drivers on {', '.join(endpoints)}\n"
-        "  try:\n"
-        f"    curl -s {url}/v1/images/generations -H 'Content-Type: application/json'{api} \\\n"
-        '      -d \'{"prompt": "a lighthouse at dusk", "size": "256x256", '
-        '"num_inference_steps": 8, "seed": 1}\' | head -c 300; echo\n'
-        f"    curl -s {url}/health/replicas{admin}\n"
-        f"  realtime sessions: {url.replace('http', 'ws', 1)}/v1/realtime_video/generate"
-        " (docs/realtime.md)\n"
-        "  Ctrl-C stops everything.\n"
-    )
+def _serving(app: FastAPI) -> int:
+    running = getattr(app.state, "running", None)  # set by the app's lifespan
+    return 0 if running is None else len(running.pool.serving())
+
+
+def _model_facts(worker: WorkerProcess) -> ModelFacts:
+    """What the banner's examples depend on, from a replica's own model_info."""
+    try:
+        with worker.client(timeout_s=10.0) as client:
+            return ModelFacts.of(client.control("model_info"))
+    except (ReplicaTimeout, RequestError) as exc:  # a replica that just died: no examples
+        log.warning("replica 0 did not say what it serves (%s): the banner shows no examples", exc)
+        return ModelFacts()

@@ -221,7 +221,7 @@ def _resources(spec: s.DiffusionServiceSpec) -> dict[str, Any]:
 
 def probe_command(port: int, *extra: str) -> list[str]:
     """A real ping through the driver with a deadline, not a TCP check: a hung gang
-    keeps its port open (DESIGN.md, known traps).
+    keeps its port open (docs/worker.md, Request path: a ping reports "stalled").
 
     The driver binds the pod IP only, and a kubelet expands no ``$(POD_IP)`` in a probe
     (only env values it knows statically), so a shell inside the container reads it.

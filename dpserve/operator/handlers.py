@@ -76,7 +76,7 @@ def allow_host_path_from_env() -> bool:
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's own bookkeeping goes to annotations: the structural schema would
-    # silently prune anything it wrote into status (DESIGN.md, known traps).
+    # silently prune anything it wrote into status (docs/operator.md, Reconcile).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX
     )

@@ -32,7 +32,7 @@ from dpserve.router.playground import routes as playground
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
 from dpserve.router.request_ids import RequestIdMiddleware, of_scope
-from dpserve.router.routes import control, health, images, info, realtime, videos
+from dpserve.router.routes import control, docs, health, images, info, realtime, videos
 from dpserve.router.routes.images import REPLICA_HEADER
 from dpserve.router.service import RouterService
 from dpserve.router.sessions import SessionRouter
@@ -87,7 +87,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
-    app = FastAPI(title="dpserve router", lifespan=lifespan)
+    # /docs and /redoc are docs.install's: the same pages, with their files served here.
+    app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.started = int(time.time())  # the Model object's created
     app.state.metrics = RouterMetrics()
@@ -103,7 +104,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         else None
     )
     _handle_errors(app)
-    for routes in (images, videos, info, control, health, realtime, playground):
+    for routes in (images, videos, info, control, health, realtime, docs, playground):
         routes.install(app)
 
     keys = Keys.of(settings.api_keys, settings.admin_keys)

@@ -41,8 +41,9 @@ OPEN_PATHS: Final = frozenset(
     }
 )
 # A stored image's name holds 122 random bits (a UUID4): the URL is the capability, like a
-# presigned URL, so an image link opens in a browser (which sends no key).
-OPEN_PREFIXES: Final = ("/v1/images/files/",)
+# presigned URL, so an image link opens in a browser (which sends no key). The docs
+# pages' own scripts and styles are as open as the pages.
+OPEN_PREFIXES: Final = ("/v1/images/files/", "/docs/assets/")
 # Control ops change or read the replicas' state; /server_info and
 # /health/replicas show the control state (LoRA and weight paths), the router's
 # settings and each replica's endpoint and errors.

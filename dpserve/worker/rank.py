@@ -31,6 +31,7 @@ from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_
 from dpserve.worker.commands import encode_command as _encode
 from dpserve.worker.config import WorkerConfig
 from dpserve.worker.heartbeat import Heartbeats
+from dpserve.worker.startup import StartupLog, folder_size
 
 if TYPE_CHECKING:
     from dpserve.worker.compile import Compiler
@@ -100,9 +101,14 @@ def _thread_lock_for_progress_bars() -> None:
 
 
 def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
+    cfg = args.config
+    startup = StartupLog(log, speaks=args.rank == 0)
+    startup.say("importing torch, diffusers and transformers")
+    with startup.phase("imports"):
+        versions = _import_libraries(cfg.model)
+    startup.say("imported %s in %.1fs", versions, startup.took["imports"])
     import torch
 
-    cfg = args.config
     torch.set_num_threads(cfg.threads_per_rank)
     from dpserve.worker.comm import init_gang
     from dpserve.worker.parallel import ParallelUnsupported
@@ -111,15 +117,23 @@ def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
     device = resolve_device(cfg.device, args.rank, cfg.first_gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm = init_gang(cfg.parallel, args.rank, args.store_path, device, cfg.collective_timeout_s)
+    with startup.phase("gang"):
+        comm = init_gang(cfg.parallel, args.rank, args.store_path, device, cfg.collective_timeout_s)
+    if cfg.gang_size > 1:
+        startup.say("joined the gang of %d ranks in %.1fs", cfg.gang_size, startup.took["gang"])
     comm.info = _with_replica(comm.info, cfg.replica)
+    dtype = resolve_dtype(cfg.dtype, device)
+    startup.say("loading %s (%s) on %s as %s", cfg.model, folder_size(cfg.model), device, dtype)
     try:
-        executor = _build_executor(cfg, comm, device, resolve_dtype(cfg.dtype, device))
+        with startup.phase("load"):
+            executor = _build_executor(cfg, comm, device, dtype)
     except ParallelUnsupported as exc:  # every rank finds the same: refuse, no traceback
         log.error("replica %d cannot start: %s", cfg.replica, exc)
         return 2
-    _warmup(executor, cfg)
+    with startup.phase("warm-up"):
+        _warmup(executor, cfg, startup)
     ingress = _open_ingress(cfg, executor) if comm.info.is_driver else None
+    startup.say("%s", startup.summary())  # after the ingress's "replica r ready: … on …"
     try:
         _loop(comm, executor, ingress, cfg, draining)
     finally:
@@ -128,6 +142,36 @@ def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
     torch.distributed.destroy_process_group()
     log.info("rank %d stopped", args.rank)
     return 0
+
+
+def _import_libraries(model: Path) -> str:
+    """The imports every rank pays once before it can load anything, done up front so
+    the log times them apart from the load; the pipeline class the model folder names
+    too (diffusers imports its module, and transformers' encoders, on first use)."""
+    import importlib
+    import json
+
+    from dpserve.worker.quiet import quiet_torchvision_fallback
+
+    quiet_torchvision_fallback()
+    import diffusers
+    import torch
+    import transformers
+
+    import dpserve.worker.executor  # noqa: F401  (diffusers' pipeline machinery)
+
+    # Every pipeline module: the edit siblings' lookup (worker/edit.py) imports them.
+    importlib.import_module("diffusers.pipelines.auto_pipeline")
+
+    try:
+        name = json.loads((model / "model_index.json").read_text())["_class_name"]
+        getattr(diffusers, name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # a custom or broken pipeline: the load says what is wrong
+    return (
+        f"torch {torch.__version__}, diffusers {diffusers.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
 
 
 def _with_replica(info: Any, replica: int) -> Any:
@@ -262,7 +306,7 @@ def _encoder_relay(cfg: WorkerConfig, comm: Any) -> EncoderRelay | None:
     return EncoderRelay(encoder_names(index), comm.info.is_output_rank, comm.broadcast_bytes)
 
 
-def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
+def _warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = None) -> None:
     """Generations through the real path (CFG split included) before serving: one small
     one (a video model's: 5 frames), or with --compile one at each compile size, which
     compiles its graph there (worker/compile.py); then the compiler is sealed."""
@@ -300,6 +344,9 @@ def _warmup(executor: Executor, cfg: WorkerConfig) -> None:
             video=clip,
             edit=p.EditInput(images=[0]) if needs_image else None,
         )
+        if startup is not None:
+            compiling = ", compiling its graph" if compiler is not None else ""
+            startup.say("warming up at %dx%d%s", width, height, compiling)
         started = time.perf_counter()
         frames = executor.generate("warmup", params, 0.0, None, blobs)
         if frames and p.decode(frames).kind == p.ERROR:

@@ -204,12 +204,15 @@ def test_readme_openai_example_runs(
 ) -> None:
     from PIL import Image
 
-    Image.new("RGB", (96, 64), (200, 40, 40)).save(tmp_path / "in.png")
-    Image.new("L", (96, 64), 255).save(tmp_path / "mask.png")
-    monkeypatch.chdir(tmp_path)  # the example opens in.png and mask.png
+    monkeypatch.chdir(tmp_path)  # an empty folder: the example makes in.png and mask.png
     scope = run_readme_example(dp2.port, "client.images.generate")
     assert scope["event"].type == "image_generation.completed"
-    assert scope["edit"].size == "96x64" and scope["edit"].data[0].b64_json
+    with Image.open(tmp_path / "in.png") as image, Image.open(tmp_path / "mask.png") as mask:
+        assert (image.format, image.size, mask.size) == ("PNG", (256, 256), (256, 256))
+        assert {value for _, value in mask.getcolors()} == {0, 255}  # black: keep; white: repaint
+    edit = scope["edit"]
+    assert edit.size == "256x256"
+    assert base64.b64decode(edit.data[0].b64_json) != (tmp_path / "in.png").read_bytes()
 
 
 class _Load:

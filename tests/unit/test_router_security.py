@@ -458,11 +458,15 @@ def test_a_crash_is_a_json_500_that_says_nothing_of_it() -> None:
 
 
 def test_serves_banner_says_where_keys_go_and_never_shows_one() -> None:
-    from dpserve.local import ReplicaSetConfig, _banner
+    from dpserve.banner import ModelFacts, Ready, banner
 
-    replicas = ReplicaSetConfig(Path("/models/tiny"), 2, 5575, (), 1)
-    keyed = _banner("http://127.0.0.1:8000", replicas, ["tcp://127.0.0.1:5575"], keyed=True)
+    image = ModelFacts.of({"features": {"video": None}})
+
+    def shown(keyed: bool) -> str:
+        ready = Ready("http://127.0.0.1:8000", 2, "/m", ["tcp://127.0.0.1:5575"], keyed, 1.0)
+        return banner(ready, image)
+
+    keyed = shown(keyed=True)
     assert "Authorization: Bearer <your --api-key>" in keyed
     assert "/health/replicas -H 'Authorization: Bearer <your --admin-key>'" in keyed
-    plain = _banner("http://127.0.0.1:8000", replicas, ["tcp://127.0.0.1:5575"], keyed=False)
-    assert "Authorization" not in plain
+    assert "Authorization" not in shown(keyed=False)
