@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
+from dpserve.video import DEFAULT_MAX_ESTIMATE_S
 from dpserve.worker.config import StepCacheKind
 from dpserve.worker.config import default as worker_default
 
@@ -178,6 +179,13 @@ class RouterSpec(_Model):
     resources: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
     auth: RouterAuth | None = Field(
         None, description="API keys; without it the router serves anyone who reaches it"
+    )
+    videoMaxEstimateSeconds: int = Field(
+        int(DEFAULT_MAX_ESTIMATE_S),
+        ge=1,
+        le=7 * 86400,
+        description="seconds a video job may run: one estimated longer is refused (400), one "
+        "that runs longer is stopped (docs/video.md)",
     )
 
 
