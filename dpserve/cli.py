@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.bind import PortUnavailable, check_tcp, hold_tcp
 from dpserve.layout import LayoutError
+from dpserve.video import DEFAULT_MAX_ESTIMATE_S
 from dpserve.wire import WireKeyError
 from dpserve.worker.config import add_gang_args, add_worker_args, port_number, positive, seconds
 
@@ -70,6 +71,13 @@ def _add_router_args(r: argparse.ArgumentParser) -> None:
         type=seconds,
         default=1.0,
         help="seconds between looks at each video job this router placed (re-runs lost ones)",
+    )
+    r.add_argument(
+        "--video-max-estimate",
+        type=seconds,
+        default=DEFAULT_MAX_ESTIMATE_S,
+        help="seconds a video job may run: one estimated longer is a 400, one that runs "
+        "longer is stopped",
     )
     r.add_argument("--max-body", type=positive, default=1 << 20, help="body bytes, then 413")
     r.add_argument(
@@ -263,6 +271,7 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
         output_max_files=args.output_max_files,
         output_max_age_s=args.output_max_age,
         video_poll_s=args.video_poll,
+        video_max_estimate_s=args.video_max_estimate,
     )
 
 

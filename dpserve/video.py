@@ -63,6 +63,10 @@ OWNER_LOST: Final = "owner_lost"
 
 MAX_FPS: Final = 60
 MAX_SECONDS: Final = 600.0
+# The longest a job may hold a replica, in seconds of run time (docs/video.md, "How
+# long a job may run"): the router's --video-max-estimate, the CRD's
+# router.videoMaxEstimateSeconds. Half an hour: six image request timeouts.
+DEFAULT_MAX_ESTIMATE_S: Final = 1800.0
 _JOB_ID: Final = re.compile(r"^video_[0-9a-f]{32}\.[A-Za-z0-9_-]{1,200}\.[0-9a-f]{8}$")
 _PREFIX: Final = "video_"
 
@@ -110,6 +114,11 @@ class VideoRequest(msgspec.Struct, kw_only=True):
     created_at: int = 0  # submit: unix seconds the router accepted the job; a re-run keeps it
     attempt: int = 1  # submit: 2 and up is a re-run after the owner was lost
     variant: str = VIDEO_VARIANT  # content: VIDEO_VARIANT or THUMBNAIL
+    # submit: the router's estimate of the job's run time (None: no replica has
+    # measured its seconds per cost unit yet), and the run time after which the
+    # replica stops it (None: no bound).
+    estimated_s: float | None = None
+    max_run_s: float | None = None
 
 
 class VideoError(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,6 +146,7 @@ class VideoJob(msgspec.Struct, kw_only=True):
     error: VideoError | None = None
     replica: int = 0  # the owner's replica index
     attempt: int = 1
+    estimated_time_s: float | None = None  # the router's estimate when it placed the job
     bytes: int = 0  # the mp4's size, once completed
     queue_time_s: float = 0.0
     inference_time_s: float = 0.0  # the pipeline, without encoding

@@ -398,6 +398,7 @@ class StubReplica:
             num_inference_steps=params.num_inference_steps,
             replica=self.replica,
             attempt=request.attempt,
+            estimated_time_s=request.estimated_s,
         )
         self.video_submits.append((request, blobs))
         self._jobs[job.id] = job

@@ -468,6 +468,7 @@ def router_args(svc: Svc) -> list[str]:
         "--max-inflight-per-replica", str(r.maxInflightPerReplica),
         "--max-waiting", str(r.maxWaiting),
         "--policy", r.policy,
+        "--video-max-estimate", str(r.videoMaxEstimateSeconds),
         "--served-model-name", r.servedModelName or svc.name,
         "--wire-key-file", WIRE_KEY_FILE,
         *auth,

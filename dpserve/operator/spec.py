@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
+from dpserve.video import DEFAULT_MAX_ESTIMATE_S
 from dpserve.worker.config import StepCacheKind
 from dpserve.worker.config import default as worker_default
 
@@ -186,6 +187,13 @@ class RouterSpec(_Model):
         pattern=r"^[!-~]+$",  # served_model.check_name: printable ASCII, no spaces
         description="the model's name in /v1/models and in requests' model (another is a "
         "404); default: this resource's name",
+    )
+    videoMaxEstimateSeconds: int = Field(
+        int(DEFAULT_MAX_ESTIMATE_S),
+        ge=1,
+        le=7 * 86400,
+        description="seconds a video job may run: one estimated longer is refused (400), one "
+        "that runs longer is stopped (docs/video.md)",
     )
 
 

@@ -73,7 +73,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         discovery = kube.EndpointSliceDiscovery(k8s.namespace, k8s.service, pool.set_endpoints)
         await discovery.start()
     await pool.start()
-    jobs = VideoJobs(pool, settings.video_poll_s)
+    jobs = VideoJobs(pool, settings.video_poll_s, settings.video_max_estimate_s)
     app.state.metrics.video_jobs.set_function(lambda: jobs.watched)
     app.state.running = Running(pool, RouterService(pool), SessionRouter(pool), Registry(), jobs)
     try:

@@ -164,10 +164,16 @@ class WorkLedger:
 def seconds_per_unit(own: float | None, others: Iterable[float | None]) -> float:
     """A replica's measured seconds per unit; until it has one, the median of the
     other replicas' (same model, likely the same hardware); else plain units."""
+    measured = measured_seconds_per_unit(own, others)
+    return UNCALIBRATED_SECONDS_PER_UNIT if measured is None else measured
+
+
+def measured_seconds_per_unit(own: float | None, others: Iterable[float | None]) -> float | None:
+    """:func:`seconds_per_unit` where some replica has measured one; None before."""
     if own is not None:
         return own
     known = [s for s in others if s is not None]
-    return statistics.median(known) if known else UNCALIBRATED_SECONDS_PER_UNIT
+    return statistics.median(known) if known else None
 
 
 def hrw_order(session_id: str, keys: Iterable[str]) -> list[str]:

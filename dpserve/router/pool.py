@@ -37,6 +37,7 @@ from dpserve.router.policies import (
     ReplicaOutcome,
     WorkLedger,
     make_policy,
+    measured_seconds_per_unit,
     seconds_per_unit,
 )
 from dpserve.router.waiting import wait_within
@@ -464,6 +465,13 @@ class ReplicaPool:
     def seconds_per_unit(self, replica: Replica) -> float:
         others = (r.cost.seconds_per_unit for r in self.members() if r is not replica)
         return seconds_per_unit(replica.cost.seconds_per_unit, others)
+
+    def measured_seconds(self, replica: Replica, params: p.GenerateParams) -> float | None:
+        """The request's estimated seconds on ``replica`` from measured seconds per unit
+        (its own, else the others'); None while no replica has measured any."""
+        others = (r.cost.seconds_per_unit for r in self.members() if r is not replica)
+        spu = measured_seconds_per_unit(replica.cost.seconds_per_unit, others)
+        return None if spu is None else cost_units(params, replica.cost) * spu
 
     def estimate(self, replica: Replica, params: p.GenerateParams) -> tuple[float, float]:
         """The request's cost units and estimated seconds on ``replica``."""

@@ -97,11 +97,13 @@ class RealtimeConnection:
 
     async def run(self) -> None:
         await self.ws.accept()
-        release = True
+        release, ended = True, False
         try:
             drive = await self._attach()
-            assert self.attached is not None
-            release = await self._drive(self.attached, drive)
+            if drive is not None:
+                assert self.attached is not None
+                release = await self._drive(self.attached, drive)
+            ended = True
         except WebSocketDisconnect as exc:
             release = exc.code != SERVICE_RESTART
         finally:
@@ -110,11 +112,17 @@ class RealtimeConnection:
                 await self.sessions.close(attached)
             elif attached is not None:
                 log.info("session %s kept for a resume (router restart)", attached.session_id)
+        # The client's own ``close`` ends here with the socket still open (after the
+        # release, so the state is gone once the client sees it): a normal closure
+        # (1000), not a connection dropped without a close frame (1006).
+        if ended and self.ws.application_state == WebSocketState.CONNECTED:
+            await self.ws.close(1000)
 
     # ------------------------------------------------------------ attaching
 
-    async def _attach(self) -> _Drive:
-        """Until a valid init or resume: bad ones get an error and another chance."""
+    async def _attach(self) -> _Drive | None:
+        """Until a valid init or resume: bad ones get an error and another chance.
+        None: the client sent ``close`` instead."""
         left = self.settings.init_timeout_s
         while True:
             started = time.monotonic()
@@ -133,14 +141,19 @@ class RealtimeConnection:
                     check_model(message.pop("model", None), self.served())
                     init = rt.parse_init(message, self.limits())
                     self.attached, first = await self.sessions.open(init)
-                    await self._ack(self.attached, init.options, resumed=False, frames=1)
+                    replica = first.meta.replica
+                    await self._ack(self.attached, replica, init.options, resumed=False, frames=1)
                     await self._send(frame_message(first))
                     return _Drive(init.options, frames=1)
                 if kind == "resume":
                     session_id, options = rt.parse_resume(message)
                     self.attached, info = await self.sessions.resume(session_id)
-                    await self._ack(self.attached, options, resumed=True, frames=info.frames)
+                    await self._ack(
+                        self.attached, info.replica, options, resumed=True, frames=info.frames
+                    )
                     return _Drive(options)
+                if kind == "close":
+                    return None
                 await self._error(f"send init (or resume) first; got {kind!r}")
             except p.RequestError as exc:
                 await self._error(str(exc), exc.code)
@@ -148,14 +161,19 @@ class RealtimeConnection:
                 await self._error(str(exc), "session_lost")
 
     async def _ack(
-        self, attached: Attached, options: rt.StreamOptions, resumed: bool, frames: int
+        self,
+        attached: Attached,
+        replica: int,
+        options: rt.StreamOptions,
+        resumed: bool,
+        frames: int,
     ) -> None:
-        owner = self.sessions.pool.replicas.get(attached.owner)
+        """``replica``: the owner's index as it says itself, the integer every frame carries."""
         await self._send(
             encode(
                 "init_ack",
                 session_id=attached.session_id,
-                replica=owner.name if owner is not None else attached.owner,
+                replica=replica,
                 resumed=resumed,
                 frames=frames,
                 mode=options.mode,

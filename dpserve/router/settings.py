@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpserve import video
 from dpserve.router.pool import PoolSettings
 from dpserve.router.realtime_ws import RealtimeSettings
 
@@ -45,3 +46,6 @@ class RouterSettings:
     # How often this router polls each video job it placed (dpserve/router/videos.py):
     # how soon it sees one finish, and re-runs one whose replica was lost.
     video_poll_s: float = 1.0
+    # The longest a video job may run: one estimated past it is a 400, one that runs
+    # past it is stopped (dpserve/router/videos.py, docs/video.md).
+    video_max_estimate_s: float = video.DEFAULT_MAX_ESTIMATE_S

@@ -251,6 +251,7 @@ def job_json(job: video.VideoJob, model: str) -> dict[str, Any]:
         "num_inference_steps": job.num_inference_steps,
         "attempt": job.attempt,
         "replica": job.replica,
+        "estimated_time_s": job.estimated_time_s,
     }
     if job.status == video.COMPLETED:  # the replica's times (a job's overhead is the rest)
         shown["queue_time_s"] = job.queue_time_s

@@ -81,6 +81,10 @@ class VideoObject(BaseModel):
     num_inference_steps: int | None
     attempt: int = Field(description="2 and up: run again after its replica was lost")
     replica: int
+    estimated_time_s: float | None = Field(
+        description="the run time the router estimated when it placed the job (null: no "
+        "replica had measured its speed yet)"
+    )
     queue_time_s: float | None = Field(None, description="completed jobs: queued at the replica")
     inference_time_s: float | None = Field(None, description="completed jobs: the pipeline")
     encode_time_s: float | None = Field(None, description="completed jobs: mp4 and thumbnail")

@@ -9,6 +9,12 @@ replica and that replica's boot (:func:`video.make_job_id`). A replica that refu
 for itself (overloaded, shutting down, unreachable) passes the job on, with a new
 id, to the next one; each serving replica is asked at most once.
 
+**Bound.** A job is estimated on the replica that takes it (its cost units times the
+measured seconds per unit, :meth:`ReplicaPool.measured_seconds`); one estimated past
+``max_run_s`` is a 400 naming both. The bound also travels with the job: its replica
+stops it once it has run that long, which bounds a job no replica could estimate yet
+(none has measured) and one the estimate got wrong.
+
 **Watch.** This router follows every job it placed, one task each, polling its
 holder every ``poll_s``; a terminal status, or the job gone from a holder that did
 not restart (deleted, expired), ends the watch and frees the slot. A holder that is
@@ -95,9 +101,16 @@ class _Watch:
 class VideoJobs:
     """Every video job action of one router; :meth:`close` ends its watches."""
 
-    def __init__(self, pool: ReplicaPool, poll_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        poll_s: float = 1.0,
+        max_run_s: float = video.DEFAULT_MAX_ESTIMATE_S,
+    ) -> None:
+        """``max_run_s``: the longest a job may run, in seconds."""
         self.pool = pool
         self.poll_s = poll_s
+        self.max_run_s = max_run_s
         self._watches: dict[str, _Watch] = {}
         self._submits: set[asyncio.Task[video.VideoJob]] = set()
 
@@ -145,6 +158,11 @@ class VideoJobs:
                 self.pool.release(slot)
                 break
             tried.add(replica.endpoint)
+            try:
+                self._check_bound(replica, params)
+            except p.RequestError:
+                self.pool.release(slot)
+                raise
             job_id = video.make_job_id(replica.endpoint, replica.boot_id)
             try:
                 job = await self._send(slot, job_id, params, created_at, 1, blobs)
@@ -182,6 +200,8 @@ class VideoJobs:
             params=params,
             created_at=created_at,
             attempt=attempt,
+            estimated_s=self.pool.measured_seconds(replica, params),
+            max_run_s=self.max_run_s,
         )
         try:
             reply = await self._ask(replica, request, TRANSFER_TIMEOUT_S, blobs)
@@ -193,6 +213,20 @@ class VideoJobs:
             self.pool.mark_failed(replica, f"video submit failed: {str(exc) or 'timed out'}")
             raise
         return _job(reply, replica)
+
+    def _check_bound(self, replica: Replica, params: p.GenerateParams) -> None:
+        """A 400 when the job's estimated run time there is past the bound."""
+        estimate = self.pool.measured_seconds(replica, params)
+        if estimate is None or estimate <= self.max_run_s:
+            return
+        raise p.RequestError(
+            p.INVALID_REQUEST,
+            f"this video job is estimated to run {estimate:.0f}s ({_shape(params, replica)}), "
+            f"past this service's bound of {self.max_run_s:g}s on a job's run time "
+            "(the router's --video-max-estimate; spec.router.videoMaxEstimateSeconds on "
+            "Kubernetes): ask for a smaller size, fewer frames (seconds) or fewer "
+            "num_inference_steps",
+        )
 
     # ------------------------------------------------------------ watch
 
@@ -505,6 +539,15 @@ def _owner(job_id: str) -> video.JobOwner:
             p.NOT_FOUND, f"{job_id[:80]!r} is not a video id this service gave out"
         )
     return owner
+
+
+def _shape(params: p.GenerateParams, replica: Replica) -> str:
+    """What the estimate was of, with the replica's defaults for what the job left out."""
+    cost = replica.cost
+    width, height = params.width or cost.default_width, params.height or cost.default_height
+    frames = (params.video.num_frames if params.video else None) or cost.default_frames
+    steps = params.num_inference_steps or cost.default_steps
+    return f"{width}x{height}, {frames} frames, {steps} steps"
 
 
 def _get(job_id: str) -> video.VideoRequest:

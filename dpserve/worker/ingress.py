@@ -351,6 +351,8 @@ class Ingress:
             self._expire(time.monotonic())
             if self.videos is not None:
                 self.videos.prune()
+                for job_id in self.videos.overdue():  # past their run bound: stop at next step
+                    self.work.cancel(job_id, None)
 
     def _expire(self, now: float) -> None:
         """Answer queued work whose deadline passed: its client stopped waiting."""
@@ -526,7 +528,14 @@ class Ingress:
             blobs=blobs[:1] if params.edit is not None else [],
         )
         # Recorded first, so the gang that starts it at once finds the record.
-        job = book.submit(request.job_id, params, request.created_at, request.attempt)
+        job = book.submit(
+            request.job_id,
+            params,
+            request.created_at,
+            request.attempt,
+            request.estimated_s,
+            request.max_run_s,
+        )
         try:
             self.work.put_nowait(Work(JOB_IDENTITY, command, time.monotonic()))
         except queue.Full:
@@ -538,14 +547,18 @@ class Ingress:
 
     def _video_params(self, asked: p.GenerateParams, blobs: list[bytes]) -> p.GenerateParams:
         """The router's checks again, with this model's limits: sizes, steps, frames;
-        an input_reference must be an image, and the model must take one."""
+        an input_reference must be an image, and the model must take one. A side the
+        job leaves out gets the model's default here (what the pipeline makes when given
+        none, as the cost model reads it), so its record says from the start what it
+        renders."""
         spec = asked.video
         assert spec is not None
+        shape = self.status.calibration.report()
         fields = {
             "prompt": asked.prompt,
             "negative_prompt": asked.negative_prompt,
-            "width": asked.width,
-            "height": asked.height,
+            "width": asked.width or shape.default_width,
+            "height": asked.height or shape.default_height,
             "num_inference_steps": asked.num_inference_steps,
             "guidance_scale": asked.guidance_scale,
             "seed": asked.seed[0] if asked.seed else None,

@@ -47,6 +47,9 @@ class _Entry:
     job: v.VideoJob
     finished_at: float | None = None  # unix seconds; when it reached a terminal status
     files: tuple[Path, Path] | None = None  # mp4, thumbnail: a completed job's
+    max_run_s: float | None = None  # run time after which it is stopped (None: no bound)
+    started_at: float | None = None  # unix seconds; when the gang took it
+    overran: bool = False  # it ran past max_run_s: its stop is that bound's doing
 
 
 class VideoBook:
@@ -76,9 +79,17 @@ class VideoBook:
     # ------------------------------------------------------------ ingress thread
 
     def submit(
-        self, job_id: str, params: p.GenerateParams, created_at: int, attempt: int
+        self,
+        job_id: str,
+        params: p.GenerateParams,
+        created_at: int,
+        attempt: int,
+        estimated_s: float | None = None,
+        max_run_s: float | None = None,
     ) -> v.VideoJob:
-        """Record a job the ingress queued; ``params`` resolved (frames, seed)."""
+        """Record a job the ingress queued; ``params`` resolved (size, frames, seed);
+        ``estimated_s`` the router's estimate of its run time, ``max_run_s`` the run
+        time after which :meth:`overdue` stops it."""
         spec = params.video
         assert spec is not None and spec.num_frames and spec.fps and params.seed
         job = v.VideoJob(
@@ -95,10 +106,11 @@ class VideoBook:
             num_inference_steps=params.num_inference_steps,
             replica=self.replica,
             attempt=attempt,
+            estimated_time_s=None if estimated_s is None else round(estimated_s, 3),
         )
         with self._lock:
             self._gone.pop(job_id, None)
-            self._entries[job_id] = _Entry(job)
+            self._entries[job_id] = _Entry(job, max_run_s=max_run_s)
             self._trim_records()
             return _copy(job)
 
@@ -161,11 +173,28 @@ class VideoBook:
 
     # ------------------------------------------------------------ gang loop thread
 
+    def overdue(self) -> tuple[str, ...]:
+        """Running jobs that just passed their ``max_run_s``: the caller stops their
+        generations, at the next denoising step (one in its final decode finishes), and
+        the stop then fails the job with a reason that names the bound."""
+        now = self.clock()
+        late: tuple[str, ...] = ()
+        with self._lock:
+            for job_id, entry in self._entries.items():
+                limit, began = entry.max_run_s, entry.started_at
+                if entry.job.status != v.IN_PROGRESS or entry.overran:
+                    continue
+                if limit is not None and began is not None and now - began >= limit:
+                    entry.overran = True
+                    late += (job_id,)
+        return late
+
     def started(self, job_id: str) -> None:
         with self._lock:
             entry = self._entries.get(job_id)
             if entry is not None and entry.job.status == v.QUEUED:
                 entry.job.status = v.IN_PROGRESS
+                entry.started_at = self.clock()
 
     def answer(self, frames: Sequence[bytes]) -> None:
         """The gang's (or the ingress's) reply to a job's generation, as it would go to
@@ -234,6 +263,8 @@ class VideoBook:
             if entry is None or entry.job.status in v.TERMINAL:
                 return
             job = entry.job
+            if entry.overran and error.code == p.CANCELLED and entry.max_run_s is not None:
+                error = p.RequestError(p.DEADLINE_EXCEEDED, _overran(entry.max_run_s))
             job.status = v.CANCELLED if error.code == p.CANCELLED else v.FAILED
             job.error = v.VideoError(code=error.code, message=str(error))
             job.completed_at = int(now)
@@ -299,6 +330,14 @@ def _too_big(size: int, max_bytes: int) -> str | None:
             f"the video is {size} bytes, more than one reply may carry ({p.MAX_REPLY_FRAME_BYTES})"
         )
     return None
+
+
+def _overran(limit_s: float) -> str:
+    return (
+        f"the job ran past this service's bound of {limit_s:g}s on a video job's run time "
+        "(the router's --video-max-estimate; spec.router.videoMaxEstimateSeconds on "
+        "Kubernetes) and was stopped; ask for a smaller size, fewer frames or fewer steps"
+    )
 
 
 def _unfinished(job: v.VideoJob) -> str:

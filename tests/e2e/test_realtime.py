@@ -91,7 +91,7 @@ def test_sessions_spread_and_every_message_reaches_the_owner(
             preferred = hrw_order(key, [w.endpoint for w in workers])
             # HRW's choice, or the next one when the choice was full.
             assert workers[owner].endpoint in preferred
-            assert ack["replica"] == str(owner) and first["replica"] == owner
+            assert ack["replica"] == first["replica"] == owner  # one type: the index
             assert first["content"].startswith(b"\xff\xd8" if n == 0 else b"\x89PNG")
             owners.append(owner)
         assert set(owners) == {0, 1}  # at most MAX_SESSIONS fit on one: both take some
@@ -117,7 +117,7 @@ def test_another_router_routes_a_live_session_to_its_owner(
             _all_serving(other, 2)
             with RealtimeSocket(other.url) as second:
                 resumed = second.resume(ack["session_id"], mode="step")
-                assert resumed["replica"] == str(owner) and resumed["frames"] == 2
+                assert resumed["replica"] == owner and resumed["frames"] == 2
                 frame = second.step()
                 assert (frame["replica"], frame["index"]) == (owner, 2)  # the state carried on
                 # The first connection no longer drives the session, and is told why.
@@ -143,7 +143,7 @@ def test_a_router_restart_leaves_the_session_to_resume(
         restarting.close()
     assert _sessions(workers[owner]) == 1
     with RealtimeSocket(router.url) as again:
-        assert again.resume(ack["session_id"], mode="step")["replica"] == str(owner)
+        assert again.resume(ack["session_id"], mode="step")["replica"] == owner
         assert again.step()["replica"] == owner
 
 
@@ -168,7 +168,7 @@ def test_adding_a_replica_does_not_move_live_sessions(
         with RouterProcess(endpoints) as bigger:
             _all_serving(bigger, 3)
             with RealtimeSocket(bigger.url) as moved:
-                assert moved.resume(live.session_id, mode="step")["replica"] == str(owner)
+                assert moved.resume(live.session_id, mode="step")["replica"] == owner
                 assert moved.step()["replica"] == owner
             # New sessions do use the newcomer.
             placed = set()
@@ -238,7 +238,17 @@ def test_close_and_idle_timeout_release_the_state(
         ack, _ = sock.init(**INIT)
         owner = workers[_replica_of(ack["session_id"], workers)]
         assert _sessions(owner) == 1
-    eventually(lambda: _sessions(owner) == 0, 10, "close to release the session")
+    eventually(lambda: _sessions(owner) == 0, 10, "closing the socket to release the session")
+
+    with RealtimeSocket(router.url) as sock:
+        ack, _ = sock.init(**INIT)
+        owner = workers[_replica_of(ack["session_id"], workers)]
+        sock.send(type="close")
+        assert sock.closed_code() == 1000  # a close frame, not a dropped connection (1006)
+        eventually(lambda: _sessions(owner) == 0, 10, "a close message to release the session")
+    with RealtimeSocket(router.url) as sock:
+        sock.send(type="close")  # before any init: nothing to release, a normal closure too
+        assert sock.closed_code() == 1000
 
     with RealtimeSocket(router.url) as idle:
         ack, _ = idle.init(**INIT)

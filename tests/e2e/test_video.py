@@ -4,6 +4,7 @@ official `openai` client, real mp4 files, and a job whose owner is killed mid-ru
 from __future__ import annotations
 
 import io
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import openai
 import pytest
 
 from tests.polling import eventually
-from tests.readme_examples import run_readme_example
+from tests.readme_examples import run_readme_example, run_shell_example
 from tests.servers import ServeProcess
 
 pytestmark = pytest.mark.e2e
@@ -78,6 +79,112 @@ def test_readme_video_example_runs(
     assert scope["job"].status == "completed"
     frames = _frames((tmp_path / "boat.mp4").read_bytes())
     assert len(frames) == 17 and frames[0].shape == (48, 64, 3)  # 1 s at 16 fps
+
+
+def test_the_curl_form_of_every_video_call_runs_as_documented(
+    dp2: ServeProcess, tmp_path: Path
+) -> None:
+    """docs/video.md's calls (create, poll, content, thumbnail, list, delete) and the
+    README's short form, run with bash and curl as a user would paste them."""
+    docs = run_shell_example("docs/video.md", dp2.port, "-X DELETE", tmp_path)
+    assert len(_frames((tmp_path / "boat.mp4").read_bytes())) == 17  # 1 s at 16 fps, +1
+    assert (tmp_path / "boat.jpg").read_bytes()[:3] == b"\xff\xd8\xff"
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert (job["status"], job["size"]) == ("queued", "64x48")
+    created, listed, deleted = _json_objects(docs.stdout)  # curl adds no newlines
+    assert created == job and job["id"] in [v["id"] for v in listed["data"]]
+    assert deleted == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert dp2.http.get(f"/v1/videos/{job['id']}").status_code == 404
+    (tmp_path / "boat.mp4").unlink()
+    run_shell_example("README.md", dp2.port, "v1/videos/$id/content", tmp_path)
+    frames = _frames((tmp_path / "boat.mp4").read_bytes())
+    assert len(frames) == 17 and frames[0].shape == (48, 64, 3)
+
+
+def test_a_job_reports_its_size_and_estimate_and_an_hours_long_one_is_refused(
+    client: openai.OpenAI, dp2: ServeProcess
+) -> None:
+    """Without a size, the model's default (Wan's 832x480) from the first answer on; once
+    a job has finished, the next carries its estimated seconds; the 1280x720, 4 s job
+    of the CPU tiny model is a 400 naming the default bound (1800 s) and its estimate."""
+    warm = _poll(client, client.videos.create(**JOB, extra_body=EXTRA).id)  # calibrates
+    assert warm.status == "completed"
+    eventually(lambda: _measured(dp2.http), 30, "the replica's next ping to bring its figure")
+    one = {"seed": 3, "num_frames": 1, "num_inference_steps": 1}
+    unsized = client.videos.create(prompt="a paper boat", extra_body=one)
+    assert unsized.size == "832x480"
+    estimate = _extra(unsized, "estimated_time_s")
+    assert estimate is not None and 0 < estimate < 1800
+    done = _poll(client, unsized.id)
+    assert done.status == "completed" and done.size == "832x480", done
+    assert _frames(client.videos.download_content(done.id).read())[0].shape == (480, 832, 3)
+    big = {"prompt": "a harbour", "size": "1280x720", "seconds": "4"}
+    answer = dp2.http.post("/v1/videos", json=big)
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "(1280x720, 65 frames, 50 steps)" in message and "bound of 1800s" in message
+    estimated = int(message.split("estimated to run ")[1].split("s ")[0])
+    assert estimated > 1800
+    with pytest.raises(openai.BadRequestError, match="bound of 1800s"):
+        client.videos.create(prompt="a harbour", size="1280x720", seconds="4")
+
+
+def test_before_calibration_a_job_runs_at_most_the_bound_and_after_it_is_estimated(
+    tiny_video_model: Path,
+) -> None:
+    """`serve --video-max-estimate 3` on a fresh service: no replica has measured, so a
+    long job is taken without an estimate and stopped once it has run 3 s; a short one
+    finishes and calibrates; then the long one is refused up front and the short one
+    carries its estimate."""
+    long = {
+        "prompt": "a storm",
+        "size": "256x192",
+        "num_frames": 33,
+        "seed": 1,
+        "num_inference_steps": 100,
+    }  # fmt: skip  (about 25 s of steps, one thread)
+    short = {"prompt": "a boat", "size": "64x48", "num_frames": 9, "seed": 2,
+             "num_inference_steps": 2}  # fmt: skip
+    with ServeProcess(tiny_video_model, 1, "--video-max-estimate", "3", timeout_s=300) as serve:
+        http = serve.http
+        taken = http.post("/v1/videos", json=long).json()
+        assert taken["estimated_time_s"] is None, taken
+        stopped = _poll_http(http, taken["id"])
+        assert stopped["status"] == "failed", stopped
+        assert stopped["error"]["code"] == "deadline_exceeded"
+        assert "bound of 3s" in stopped["error"]["message"]
+        assert stopped["progress"] < 95  # stopped in its steps, not run to the end
+        first = http.post("/v1/videos", json=short).json()
+        assert _poll_http(http, first["id"])["status"] == "completed"
+        eventually(lambda: _measured(http), 30, "the replica's next ping to bring its figure")
+        refused = http.post("/v1/videos", json=long)
+        assert refused.status_code == 400 and "bound of 3s" in refused.text, refused.text
+        again = http.post("/v1/videos", json=short).json()
+        assert again["estimated_time_s"] is not None and 0 < again["estimated_time_s"] < 3
+        assert _poll_http(http, again["id"])["status"] == "completed"
+
+
+def _measured(http: Any) -> bool:
+    replicas = http.get("/health/replicas").json()["replicas"]
+    return any(r["calibration"]["seconds_per_unit"] is not None for r in replicas)  # borrowed
+
+
+def _json_objects(text: str) -> list[Any]:
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while at < len(text.rstrip()):
+        value, at = decoder.raw_decode(text, at)
+        found.append(value)
+        at += len(text[at:]) - len(text[at:].lstrip())
+    return found
+
+
+def _poll_http(http: Any, job_id: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job: dict[str, Any] = http.get(f"/v1/videos/{job_id}").json()
+        if job["status"] in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
+            return job
+        time.sleep(0.2)
 
 
 def test_bad_jobs_say_what_to_fix(client: openai.OpenAI) -> None:

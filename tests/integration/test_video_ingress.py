@@ -6,6 +6,7 @@ delete stops a running job at its next step."""
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,18 @@ def front(tmp_path: Path) -> Iterator[Ingress]:
 
 
 def _submit(
-    client: ReplicaClient, job_id: str, blobs: list[bytes] | None = None, **fields: Any
+    client: ReplicaClient,
+    job_id: str,
+    blobs: list[bytes] | None = None,
+    max_run_s: float | None = None,
+    **fields: Any,
 ) -> p.Message:
     body = {"prompt": "a cat", "width": 64, "height": 48, "seed": 5, **fields}
+    body = {k: value for k, value in body.items() if value is not None}
     params = v.parse_video(body, p.Limits(), blobs=1 if blobs else 0)
-    request = v.VideoRequest(action=v.SUBMIT, job_id=job_id, params=params, created_at=99)
+    request = v.VideoRequest(
+        action=v.SUBMIT, job_id=job_id, params=params, created_at=99, max_run_s=max_run_s
+    )
     return client.call(p.VIDEO, request, blobs=blobs or [])
 
 
@@ -100,6 +108,42 @@ def test_a_delete_stops_the_running_job_at_its_next_step(front: Ingress) -> None
         stop = front.halt()  # the gang's next denoising step
         assert stop is not None and stop.code == p.CANCELLED
         front.finished([p.encode_error(job_id, stop)])  # answered to the book: dropped
+
+
+def test_a_job_without_a_size_gets_the_models_default_size_from_the_start(
+    front: Ingress,
+) -> None:
+    """The size the pipeline makes when given none (the cost model's default), in the
+    record from the submit on, and in what the gang is asked to make."""
+    front.status.calibration.configure(p.CostReport(default_width=96, default_height=64))
+    job_id = v.make_job_id(front.endpoint, "0123456789abcdef")
+    with ReplicaClient(front.endpoint, timeout_s=5) as client:
+        job = _submit(client, job_id, width=None, height=None).body_as(v.VideoJob)
+        assert (job.width, job.height) == (96, 64)
+        [work] = front.next_work(timeout=0)
+        params = work.command.batch[0].params
+        assert (params.width, params.height) == (96, 64)
+        other = v.make_job_id(front.endpoint, "0123456789abcdef")
+        half = _submit(client, other, height=None).body_as(v.VideoJob)  # one side alone
+        assert (half.width, half.height) == (64, 64)
+
+
+def test_a_job_that_runs_past_its_bound_is_stopped_and_says_why(front: Ingress) -> None:
+    job_id = v.make_job_id(front.endpoint, "0123456789abcdef")
+    with ReplicaClient(front.endpoint, timeout_s=5) as client:
+        _submit(client, job_id, max_run_s=0.3)
+        front.next_work(timeout=0)
+        assert front.halt() is None
+        stop = None
+        deadline = time.monotonic() + 10
+        while stop is None and time.monotonic() < deadline:  # the gang's denoising steps
+            time.sleep(0.05)
+            stop = front.halt()
+        assert stop is not None and stop.code == p.CANCELLED
+        front.finished([p.encode_error(job_id, stop)])
+        job = _ask(client, v.GET, job_id).body_as(v.VideoJob)
+        assert job.status == v.FAILED and job.error is not None
+        assert job.error.code == p.DEADLINE_EXCEEDED and "bound of 0.3s" in job.error.message
 
 
 def test_bad_jobs_are_refused_before_they_queue(front: Ingress) -> None:

@@ -68,6 +68,8 @@ def test_defaults_and_bounds() -> None:
     assert props["gpuResource"]["default"] == "nvidia.com/gpu"
     strategy = props["updateStrategy"]["properties"]
     assert strategy["maxUnavailable"]["default"] == 1 and strategy["maxSurge"]["default"] == 0
+    bound = props["router"]["properties"]["videoMaxEstimateSeconds"]  # docs/video.md
+    assert (bound["default"], bound["minimum"], bound["type"]) == (1800, 1, "integer")
 
 
 def _rules() -> dict[str, tuple[dict[str, Any], list[dict[str, str]]]]:

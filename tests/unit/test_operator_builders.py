@@ -506,6 +506,23 @@ def test_the_served_model_name_reaches_the_router_and_rolls_no_replica() -> None
                 svc(router={"servedModelName": name})
 
 
+def test_the_video_job_bound_reaches_the_router_and_leaves_the_replicas_alone() -> None:
+    """spec.router.videoMaxEstimateSeconds is the router's --video-max-estimate: a
+    router setting, so changing it rolls the router, not the model servers."""
+    from dpserve.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(b.router_args(svc())).video_max_estimate == 1800.0
+    shorter = svc(router={"videoMaxEstimateSeconds": 600})
+    assert parser.parse_args(b.router_args(shorter)).video_max_estimate == 600.0
+    assert b.spec_hash(shorter.spec) == b.spec_hash(svc().spec)
+    deployment = b.build_router_deployment(shorter, IMAGES)
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--video-max-estimate") + 1] == "600"
+    with pytest.raises(ValueError, match="videoMaxEstimateSeconds"):
+        svc(router={"videoMaxEstimateSeconds": 0})
+
+
 def test_a_new_pod_shape_rolls_the_replicas(monkeypatch: Any) -> None:
     before = b.spec_hash(svc().spec)
     monkeypatch.setattr(b, "POD_SHAPE", b.POD_SHAPE + 1)

@@ -77,6 +77,16 @@ def test_the_limits_are_flags_and_reach_uvicorn() -> None:
         build_parser().parse_args(["router", "--max-connections", "0"])
 
 
+def test_the_video_job_bound_is_a_router_and_serve_flag() -> None:
+    for command in (["router", "--worker", "tcp://x:1"], ["serve"]):
+        args = build_parser().parse_args([*command, "--video-max-estimate", "90"])
+        assert _router_settings(args, ()).video_max_estimate_s == 90.0
+        default = build_parser().parse_args(command)
+        assert _router_settings(default, ()).video_max_estimate_s == 1800.0  # docs/video.md
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--video-max-estimate", "0"])
+
+
 def test_a_websocket_that_sends_no_init_is_closed_with_a_reason() -> None:
     async def scenario() -> None:
         settings = RouterSettings(realtime=RealtimeSettings(init_timeout_s=0.5))

@@ -16,6 +16,7 @@ from dpserve.router.policies import (
     WorkLedger,
     hrw_owner,
     make_policy,
+    measured_seconds_per_unit,
     merge_fanout,
     seconds_per_unit,
 )
@@ -185,3 +186,10 @@ def test_an_uncalibrated_replica_borrows_the_others_median_else_plain_units() ->
     assert seconds_per_unit(2.0, [5.0]) == 2.0
     assert seconds_per_unit(None, [1.0, None, 3.0, 8.0]) == 3.0
     assert seconds_per_unit(None, [None]) == UNCALIBRATED_SECONDS_PER_UNIT
+
+
+def test_a_measured_figure_is_none_until_some_replica_has_one() -> None:
+    """What a video job's estimate and its bound read: no plain-units stand-in."""
+    assert measured_seconds_per_unit(2.0, [5.0]) == 2.0
+    assert measured_seconds_per_unit(None, [1.0, None, 3.0]) == 2.0
+    assert measured_seconds_per_unit(None, [None, None]) is None

@@ -335,6 +335,59 @@ def test_bad_jobs_are_refused_by_the_router_or_by_the_replica() -> None:
     run_in_context(scenario)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks the Sora API so
+def test_a_job_carries_its_estimate_and_one_estimated_past_the_bound_is_a_400() -> None:
+    """Estimated seconds: cost units (pixels x latent frames x steps x CFG branches)
+    times the replica's measured seconds per unit; a job past --video-max-estimate is
+    refused naming both, through plain HTTP and the openai client alike."""
+
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        calibrated = p.CostReport(seconds_per_unit=100.0)
+        async with (
+            stubs(ctx, cost=calibrated) as [stub],
+            routers([stub], video_max_estimate_s=60.0) as [(app, http)],
+        ):
+            job = await create(http)  # 64x64, 9 frames (3 latent), 2 steps, one branch
+            assert job["estimated_time_s"] == pytest.approx(100 * 2 * 64 * 64 / 1e6 * 3)
+            ((sent, _),) = stub.video_submits
+            assert sent.max_run_s == 60.0  # the replica stops it past the bound, too
+            answer = await http.post("/v1/videos", json=SLOW)
+            message = _error(answer, 400)
+            assert "estimated to run 123s (64x64, 9 frames, 100 steps)" in message
+            assert "bound of 60s" in message and "--video-max-estimate" in message
+            assert len(stub.video_submits) == 1  # refused before any replica saw it
+            assert (await until_status(http, job["id"], "completed"))["estimated_time_s"] == (
+                job["estimated_time_s"]
+            )
+            client = openai.AsyncOpenAI(
+                base_url="http://router/v1",
+                api_key="x",
+                http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)),
+                max_retries=0,
+            )
+            async with client:
+                with pytest.raises(openai.BadRequestError, match="bound of 60s"):
+                    await client.videos.create(prompt="x", size="64x64", extra_body=SLOW)
+
+    run_in_context(scenario)
+
+
+def test_before_any_replica_measured_a_job_has_no_estimate_and_only_the_run_bound() -> None:
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        fresh = p.CostReport(seconds_per_unit=None)
+        async with (
+            stubs(ctx, cost=fresh) as [stub],
+            routers([stub], video_max_estimate_s=60.0) as [(_, http)],
+        ):
+            job = await create(http, {**SLOW, "size": "1280x720", "num_frames": 33})
+            assert job["estimated_time_s"] is None and job["size"] == "1280x720"
+            ((sent, _),) = stub.video_submits
+            assert sent.estimated_s is None and sent.max_run_s == 60.0
+            await http.delete(f"/v1/videos/{job['id']}")
+
+    run_in_context(scenario)
+
+
 def test_an_image_model_refuses_video_jobs() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         async with stubs(ctx, video_limits=None) as [stub], routers([stub]) as [(_, http)]:

@@ -151,3 +151,51 @@ def test_a_temporary_folder_is_removed_at_close() -> None:
     assert book.root.is_dir()
     book.close()
     assert not book.root.exists()
+
+
+def test_a_job_keeps_its_estimate_and_is_stopped_once_it_runs_past_its_bound(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    book = _book(tmp_path, clock)
+    queued = book.submit(JOB, _params(), 0, 1, estimated_s=12.34567, max_run_s=30.0)
+    assert queued.estimated_time_s == 12.346
+    clock.now += 100  # queued time does not count: the bound is on its run
+    assert book.overdue() == ()
+    book.started(JOB)
+    clock.now += 29
+    assert book.overdue() == ()
+    clock.now += 2
+    assert book.overdue() == (JOB,)  # the caller stops it at the next denoising step
+    assert book.overdue() == ()  # once
+    assert book.get(JOB).status == v.IN_PROGRESS  # until the gang stops
+    stop = p.RequestError(p.CANCELLED, f"request {JOB} was cancelled")
+    book.answer(p.encode_error(JOB, stop))
+    failed = book.get(JOB)
+    assert failed.status == v.FAILED and failed.error is not None
+    assert failed.error.code == p.DEADLINE_EXCEEDED
+    assert "bound of 30s" in failed.error.message
+    assert "--video-max-estimate" in failed.error.message
+
+
+def test_a_job_past_its_bound_in_its_last_decode_completes(tmp_path: Path) -> None:
+    """No denoising step is left to stop at: the video is made, and kept."""
+    clock = Clock()
+    book = _book(tmp_path, clock)
+    book.submit(JOB, _params(), 0, 1, max_run_s=5.0)
+    book.started(JOB)
+    clock.now += 6
+    assert book.overdue() == (JOB,)
+    book.answer(_done(JOB))
+    assert book.get(JOB).status == v.COMPLETED
+
+
+def test_a_job_without_a_bound_or_an_estimate_runs_on(tmp_path: Path) -> None:
+    clock = Clock()
+    book = _book(tmp_path, clock)
+    assert book.submit(JOB, _params(), 0, 1).estimated_time_s is None
+    book.started(JOB)
+    clock.now += 10**6
+    assert book.overdue() == ()
+    book.answer(p.encode_error(JOB, p.RequestError(p.CANCELLED, "cancelled")))
+    assert book.get(JOB).status == v.CANCELLED  # a plain cancel stays one
