@@ -12,7 +12,7 @@ from dpserve import protocol as p
 from dpserve.layout import ParallelConfig, describe
 from dpserve.router import deps
 from dpserve.router.deps import PoolDep, SettingsDep
-from dpserve.router.openai_api import error_body, request_fields
+from dpserve.router.openai_api import request_fields
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.schemas import ErrorResponse
 from dpserve.router.served_model import UNKNOWN, model_not_found
