@@ -30,6 +30,7 @@ from websockets.asyncio.client import connect
 from dpserve import protocol as p
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.openai_api import ERROR_CODES
+from dpserve.router.playground import PATHS as PLAYGROUND_PATHS
 from dpserve.router.pool import PoolSettings
 from dpserve.router.request_ids import HEADER
 from tests.polling import until
@@ -439,7 +440,8 @@ def test_every_route_answers_its_errors_in_the_one_shape() -> None:
     _run(scenario)
 
 
-_DOCS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Pages and their files: static, with no error of their own to answer.
+_DOCS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", *PLAYGROUND_PATHS})
 
 
 def test_the_bad_request_id_answer_carries_an_id_of_the_routers() -> None:
