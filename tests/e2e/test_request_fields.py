@@ -364,16 +364,20 @@ def _model(r: Route, _: Path) -> None:
 
 @case("user", "style", "moderation", "safety_identifier", "quality", "background")
 def _accepted_openai_fields(r: Route, _: Path) -> None:
-    # OpenAI's, for a service of one model: they change nothing here.
+    # OpenAI's: the values this server honours change nothing; the others would
+    # change the image, so they are refused, never ignored.
     for name, value in (
         ("user", "u-1"),
         ("safety_identifier", "s-1"),
         ("moderation", "auto"),
-        ("style", "vivid"),
         ("quality", "auto"),
         ("background", "auto"),
+        ("background", "opaque"),
     ):
         assert r.image(**{name: value}) == r.base, name
+    r.refused("style", "no styles", style="vivid")
+    r.refused("quality", "no quality tiers", quality="hd")
+    r.refused("background", "opaque images only", background="transparent")
 
 
 @case("enable_teacache", "enable_cache_dit")
@@ -419,7 +423,7 @@ def _strength(r: Route, _: Path) -> None:
 
 @case("input_fidelity", edit_only=True)
 def _input_fidelity(r: Route, _: Path) -> None:
-    assert r.image(input_fidelity="high") == r.base
+    r.refused("input_fidelity", "strength (0-1]", input_fidelity="high")
 
 
 # ---------------------------------------------------------------- the tests

@@ -3,6 +3,7 @@ without setuptools' warnings, and `make serve` passes ARGS on."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,8 @@ def test_make_serve_passes_args_on(tmp_path: Path) -> None:
     done = subprocess.run(
         ["make", "-n", "serve", f"VENV={venv}", "ARGS=--port 9000 --api-key-file keys"],
         cwd=ROOT,
+        # Under `make test` a nested make would print "Entering/Leaving directory".
+        env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")},
         capture_output=True,
         text=True,
         timeout=60,
