@@ -1,13 +1,15 @@
 """The control state this router wants every replica to hold, and where it is kept.
 
-One owner: :class:`DesiredState`. It adopts the greatest document
+:class:`DesiredState` owns the desired document, for the control plane
+(dpserve/router/control_plane.py), which owns the rest of the router's control
+state. It adopts the greatest document
 (dpserve.control_state) it sees — in its store, or reported by a replica in a
 ping — so a restarted router, a second router, or a router whose ConfigMap was
 deleted picks up the state the service really has instead of starting over.
 Writes go through the store's compare-and-swap ``advance``, which only ever
 moves the stored document forward, and only to a document made knowing the stored
 one (``stored_after``): an op built on a stale state loses to the stored one, and
-its router builds it again on top (dpserve/router/changes.py).
+its router builds it again on top (dpserve/router/control_plane.py).
 
 Where the document lives is a ``StateStore``: process memory for the embedded
 mode (the replicas' own reports are what a restarted router recovers from),
@@ -21,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dpserve.control_state import ControlState, StateDoc, newest, stored_after
+from dpserve.control_state import StateDoc, newest, stored_after
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +63,6 @@ class DesiredState:
     def __init__(self, store: StateStore | None = None) -> None:
         self.store: StateStore = store or MemoryStore()
         self.doc: StateDoc | None = None  # unknown until the store or a replica says
-        # While this router fans an op out, replicas still holding the state before
-        # it keep serving: each gang switches between two of its requests.
-        self.before: ControlState | None = None
-        self.ops = asyncio.Lock()  # this router changes the state one op at a time
         self._reported: OutOfSync | None = None
 
     def observe(self, held: StateDoc | None) -> bool:
@@ -75,12 +73,6 @@ class DesiredState:
             log.info("adopting control state version %d (%s)", held.version, held.op or "boot")
         self.doc = held
         return True
-
-    def accepts(self, state: ControlState | None) -> bool:
-        """Whether a replica holding ``state`` may serve."""
-        if state is None or self.doc is None:
-            return False
-        return state == self.doc.state or (self.before is not None and state == self.before)
 
     async def refresh(self) -> None:
         """Adopt a newer stored document; store ours when it is the newer one."""

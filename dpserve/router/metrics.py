@@ -155,7 +155,7 @@ class RouterMetrics:
             gauge.clear()
         total = 0.0
         for replica in pool.replicas.values():
-            work = pool.outstanding_s(replica)
+            work = pool.load.outstanding_s(replica)
             total += work
             self.replica_sessions.labels(replica.endpoint).set(replica.sessions)
             self.replica_inflight.labels(replica.endpoint).set(replica.inflight)
@@ -163,7 +163,7 @@ class RouterMetrics:
             self.replica_queue_depth.labels(replica.endpoint).set(replica.queue_depth)
             self.replica_work.labels(replica.endpoint).set(work)
             self.replica_busy.labels(replica.endpoint).set(replica.busy_fraction)
-        self.queue_depth.set(pool.queue_depth)
+        self.queue_depth.set(pool.admission.queue_depth)
         self.work.set(total)
         return generate_latest(self.registry)
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dpserve import protocol as p
-from dpserve.router.changes import change
 from dpserve.router.coalesce import Coalescer, retrieve
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import FanoutAnswer, merge_fanout
-from dpserve.router.pool import Replica, ReplicaPool, Slot
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.replica import Replica, Slot
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ class RouterService:
                 break
             if stage is not None:
                 stage.queued()
-            slot = await self.pool.acquire(tried, max(0.0, deadline - time.monotonic()), params)
+            slot = await self.pool.admission.acquire(
+                tried, max(0.0, deadline - time.monotonic()), params
+            )
             replica = slot.replica
             tried.add(replica.endpoint)
             if stage is not None:
@@ -108,7 +110,7 @@ class RouterService:
                     # It is shutting down (a roll, a scale-down): out of rotation now, so
                     # the retry waits for another replica instead of asking it again
                     # before its next ping says "draining".
-                    self.pool.mark_failed(replica, str(exc))
+                    self.pool.health.mark_failed(replica, str(exc))
                 last = exc
             except (ReplicaLost, TimeoutError) as exc:
                 last = exc
@@ -139,7 +141,9 @@ class RouterService:
             result: p.GenerateResult = reply.body_as(p.GenerateResult)
             images = [reply.blobs[m.blob] for m in result.images]
         except (ReplicaLost, TimeoutError) as exc:
-            self.pool.mark_failed(replica, f"request failed: {str(exc) or type(exc).__name__}")
+            self.pool.health.mark_failed(
+                replica, f"request failed: {str(exc) or type(exc).__name__}"
+            )
             raise
         except p.ProtocolError as exc:
             raise p.RequestError(
@@ -148,8 +152,8 @@ class RouterService:
         except IndexError:
             raise p.RequestError(p.INTERNAL, f"reply from {replica.name} lacks images") from None
         finally:
-            self.pool.release(slot)
-        self.pool.note_served(replica)
+            self.pool.admission.release(slot)
+        self.pool.admission.note_served(replica)
         return Generated(result, images, replica.name)
 
     async def cancel_elsewhere(self, request_id: str) -> str:
@@ -178,19 +182,19 @@ class RouterService:
         if op == p.SYNC_STATE:
             raise p.RequestError(p.UNSUPPORTED, "sync_state is internal to the router")
         if op in HEAVY_READS:
-            doc, changing = self.pool.desired.doc, self.pool.desired.ops.locked()
+            doc, changing = self.pool.desired.doc, self.pool.control.changing
             # Shared only within one control state, and never across a change in flight.
             asked = json.dumps(args, sort_keys=True)
             key = (op, asked, doc.key) if doc is not None and not changing else None
             return await self.heavy_reads.run(key, lambda: self._read(op, args), op)
         if op not in p.MUTATING_OPS:
             return await self._read(op, args)
-        outcomes, summary = await change(self.pool, op, args)
+        outcomes, summary = await self.pool.control.change(op, args)
         answer = merge_fanout(op, outcomes, read_only=False)
         return FanoutAnswer(answer.status, {**answer.body, "control_state": summary}, answer.code)
 
     async def _read(self, op: str, args: dict[str, Any]) -> FanoutAnswer:
         replicas = self.pool.members()
         request = p.ControlRequest(op=op, args=args)
-        outcomes = await asyncio.gather(*(self.pool.ask(r, request) for r in replicas))
+        outcomes = await asyncio.gather(*(self.pool.control.ask(r, request) for r in replicas))
         return merge_fanout(op, outcomes, read_only=True)

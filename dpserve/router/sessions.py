@@ -22,7 +22,8 @@ from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import hrw_order
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.replica import Replica
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +101,14 @@ class SessionRouter:
             except p.RequestError as exc:
                 if exc.code != p.OVERLOADED:
                     raise
-                self.pool.session_refused(replica)
+                self.pool.admission.session_refused(replica)
                 log.info("replica %s refused a session: %s", replica.name, exc)
                 continue
             except (ReplicaLost, TimeoutError) as exc:
-                self.pool.mark_failed(replica, f"session open failed: {exc}")
+                self.pool.health.mark_failed(replica, f"session open failed: {exc}")
                 lost.append(replica.name)
                 continue
-            self.pool.session_opened(replica)
+            self.pool.admission.session_opened(replica)
             return Attached(session_id, replica.endpoint, 0), _frame(reply, replica)
         if lost:
             raise p.RequestError(
@@ -152,7 +153,7 @@ class SessionRouter:
             log.warning("releasing session %s failed: %s", session.session_id, exc)
             return
         if info.released:
-            self.pool.session_closed(replica)
+            self.pool.admission.session_closed(replica)
 
     # ------------------------------------------------------------ plumbing
 

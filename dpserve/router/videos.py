@@ -1,7 +1,7 @@
 """Video jobs through the router: placement, the watch that re-runs a lost job, and
 finding any job from any router (dpserve/video.py has the whole design).
 
-**Place.** A job takes a slot at once (:meth:`ReplicaPool.place`: the policy's pick,
+**Place.** A job takes a slot at once (:meth:`Admission.place`: the policy's pick,
 past the in-flight cap, no waiting): it queues at its replica, whose --max-queue
 bounds it, and its slot keeps its estimated work in that replica's ledger, so image
 requests see the replica busy and the autoscaling gauges count it. Its id names the
@@ -10,7 +10,7 @@ for itself (overloaded, shutting down, unreachable) passes the job on, with a ne
 id, to the next one; each serving replica is asked at most once.
 
 **Bound.** A job is estimated on the replica that takes it (its cost units times the
-measured seconds per unit, :meth:`ReplicaPool.measured_seconds`); one estimated past
+measured seconds per unit, :meth:`Load.measured_seconds`); one estimated past
 ``max_run_s`` is a 400 naming both. The bound also travels with the job: its replica
 stops it once it has run that long, which bounds a job no replica could estimate yet
 (none has measured) and one the estimate got wrong.
@@ -51,7 +51,8 @@ import msgspec
 from dpserve import protocol as p
 from dpserve import video
 from dpserve.router.connection import ReplicaLost
-from dpserve.router.pool import Replica, ReplicaPool, Slot
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.replica import Replica, Slot
 
 log = logging.getLogger(__name__)
 
@@ -148,33 +149,33 @@ class VideoJobs:
         busy = False
         while True:
             try:
-                slot = self.pool.place(tried, params)
+                slot = self.pool.admission.place(tried, params)
             except p.RequestError:
                 if not tried:
                     raise
                 break
             replica = slot.replica
             if replica.endpoint in tried:  # every serving replica was asked
-                self.pool.release(slot)
+                self.pool.admission.release(slot)
                 break
             tried.add(replica.endpoint)
             try:
                 self._check_bound(replica, params)
             except p.RequestError:
-                self.pool.release(slot)
+                self.pool.admission.release(slot)
                 raise
             job_id = video.make_job_id(replica.endpoint, replica.boot_id)
             try:
                 job = await self._send(slot, job_id, params, created_at, 1, blobs)
             except p.RequestError as exc:
-                self.pool.release(slot)
+                self.pool.admission.release(slot)
                 if exc.code not in _PASS_ON:
                     raise
                 busy = busy or exc.code == p.OVERLOADED
                 refusals.append(f"{replica.name}: {exc}")
                 continue
             except (ReplicaLost, TimeoutError) as exc:
-                self.pool.release(slot)
+                self.pool.admission.release(slot)
                 refusals.append(f"{replica.name}: {str(exc) or 'timed out'}")
                 continue
             self._watch(_Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job))
@@ -200,23 +201,23 @@ class VideoJobs:
             params=params,
             created_at=created_at,
             attempt=attempt,
-            estimated_s=self.pool.measured_seconds(replica, params),
+            estimated_s=self.pool.load.measured_seconds(replica, params),
             max_run_s=self.max_run_s,
         )
         try:
             reply = await self._ask(replica, request, TRANSFER_TIMEOUT_S, blobs)
         except p.RequestError as exc:
             if exc.code == p.UNAVAILABLE:
-                self.pool.mark_failed(replica, str(exc))
+                self.pool.health.mark_failed(replica, str(exc))
             raise
         except (ReplicaLost, TimeoutError) as exc:
-            self.pool.mark_failed(replica, f"video submit failed: {str(exc) or 'timed out'}")
+            self.pool.health.mark_failed(replica, f"video submit failed: {str(exc) or 'timed out'}")
             raise
         return _job(reply, replica)
 
     def _check_bound(self, replica: Replica, params: p.GenerateParams) -> None:
         """A 400 when the job's estimated run time there is past the bound."""
-        estimate = self.pool.measured_seconds(replica, params)
+        estimate = self.pool.load.measured_seconds(replica, params)
         if estimate is None or estimate <= self.max_run_s:
             return
         raise p.RequestError(
@@ -251,7 +252,7 @@ class VideoJobs:
                     log.exception("watching video job %s failed", watch.job_id)
         finally:
             if watch.slot is not None:
-                self.pool.release(watch.slot)
+                self.pool.admission.release(watch.slot)
                 watch.slot = None
             if self._watches.get(watch.job_id) is watch:
                 del self._watches[watch.job_id]
@@ -313,7 +314,7 @@ class VideoJobs:
         assert watch.slot is not None
         holder = watch.slot.replica
         log.warning("video job %s: its replica %s was lost (%s)", watch.job_id, holder.name, why)
-        self.pool.release(watch.slot)
+        self.pool.admission.release(watch.slot)
         watch.slot, watch.misses, watch.lost_at = None, 0, time.monotonic()
         watch.lost, watch.may_return = (holder, watch.boot), may_return
         return await self._rerun(watch)
@@ -323,7 +324,7 @@ class VideoJobs:
         assert watch.lost is not None and watch.lost_at is not None
         replica, boot = watch.lost
         if watch.may_return and not self._lost(replica, boot):  # back, holding it: watch it
-            watch.slot, watch.boot = self.pool.take(replica, watch.params), boot
+            watch.slot, watch.boot = self.pool.admission.take(replica, watch.params), boot
             watch.lost = watch.lost_at = None
             return False
         waited = time.monotonic() - watch.lost_at
@@ -337,7 +338,7 @@ class VideoJobs:
             )
             return True
         try:
-            slot = self.pool.place({replica.endpoint}, watch.params)
+            slot = self.pool.admission.place({replica.endpoint}, watch.params)
         except p.RequestError:
             return False  # none serves now: next poll
         attempt = watch.attempt + 1
@@ -346,14 +347,14 @@ class VideoJobs:
                 slot, watch.job_id, watch.params, watch.created_at, attempt, watch.blobs
             )
         except p.RequestError as exc:
-            self.pool.release(slot)
+            self.pool.admission.release(slot)
             if exc.code in _PASS_ON:
                 return False
             name = slot.replica.name
             log.error("video job %s is given up: %s refused it: %s", watch.job_id, name, exc)
             return True
         except (ReplicaLost, TimeoutError):
-            self.pool.release(slot)
+            self.pool.admission.release(slot)
             return False
         name = slot.replica.name
         log.warning("video job %s runs again on %s (attempt %d)", watch.job_id, name, attempt)

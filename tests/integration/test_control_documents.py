@@ -2,7 +2,7 @@
 
 One rank's ControlOps on the real tiny pipeline: two routers that built on the
 same state cannot undo each other here, whatever their ids; the one built again
-on top (the router's retry, dpserve/router/changes.py) is taken, and the document
+on top (the router's retry, dpserve/router/control_plane.py) is taken, and the document
 the replica reports carries what it was made knowing.
 """
 

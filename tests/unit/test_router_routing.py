@@ -69,11 +69,12 @@ def test_the_cap_is_max_inflight_times_the_replicas_batch_size(policy: PolicyNam
             pool = r.pool
             await until(lambda: all(x.max_batch == 2 for x in pool.members()))
             calls = [asyncio.create_task(r.generate(SMALL)) for _ in range(5)]
-            await until(lambda: pool.queue_depth == 1)  # 2 x 2 slots taken, one waits
+            await until(lambda: pool.admission.queue_depth == 1)  # 2 x 2 slots taken, one waits
             assert sorted(x.inflight for x in pool.members()) == [2, 2]
             assert {pool.snapshot(x)["max_in_flight"] for x in pool.members()} == {2}
             assert len(await asyncio.gather(*calls)) == 5
-            assert pool.queue_depth == 0 and all(len(x.ledger) == 0 for x in pool.members())
+            assert pool.admission.queue_depth == 0
+            assert all(len(x.ledger) == 0 for x in pool.members())
 
     run_in_context(scenario)
 
@@ -137,7 +138,7 @@ def test_least_work_counts_what_other_routers_placed_there() -> None:
             (busy,) = [s for s in stubs if s.received]
             seen = next(r for r in two.pool.members() if r.endpoint == busy.endpoint)
             await until(lambda: seen.others_units > 0)  # from its next ping
-            assert two.pool.outstanding_s(seen) == pytest.approx(
+            assert two.pool.load.outstanding_s(seen) == pytest.approx(
                 seen.others_units * busy.cost.seconds_per_unit  # type: ignore[operator]
             )
             for _ in range(3):

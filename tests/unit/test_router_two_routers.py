@@ -134,7 +134,7 @@ def test_an_op_still_in_the_way_after_one_retry_is_a_409() -> None:
             }
             # Nothing is left split: every replica comes to one state, and serves.
             pool = router.pool
-            await pool.recheck(pool.members())
+            await pool.health.recheck(pool.members())
             await until(lambda: stubs[0].held == stubs[1].held == pool.desired.doc, 10)
             await until(lambda: len(pool.serving()) == 2)
         for stub in stubs:

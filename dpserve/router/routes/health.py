@@ -39,7 +39,7 @@ async def health_replicas(pool: PoolDep) -> dict[str, Any]:
     return {
         "replicas": [pool.snapshot(r) for r in pool.replicas.values()],
         "control_state": control_state(pool),
-        "queue_depth": pool.queue_depth,
+        "queue_depth": pool.admission.queue_depth,
     }
 
 
