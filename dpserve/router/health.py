@@ -139,3 +139,13 @@ class Health:
             return None
         result: p.ControlResult = reply.body_as(p.ControlResult)
         return result.result
+
+    async def boot_id(self, replica: Replica) -> str | None:
+        """The replica's boot id, asked now rather than at its next ping (which records
+        it); None when it does not answer."""
+        try:
+            reply = await replica.conn.request(p.PING, None, self.timeout_s)
+            ping: p.PingResult = reply.body_as(p.PingResult)
+        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError):
+            return None
+        return ping.boot_id

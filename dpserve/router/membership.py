@@ -1,9 +1,11 @@
 """Who is in the pool: discovery's endpoints as connected replicas, leaving ones drained.
 
 :class:`Membership` owns the map of replicas and their connections: it makes and
-closes them. A replica discovery drops leaves rotation at once but keeps its
-connection until what it runs has answered (a scale-down or a rollout drains), or
-until discovery brings it back.
+closes them, and sends on them for code outside the pool's parts that asks a replica
+something other than a generation or a session (video jobs: :meth:`request`). A
+replica discovery drops leaves rotation at once but keeps its connection until what
+it runs has answered (a scale-down or a rollout drains), or until discovery brings
+it back.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import zmq.asyncio
 
+from dpserve import protocol as p
 from dpserve.router.connection import ReplicaConnection
 from dpserve.router.replica import Replica
 from dpserve.wire import WireKey
@@ -81,6 +85,17 @@ class Membership:
             if not back:
                 self._leaving.pop(replica.endpoint, None)
                 await replica.conn.close()
+
+    async def request(
+        self,
+        replica: Replica,
+        kind: str,
+        body: Any,
+        timeout_s: float,
+        blobs: list[bytes] | None = None,
+    ) -> p.Message:
+        """One request to ``replica`` and its reply (raises what its connection raises)."""
+        return await replica.conn.request(kind, body, timeout_s, blobs)
 
     def tasks(self) -> list[asyncio.Task[None]]:
         """The drains under way (cancelling one closes its connection)."""

@@ -6,7 +6,7 @@ callers use the part for their concern (``pool.admission.acquire``,
 only what spans the parts: who is in the pool and serving, and the ``/health`` JSON.
 
 - :class:`~dpserve.router.membership.Membership` (``pool.membership``): discovery's
-  endpoints as connected replicas; leaving ones drain.
+  endpoints as connected replicas; leaving ones drain; the way to send to one.
 - :class:`~dpserve.router.health.Health` (``pool.health``): one ping loop per
   replica (one slow or stopped replica never delays another's pings), what the pings
   report, and taking a failed replica out of rotation.

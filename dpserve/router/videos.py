@@ -280,7 +280,7 @@ class VideoJobs:
             if exc.code != p.NOT_FOUND:
                 log.warning("video job %s: %s answered %s", watch.job_id, holder.name, exc)
                 return False
-            boot = await self._boot(holder)
+            boot = await self.pool.health.boot_id(holder)
             if boot != watch.boot:  # not_found from a restart its pings have not shown yet
                 why = "it does not hold the job"
                 return await self._lose(watch, why, may_return=boot is None)
@@ -296,17 +296,8 @@ class VideoJobs:
         return False
 
     def _lost(self, holder: Replica, boot: str) -> bool:
-        gone = self.pool.replicas.get(holder.endpoint) is not holder
+        gone = not self.pool.membership.holds(holder)
         return gone or not holder.answering or holder.boot_id != boot
-
-    async def _boot(self, replica: Replica) -> str | None:
-        """The replica's boot id, asked now; None when it does not answer."""
-        try:
-            reply = await replica.conn.request(p.PING, None, self.pool.settings.ping_timeout_s)
-            ping: p.PingResult = reply.body_as(p.PingResult)
-        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError):
-            return None
-        return ping.boot_id
 
     async def _lose(self, watch: _Watch, why: str, may_return: bool) -> bool:
         """The holder lost the job, or gave it up, or cannot be reached (``may_return``:
@@ -367,7 +358,7 @@ class VideoJobs:
     async def _delete_stale(self, watch: _Watch) -> None:
         """A holder that came back after the job ran again elsewhere drops its copy."""
         for replica, boot in list(watch.stale):
-            if self.pool.replicas.get(replica.endpoint) is not replica or replica.boot_id != boot:
+            if not self.pool.membership.holds(replica) or replica.boot_id != boot:
                 watch.stale.remove((replica, boot))  # restarted or gone: no copy left
             elif replica.answering:
                 with contextlib.suppress(ReplicaLost, TimeoutError, p.RequestError):
@@ -530,7 +521,7 @@ class VideoJobs:
         blobs: list[bytes] | None = None,
     ) -> p.Message:
         timeout_s = self.pool.settings.ping_timeout_s if timeout_s is None else timeout_s
-        return await replica.conn.request(p.VIDEO, request, timeout_s, blobs)
+        return await self.pool.membership.request(replica, p.VIDEO, request, timeout_s, blobs)
 
 
 def _owner(job_id: str) -> video.JobOwner:
