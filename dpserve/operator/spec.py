@@ -3,8 +3,10 @@
 The CRD's OpenAPI schema is generated from these models (``dpserve.operator.crd``),
 and the operator parses objects with them, so the two cannot drift. CEL rules
 sit beside the fields they guard; they run in the apiserver. Defaults that mirror
-a worker option (parallel degrees, threads, realtime limits) are the worker's own,
-read from ``WorkerConfig``; ``builders.worker_options`` maps the fields onto it.
+a worker or router option (parallel degrees, threads, realtime limits; timeouts,
+queue bounds, policy) are the process's own, read from ``WorkerConfig`` and
+``RouterConfig`` (``dpserve.config``); ``builders.worker_options`` and
+``builders.router_options`` map the fields onto them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
-from dpserve.video import DEFAULT_MAX_ESTIMATE_S
-from dpserve.worker.config import StepCacheKind
-from dpserve.worker.config import default as worker_default
+from dpserve.config.router import PolicyName
+from dpserve.config.router import default as router_default
+from dpserve.config.worker import StepCacheKind
+from dpserve.config.worker import default as worker_default
 
 GROUP = "dpserve.dev"
 VERSION = "v1alpha1"
@@ -38,13 +41,21 @@ def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     return out
 
 
+def _whole(value: Any, option: str) -> int:
+    if value != int(value):
+        raise ValueError(f"{option} defaults to {value!r}, not a whole number")
+    return int(value)
+
+
 def _worker(name: str) -> int:
     """The default of a field that mirrors a ``WorkerConfig`` option: the worker's own
     (so the CRD and ``dpserve worker`` cannot disagree), a whole number here."""
-    value = worker_default(name)
-    if value != int(value):
-        raise ValueError(f"WorkerConfig.{name} defaults to {value!r}, not a whole number")
-    return int(value)
+    return _whole(worker_default(name), f"WorkerConfig.{name}")
+
+
+def _router(name: str) -> int:
+    """The default of a field that mirrors a ``RouterConfig`` option, a whole number."""
+    return _whole(router_default(name), f"RouterConfig.{name}")
 
 
 def _validations(*rules: JsonDict) -> JsonDict:
@@ -168,11 +179,11 @@ class RouterSpec(_Model):
     replicas: int = Field(1, ge=0, le=100)
     service: ServiceSpec = Field(default_factory=ServiceSpec, json_schema_extra={"default": {}})
     image: str | None = Field(None, description="router image; the chart's default if omitted")
-    requestTimeoutSeconds: int = Field(300, ge=1, le=86400)
-    maxInflightPerReplica: int = Field(2, ge=1, le=1024)
-    maxWaiting: int = Field(256, ge=1, le=100000)
-    policy: Literal["least_work", "round_robin"] = Field(
-        "least_work",
+    requestTimeoutSeconds: int = Field(_router("request_timeout"), ge=1, le=86400)
+    maxInflightPerReplica: int = Field(_router("max_inflight_per_replica"), ge=1, le=1024)
+    maxWaiting: int = Field(_router("max_waiting"), ge=1, le=100000)
+    policy: PolicyName = Field(
+        router_default("policy"),
         description="where a generation goes: the replica with the least estimated work, "
         "or each in turn (docs/router.md, Routing policies)",
     )
@@ -189,7 +200,7 @@ class RouterSpec(_Model):
         "404); default: this resource's name",
     )
     videoMaxEstimateSeconds: int = Field(
-        int(DEFAULT_MAX_ESTIMATE_S),
+        _router("video_max_estimate"),
         ge=1,
         le=7 * 86400,
         description="seconds a video job may run: one estimated longer is refused (400), one "

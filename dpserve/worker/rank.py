@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from dpserve import protocol as p
 from dpserve import realtime as rt
+from dpserve.config.worker import WorkerConfig
 from dpserve.layout import describe
 from dpserve.proc import die_with_parent
 from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_command
 from dpserve.worker.commands import encode_command as _encode
-from dpserve.worker.config import WorkerConfig
 from dpserve.worker.heartbeat import Heartbeats
 from dpserve.worker.startup import StartupLog, folder_size
 
