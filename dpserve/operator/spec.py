@@ -32,6 +32,12 @@ ROLE_MESSAGE = (
     "data-parallel replicas need role monolithic; scale disaggregated roles by adding role "
     "instances"
 )
+# The role field names the disaggregated shapes (an encoder, denoiser or decoder
+# service each) that the CRD may one day run; no builder reads it, so a role other
+# than monolithic would run as monolithic. It is refused instead.
+ROLE_NOT_IMPLEMENTED = (
+    "disaggregated roles (encoder, denoiser, decoder) are not implemented: role must be monolithic"
+)
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
@@ -268,7 +274,8 @@ class EnvVar(_Model):
 class DiffusionServiceSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=_validations(
-            cel("self.role == 'monolithic' || self.replicas <= 1", ROLE_MESSAGE)
+            cel("self.role == 'monolithic' || self.replicas <= 1", ROLE_MESSAGE),
+            cel("self.role == 'monolithic'", ROLE_NOT_IMPLEMENTED, ".role"),
         )
     )
 
@@ -280,7 +287,11 @@ class DiffusionServiceSpec(_Model):
         default_factory=Parallelism,
         json_schema_extra={"default": {k: _worker(k) for k in ("tp", "sp", "cfg")}},
     )
-    role: Literal["monolithic", "encoder", "denoiser", "decoder"] = "monolithic"
+    role: Literal["monolithic", "encoder", "denoiser", "decoder"] = Field(
+        "monolithic",
+        description="monolithic: each replica runs the whole pipeline; the disaggregated "
+        "roles are refused (not implemented)",
+    )
     image: str | None = Field(None, description="worker image; the chart's default if omitted")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cpu requests no GPUs")
     gpuResource: str = Field("nvidia.com/gpu", min_length=1)
@@ -373,6 +384,8 @@ def problems(spec: DiffusionServiceSpec, allow_host_path: bool = False) -> list[
     found = []
     if spec.role != "monolithic" and spec.replicas > 1:
         found.append(ROLE_MESSAGE)
+    if spec.role != "monolithic":
+        found.append(ROLE_NOT_IMPLEMENTED)
     par = spec.parallelism
     if (par.ulysses is not None or par.ring is not None) and (par.ulysses or 1) * (
         par.ring or 1
