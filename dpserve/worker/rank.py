@@ -199,9 +199,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     info = {
         "replica": cfg.replica,
         "layout": describe(cfg.parallel),
-        "parallel": {
-            k: getattr(cfg.parallel, k) for k in ("tp", "sp", "ulysses", "ring", "pp", "cfg")
-        },
+        "parallel": {k: getattr(cfg.parallel, k) for k in ("tp", "sp", "ulysses", "ring", "cfg")},
         "gang_size": cfg.gang_size,
         "threads_per_rank": cfg.threads_per_rank,
         "device": device.type,
