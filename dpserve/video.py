@@ -58,9 +58,6 @@ VIDEO_VARIANT: Final = "video"
 THUMBNAIL: Final = "thumbnail"
 MEDIA_TYPES: Final[Mapping[str, str]] = {VIDEO_VARIANT: "video/mp4", THUMBNAIL: "image/jpeg"}
 
-# Error code in a job whose owner was lost and that no replica re-ran.
-OWNER_LOST: Final = "owner_lost"
-
 MAX_FPS: Final = 60
 MAX_SECONDS: Final = 600.0
 _JOB_ID: Final = re.compile(r"^video_[0-9a-f]{32}\.[A-Za-z0-9_-]{1,200}\.[0-9a-f]{8}$")
