@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dpserve.bind import PortUnavailable, check_tcp, hold_tcp
+from dpserve.config.flags import port_number, positive
+from dpserve.config.router import RouterConfig, add_router_args
+from dpserve.config.worker import add_gang_args, add_worker_args
 from dpserve.layout import LayoutError
-from dpserve.video import DEFAULT_MAX_ESTIMATE_S
 from dpserve.wire import WireKeyError
-from dpserve.worker.config import add_gang_args, add_worker_args, port_number, positive, seconds
 
 if TYPE_CHECKING:
     from dpserve.local import ReplicaSetConfig
@@ -27,129 +28,9 @@ def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_worker_args(w)
 
 
-def _add_router_args(r: argparse.ArgumentParser) -> None:
-    r.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: all)")
-    r.add_argument("--port", type=port_number, default=8000, help="HTTP port")
-    r.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    r.add_argument(
-        "--max-inflight-per-replica",
-        type=positive,
-        default=2,
-        help="requests per replica at once, times its --max-batch; then they wait in the router",
-    )
-    r.add_argument(
-        "--policy",
-        choices=("round_robin", "least_work"),  # dpserve.router.policies.POLICIES
-        default="least_work",
-        help="where a generation goes: the replica with the least estimated work, or in turn",
-    )
-    r.add_argument("--max-waiting", type=positive, default=256, help="queued requests, then 429")
-    r.add_argument("--output-dir", type=Path, default=None, help="enables response_format=url")
-    r.add_argument("--public-url", default=None, help="base of image URLs (default: own address)")
-    r.add_argument(
-        "--served-model-name",
-        type=_served_name,
-        default=None,
-        help="the model's name in /v1/models and in requests' model (another is a 404); "
-        "default: the model folder's name",
-    )
-    r.add_argument(
-        "--max-connections",
-        type=positive,
-        default=1000,
-        help="open HTTP connections (WebSockets too), then 503",
-    )
-    r.add_argument("--backlog", type=positive, default=2048, help="TCP accept queue length")
-    r.add_argument(
-        "--output-max-files", type=positive, default=1000, help="response_format=url files kept"
-    )
-    r.add_argument(
-        "--output-max-age", type=seconds, default=3600.0, help="seconds a url image is kept"
-    )
-    r.add_argument(
-        "--video-poll",
-        type=seconds,
-        default=1.0,
-        help="seconds between looks at each video job this router placed (re-runs lost ones)",
-    )
-    r.add_argument(
-        "--video-max-estimate",
-        type=seconds,
-        default=DEFAULT_MAX_ESTIMATE_S,
-        help="seconds a video job may run: one estimated longer is a 400, one that runs "
-        "longer is stopped",
-    )
-    r.add_argument("--max-body", type=positive, default=1 << 20, help="body bytes, then 413")
-    r.add_argument(
-        "--max-upload-bytes",
-        type=positive,
-        default=64 << 20,
-        help="an edit's multipart body (images and mask), then 413",
-    )
-    r.add_argument(
-        "--body-timeout", type=seconds, default=30.0, help="seconds to receive a body, then 408"
-    )
-    keys = "Bearer key for %s routes (repeatable; visible in ps: prefer the file)"
-    files = "file of %s keys, one a line (blank lines and # comments skipped; repeatable)"
-    r.add_argument("--api-key", type=_key, action="append", default=[], help=keys % "inference")
-    r.add_argument("--admin-key", type=_key, action="append", default=[], help=keys % "all")
-    r.add_argument(
-        "--api-key-file", type=_key_file, action="append", default=[], help=files % "api"
-    )
-    r.add_argument(
-        "--admin-key-file", type=_key_file, action="append", default=[], help=files % "admin"
-    )
-
-
-def _key(value: str) -> str:
-    from dpserve.router.auth import check_key
-
-    try:
-        return check_key(value, "key")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None  # the message names no key
-
-
-def _served_name(value: str) -> str:
-    from dpserve.router.served_model import check_name
-
-    try:
-        return check_name(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _key_file(value: str) -> tuple[str, ...]:
-    from dpserve.router.auth import load_key_file
-
-    try:
-        return load_key_file(Path(value))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser("router", help="HTTP front over replicas (OpenAI images API)")
-    r.add_argument("--worker", action="append", default=[], help="replica driver tcp://HOST:PORT")
-    r.add_argument(
-        "--discovery",
-        choices=("static", "kubernetes"),
-        default="static",
-        help="static: the --worker endpoints; kubernetes: a headless Service's ready endpoints",
-    )
-    r.add_argument("--namespace", help="kubernetes: namespace of the replicas' Service")
-    r.add_argument("--service", help="kubernetes: the replicas' headless Service")
-    r.add_argument(
-        "--control-state-configmap",
-        help="kubernetes: ConfigMap holding the desired control state (the operator makes it)",
-    )
-    r.add_argument(
-        "--wire-key-file",
-        type=Path,
-        default=None,
-        help="the replicas' wire key (z85 CURVE secret); without one the wire is plaintext",
-    )
-    _add_router_args(r)
+    add_router_args(r)
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -166,7 +47,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="wire key for the replicas and the router (default: a new one made at start)",
     )
     add_gang_args(s)
-    _add_router_args(s)
+    add_router_args(s, serve=True)
 
 
 def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -245,34 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> RouterSettings:
+    """The router of a parsed ``router`` or ``serve`` command line, over ``workers``."""
     from dpserve.router.app import RouterSettings
-    from dpserve.router.pool import PoolSettings
 
-    pool = PoolSettings(
-        request_timeout_s=args.request_timeout,
-        max_inflight=args.max_inflight_per_replica,
-        policy=args.policy,
-        max_queue=args.max_waiting,
-        wire_key=_wire_key(args.wire_key_file),
-    )
-    return RouterSettings(
-        workers=tuple(workers),
-        pool=pool,
-        output_dir=args.output_dir,
-        public_url=args.public_url or f"http://{args.host}:{args.port}",
-        served_model_name=args.served_model_name,
-        api_keys=(*args.api_key, *(k for keys in args.api_key_file for k in keys)),
-        admin_keys=(*args.admin_key, *(k for keys in args.admin_key_file for k in keys)),
-        body_timeout_s=args.body_timeout,
-        max_body_bytes=args.max_body,
-        max_upload_bytes=args.max_upload_bytes,
-        max_connections=args.max_connections,
-        backlog=args.backlog,
-        output_max_files=args.output_max_files,
-        output_max_age_s=args.output_max_age,
-        video_poll_s=args.video_poll,
-        video_max_estimate_s=args.video_max_estimate,
-    )
+    config = RouterConfig.from_args(args, serve=args.command == "serve")
+    settings = RouterSettings.from_config(config, _wire_key(args.wire_key_file))
+    return dataclasses.replace(settings, workers=tuple(workers))
 
 
 def _wire_key(path: Path | None) -> WireKey | None:
@@ -282,33 +141,34 @@ def _wire_key(path: Path | None) -> WireKey | None:
 
 
 def _router(args: argparse.Namespace) -> int:
-    kubernetes = args.discovery == "kubernetes"
-    if kubernetes and not (args.namespace and args.service):
+    config = RouterConfig.from_args(args)
+    kubernetes = config.discovery == "kubernetes"
+    if kubernetes and not (config.namespace and config.service):
         print("dpserve router: kubernetes discovery needs --namespace and --service")
         return 2
-    if not (kubernetes or args.worker):
+    if not (kubernetes or config.worker):
         print("dpserve router: give --worker tcp://HOST:PORT (or --discovery kubernetes)")
         return 2
     # The port first, before FastAPI and the app are imported: a taken one fails at once.
-    sockets = hold_tcp(args.host, args.port)
+    sockets = hold_tcp(config.host, config.port)
     import uvicorn
 
     from dpserve.router.app import KubernetesDiscovery, create_app, server_config
 
-    settings = _router_settings(args, args.worker)
-    if kubernetes:
-        k8s = KubernetesDiscovery(args.namespace, args.service, args.control_state_configmap)
+    settings = _router_settings(args, config.worker)
+    if kubernetes and config.namespace and config.service:  # (checked above)
+        k8s = KubernetesDiscovery(config.namespace, config.service, config.control_state_configmap)
         settings = dataclasses.replace(settings, kubernetes=k8s)
     app = create_app(settings)
-    uvicorn.Server(server_config(app, args.host, args.port, settings)).run(sockets=sockets)
+    uvicorn.Server(server_config(app, config.host, config.port, settings)).run(sockets=sockets)
     return 0
 
 
 def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConfig:
     """``serve``'s replicas, each given its gang options; None: the tiny model."""
+    from dpserve.config.worker import gang_options, worker_flags
     from dpserve.layout import ParallelConfig
     from dpserve.local import ReplicaSetConfig, default_model
-    from dpserve.worker.config import gang_options, worker_flags
 
     layout = ParallelConfig(  # fail fast, before a model is built or a replica starts
         tp=args.tp,
@@ -391,7 +251,7 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from dpserve.worker.config import WorkerConfig
+    from dpserve.config.worker import WorkerConfig
     from dpserve.worker.gang import run_gang
 
     config = WorkerConfig.from_args(args)

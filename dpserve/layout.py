@@ -1,16 +1,16 @@
 """Process rank layout of a serving deployment.
 
 A deployment is ``dp`` independent replicas ("gangs"). Each gang of
-``G = tp * sp * pp * cfg`` processes serves one request at a time with
-tensor, sequence (Ulysses x ring), pipeline and CFG parallelism.
+``G = tp * sp * cfg`` processes serves one request at a time with
+tensor, sequence (Ulysses x ring) and CFG parallelism.
 
-Axes are ordered ``tp-sp-pp-cfg-dp`` with tp innermost and dp outermost::
+Axes are ordered ``tp-sp-cfg-dp`` with tp innermost and dp outermost::
 
-    global_rank = tp + T * (sp + S * (pp + P * (cfg + C * dp)))
+    global_rank = tp + T * (sp + S * (cfg + C * dp))
     sp_rank     = ulysses + U * ring
 
 so replica ``r`` owns the contiguous global ranks ``[r*G, (r+1)*G)`` and no
-tp/sp/pp/cfg group ever crosses a replica boundary. tp is innermost because
+tp/sp/cfg group ever crosses a replica boundary. tp is innermost because
 its collectives are the most frequent and smallest, so its ranks should be
 adjacent (same node, fastest links).
 
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 # No "dp" axis: replicas share no collectives, so a cross-replica group is never needed.
-Axis = Literal["tp", "sp", "ulysses", "ring", "pp", "cfg", "replica"]
+Axis = Literal["tp", "sp", "ulysses", "ring", "cfg", "replica"]
 AXES: tuple[Axis, ...] = get_args(Axis)
 
 _MAX_PORT = 65535
@@ -70,12 +70,11 @@ class ParallelConfig:
     sp: int = 1
     ulysses: int = 1
     ring: int = 1
-    pp: int = 1
     cfg: int = 1
     dp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "sp", "ulysses", "ring", "pp", "cfg", "dp"):
+        for name in ("tp", "sp", "ulysses", "ring", "cfg", "dp"):
             _check_positive_int(name, getattr(self, name))
         if self.sp > 1 and self.ulysses == 1 and self.ring == 1:
             # Frozen dataclass: normalising in __post_init__ needs object.__setattr__.
@@ -102,31 +101,29 @@ class ParallelConfig:
         sp: int = 1,
         ulysses: int = 1,
         ring: int = 1,
-        pp: int = 1,
         cfg: int = 1,
     ) -> ParallelConfig:
         """Derive ``dp`` from the total process count (e.g. ``--num-gpus``)."""
         _check_positive_int("world size", world_size)
-        gang = cls(tp=tp, sp=sp, ulysses=ulysses, ring=ring, pp=pp, cfg=cfg)
+        gang = cls(tp=tp, sp=sp, ulysses=ulysses, ring=ring, cfg=cfg)
         if world_size % gang.gang_size:
             raise LayoutError(
                 f"world size {world_size} is not divisible by the gang size "
-                f"{gang.gang_size} (tp*sp*pp*cfg)"
+                f"{gang.gang_size} (tp*sp*cfg)"
             )
         return cls(
             tp=tp,
             sp=sp,
             ulysses=gang.ulysses,
             ring=ring,
-            pp=pp,
             cfg=cfg,
             dp=world_size // gang.gang_size,
         )
 
     @property
     def gang_size(self) -> int:
-        """Processes per replica: G = tp * sp * pp * cfg."""
-        return self.tp * self.sp * self.pp * self.cfg
+        """Processes per replica: G = tp * sp * cfg."""
+        return self.tp * self.sp * self.cfg
 
     @property
     def world_size(self) -> int:
@@ -154,7 +151,7 @@ class ParallelConfig:
             if world_size % self.gang_size:
                 raise LayoutError(
                     f"world size {world_size} is not divisible by the gang size "
-                    f"{self.gang_size} (tp*sp*pp*cfg)"
+                    f"{self.gang_size} (tp*sp*cfg)"
                 )
             if world_size != self.world_size:
                 raise LayoutError(
@@ -165,7 +162,7 @@ class ParallelConfig:
 
 def _geometry(config: ParallelConfig, axis: Axis) -> tuple[int, int]:
     """(stride, size) of an axis in global-rank space."""
-    t, u, s, p = config.tp, config.ulysses, config.sp, config.pp
+    t, u, s = config.tp, config.ulysses, config.sp
     if axis == "tp":
         return 1, t
     if axis == "ulysses":
@@ -174,10 +171,8 @@ def _geometry(config: ParallelConfig, axis: Axis) -> tuple[int, int]:
         return t * u, config.ring
     if axis == "sp":
         return t, s
-    if axis == "pp":
-        return t * s, p
     if axis == "cfg":
-        return t * s * p, config.cfg
+        return t * s, config.cfg
     if axis == "replica":
         # The whole gang is one contiguous block: stride 1, size G.
         return 1, config.gang_size
@@ -217,13 +212,11 @@ class RankInfo:
     sp_rank: int
     ulysses_rank: int
     ring_rank: int
-    pp_rank: int
     cfg_rank: int
     tp_group: tuple[int, ...]
     sp_group: tuple[int, ...]
     ulysses_group: tuple[int, ...]
     ring_group: tuple[int, ...]
-    pp_group: tuple[int, ...]
     cfg_group: tuple[int, ...]
     replica_group: tuple[int, ...]
 
@@ -250,13 +243,11 @@ def rank_info(config: ParallelConfig, global_rank: int) -> RankInfo:
         sp_rank=_coord(config, "sp", r),
         ulysses_rank=_coord(config, "ulysses", r),
         ring_rank=_coord(config, "ring", r),
-        pp_rank=_coord(config, "pp", r),
         cfg_rank=_coord(config, "cfg", r),
         tp_group=_group(config, "tp", r),
         sp_group=_group(config, "sp", r),
         ulysses_group=_group(config, "ulysses", r),
         ring_group=_group(config, "ring", r),
-        pp_group=_group(config, "pp", r),
         cfg_group=_group(config, "cfg", r),
         replica_group=_group(config, "replica", r),
     )
@@ -268,7 +259,6 @@ def rank_of(
     replica: int = 0,
     tp_rank: int = 0,
     sp_rank: int = 0,
-    pp_rank: int = 0,
     cfg_rank: int = 0,
 ) -> int:
     """Global rank at the given coordinates (inverse of :func:`rank_info`).
@@ -279,14 +269,13 @@ def rank_of(
         ("replica", replica, config.dp),
         ("tp_rank", tp_rank, config.tp),
         ("sp_rank", sp_rank, config.sp),
-        ("pp_rank", pp_rank, config.pp),
         ("cfg_rank", cfg_rank, config.cfg),
     )
     for name, value, size in coords:
         if type(value) is not int or not 0 <= value < size:
             raise LayoutError(f"{name} {value!r} is out of range 0..{size - 1}")
-    t, s, p, c = config.tp, config.sp, config.pp, config.cfg
-    return tp_rank + t * (sp_rank + s * (pp_rank + p * (cfg_rank + c * replica)))
+    t, s, c = config.tp, config.sp, config.cfg
+    return tp_rank + t * (sp_rank + s * (cfg_rank + c * replica))
 
 
 def all_groups(config: ParallelConfig, axis: Axis) -> list[tuple[int, ...]]:
@@ -344,6 +333,6 @@ def replica_endpoints(host: str, scheduler_port: int, dp: int) -> list[str]:
 
 
 def describe(config: ParallelConfig) -> str:
-    """Compact layout string for logs and server_info, e.g. ``tp1-sp2(u2r1)-pp1-cfg2-dp3``."""
+    """Compact layout string for logs and server_info, e.g. ``tp1-sp2(u2r1)-cfg2-dp3``."""
     c = config
-    return f"tp{c.tp}-sp{c.sp}(u{c.ulysses}r{c.ring})-pp{c.pp}-cfg{c.cfg}-dp{c.dp}"
+    return f"tp{c.tp}-sp{c.sp}(u{c.ulysses}r{c.ring})-cfg{c.cfg}-dp{c.dp}"

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 from dpserve.banner import ModelFacts, Ready, banner
 from dpserve.client import ReplicaClient, ReplicaTimeout
+from dpserve.config.worker import worker_flags
 from dpserve.layout import replica_endpoint
 from dpserve.ports import free_port
 from dpserve.proc import die_with_parent
 from dpserve.protocol import RequestError
 from dpserve.wire import WireKey
-from dpserve.worker.config import worker_flags
 
 if TYPE_CHECKING:
     import uvicorn

@@ -58,15 +58,8 @@ VIDEO_VARIANT: Final = "video"
 THUMBNAIL: Final = "thumbnail"
 MEDIA_TYPES: Final[Mapping[str, str]] = {VIDEO_VARIANT: "video/mp4", THUMBNAIL: "image/jpeg"}
 
-# Error code in a job whose owner was lost and that no replica re-ran.
-OWNER_LOST: Final = "owner_lost"
-
 MAX_FPS: Final = 60
 MAX_SECONDS: Final = 600.0
-# The longest a job may hold a replica, in seconds of run time (docs/video.md, "How
-# long a job may run"): the router's --video-max-estimate, the CRD's
-# router.videoMaxEstimateSeconds. Half an hour: six image request timeouts.
-DEFAULT_MAX_ESTIMATE_S: Final = 1800.0
 _JOB_ID: Final = re.compile(r"^video_[0-9a-f]{32}\.[A-Za-z0-9_-]{1,200}\.[0-9a-f]{8}$")
 _PREFIX: Final = "video_"
 

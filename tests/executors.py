@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpserve import protocol as p
-from dpserve.worker.config import WorkerConfig
+from dpserve.config.worker import WorkerConfig
 
 if TYPE_CHECKING:
     from dpserve.worker.executor import Executor

@@ -50,8 +50,8 @@ def _rank(
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from dpserve.config.worker import WorkerConfig
     from dpserve.worker.comm import init_gang
-    from dpserve.worker.config import WorkerConfig
     from dpserve.worker.rank import _build_executor, _warmup
 
     config = WorkerConfig(model=Path(model), port=1, device="cpu", **layout)

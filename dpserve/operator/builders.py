@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final
 
+from dpserve.config.router import router_flags
+from dpserve.config.worker import worker_flags
 from dpserve.operator import spec as s
-from dpserve.worker.config import worker_flags
 
 ROUTER_PORT: Final = 8000
 SPEC_HASH: Final = "dpserve.dev/spec-hash"
@@ -449,30 +450,32 @@ def build_network_policy(svc: Svc) -> dict[str, Any]:
 # ------------------------------------------------------------ router
 
 
-def router_args(svc: Svc) -> list[str]:
+def router_options(svc: Svc) -> dict[str, Any]:
+    """What a DiffusionService sets of its routers' ``RouterConfig``, by field name;
+    the options it leaves out keep the router's defaults."""
     r = svc.spec.router
-    auth = (
-        ["--api-key-file", f"{AUTH_DIR}/{API_KEYS}", "--admin-key-file", f"{AUTH_DIR}/{ADMIN_KEYS}"]
-        if r.auth
-        else []
-    )
-    return [
-        "router",
-        "--discovery", "kubernetes",
-        "--namespace", svc.namespace,
-        "--service", headless_name(svc),
-        "--control-state-configmap", control_state_name(svc),
-        "--host", "0.0.0.0",
-        "--port", str(ROUTER_PORT),
-        "--request-timeout", str(r.requestTimeoutSeconds),
-        "--max-inflight-per-replica", str(r.maxInflightPerReplica),
-        "--max-waiting", str(r.maxWaiting),
-        "--policy", r.policy,
-        "--video-max-estimate", str(r.videoMaxEstimateSeconds),
-        "--served-model-name", r.servedModelName or svc.name,
-        "--wire-key-file", WIRE_KEY_FILE,
-        *auth,
-    ]  # fmt: skip
+    return {
+        "discovery": "kubernetes",
+        "namespace": svc.namespace,
+        "service": headless_name(svc),
+        "control_state_configmap": control_state_name(svc),
+        "wire_key_file": WIRE_KEY_FILE,
+        "host": "0.0.0.0",
+        "port": ROUTER_PORT,
+        "request_timeout": r.requestTimeoutSeconds,
+        "max_inflight_per_replica": r.maxInflightPerReplica,
+        "policy": r.policy,
+        "max_waiting": r.maxWaiting,
+        "served_model_name": r.servedModelName or svc.name,
+        "video_max_estimate": r.videoMaxEstimateSeconds,
+        # The user's key Secret, mounted at AUTH_DIR (build_router_deployment).
+        "api_key_file": (f"{AUTH_DIR}/{API_KEYS}",) if r.auth else (),
+        "admin_key_file": (f"{AUTH_DIR}/{ADMIN_KEYS}",) if r.auth else (),
+    }
+
+
+def router_args(svc: Svc) -> list[str]:
+    return ["router", *router_flags(router_options(svc))]
 
 
 def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 The CRD's OpenAPI schema is generated from these models (``dpserve.operator.crd``),
 and the operator parses objects with them, so the two cannot drift. CEL rules
 sit beside the fields they guard; they run in the apiserver. Defaults that mirror
-a worker option (parallel degrees, threads, realtime limits) are the worker's own,
-read from ``WorkerConfig``; ``builders.worker_options`` maps the fields onto it.
+a worker or router option (parallel degrees, threads, realtime limits; timeouts,
+queue bounds, policy) are the process's own, read from ``WorkerConfig`` and
+``RouterConfig`` (``dpserve.config``); ``builders.worker_options`` and
+``builders.router_options`` map the fields onto them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
-from dpserve.video import DEFAULT_MAX_ESTIMATE_S
-from dpserve.worker.config import StepCacheKind
-from dpserve.worker.config import default as worker_default
+from dpserve.config.router import PolicyName
+from dpserve.config.router import default as router_default
+from dpserve.config.worker import StepCacheKind
+from dpserve.config.worker import default as worker_default
 
 GROUP = "dpserve.dev"
 VERSION = "v1alpha1"
@@ -29,6 +32,12 @@ ROLE_MESSAGE = (
     "data-parallel replicas need role monolithic; scale disaggregated roles by adding role "
     "instances"
 )
+# The role field names the disaggregated shapes (an encoder, denoiser or decoder
+# service each) that the CRD may one day run; no builder reads it, so a role other
+# than monolithic would run as monolithic. It is refused instead.
+ROLE_NOT_IMPLEMENTED = (
+    "disaggregated roles (encoder, denoiser, decoder) are not implemented: role must be monolithic"
+)
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
@@ -38,13 +47,21 @@ def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     return out
 
 
+def _whole(value: Any, option: str) -> int:
+    if value != int(value):
+        raise ValueError(f"{option} defaults to {value!r}, not a whole number")
+    return int(value)
+
+
 def _worker(name: str) -> int:
     """The default of a field that mirrors a ``WorkerConfig`` option: the worker's own
     (so the CRD and ``dpserve worker`` cannot disagree), a whole number here."""
-    value = worker_default(name)
-    if value != int(value):
-        raise ValueError(f"WorkerConfig.{name} defaults to {value!r}, not a whole number")
-    return int(value)
+    return _whole(worker_default(name), f"WorkerConfig.{name}")
+
+
+def _router(name: str) -> int:
+    """The default of a field that mirrors a ``RouterConfig`` option, a whole number."""
+    return _whole(router_default(name), f"RouterConfig.{name}")
 
 
 def _validations(*rules: JsonDict) -> JsonDict:
@@ -168,11 +185,11 @@ class RouterSpec(_Model):
     replicas: int = Field(1, ge=0, le=100)
     service: ServiceSpec = Field(default_factory=ServiceSpec, json_schema_extra={"default": {}})
     image: str | None = Field(None, description="router image; the chart's default if omitted")
-    requestTimeoutSeconds: int = Field(300, ge=1, le=86400)
-    maxInflightPerReplica: int = Field(2, ge=1, le=1024)
-    maxWaiting: int = Field(256, ge=1, le=100000)
-    policy: Literal["least_work", "round_robin"] = Field(
-        "least_work",
+    requestTimeoutSeconds: int = Field(_router("request_timeout"), ge=1, le=86400)
+    maxInflightPerReplica: int = Field(_router("max_inflight_per_replica"), ge=1, le=1024)
+    maxWaiting: int = Field(_router("max_waiting"), ge=1, le=100000)
+    policy: PolicyName = Field(
+        router_default("policy"),
         description="where a generation goes: the replica with the least estimated work, "
         "or each in turn (docs/router.md, Routing policies)",
     )
@@ -189,7 +206,7 @@ class RouterSpec(_Model):
         "404); default: this resource's name",
     )
     videoMaxEstimateSeconds: int = Field(
-        int(DEFAULT_MAX_ESTIMATE_S),
+        _router("video_max_estimate"),
         ge=1,
         le=7 * 86400,
         description="seconds a video job may run: one estimated longer is refused (400), one "
@@ -257,7 +274,8 @@ class EnvVar(_Model):
 class DiffusionServiceSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=_validations(
-            cel("self.role == 'monolithic' || self.replicas <= 1", ROLE_MESSAGE)
+            cel("self.role == 'monolithic' || self.replicas <= 1", ROLE_MESSAGE),
+            cel("self.role == 'monolithic'", ROLE_NOT_IMPLEMENTED, ".role"),
         )
     )
 
@@ -269,7 +287,11 @@ class DiffusionServiceSpec(_Model):
         default_factory=Parallelism,
         json_schema_extra={"default": {k: _worker(k) for k in ("tp", "sp", "cfg")}},
     )
-    role: Literal["monolithic", "encoder", "denoiser", "decoder"] = "monolithic"
+    role: Literal["monolithic", "encoder", "denoiser", "decoder"] = Field(
+        "monolithic",
+        description="monolithic: each replica runs the whole pipeline; the disaggregated "
+        "roles are refused (not implemented)",
+    )
     image: str | None = Field(None, description="worker image; the chart's default if omitted")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cpu requests no GPUs")
     gpuResource: str = Field("nvidia.com/gpu", min_length=1)
@@ -362,6 +384,8 @@ def problems(spec: DiffusionServiceSpec, allow_host_path: bool = False) -> list[
     found = []
     if spec.role != "monolithic" and spec.replicas > 1:
         found.append(ROLE_MESSAGE)
+    if spec.role != "monolithic":
+        found.append(ROLE_NOT_IMPLEMENTED)
     par = spec.parallelism
     if (par.ulysses is not None or par.ring is not None) and (par.ulysses or 1) * (
         par.ring or 1

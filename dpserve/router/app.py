@@ -27,7 +27,7 @@ from dpserve.router.bodies import BadBody
 from dpserve.router.deps import Running
 from dpserve.router.desired import DesiredState
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
-from dpserve.router.openai_api import error_body
+from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.playground import routes as playground
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
@@ -152,8 +152,8 @@ def _handle_errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
         # Still a bug (the server logs the traceback), but answered in the error shape
-        # rather than as plain text, and without the exception's words (paths, state).
-        return _error(request, 500, "internal error in the router; it is logged there")
+        # rather than as plain text.
+        return _error(request, 500, INTERNAL_MESSAGE)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

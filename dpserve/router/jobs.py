@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpserve import protocol as p
-from dpserve.router.openai_api import error_body
+from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.registry import CANCELLED, COMPLETED, FAILED, InFlight, Registry
 from dpserve.router.service import Generated, RouterService
 from dpserve.router.streaming import completed_events, error_event, partial_event
 
 log = logging.getLogger(__name__)
-INTERNAL_MESSAGE = "internal error in the router; it is logged there"
 CANCELLED_MESSAGE = "the request was cancelled (POST /v1/images/{id}/cancel)"
 
 
@@ -114,9 +113,7 @@ async def events(job: Job, kind: str) -> AsyncIterator[dict[str, Any]]:
             return
         except Exception:  # still a bug, logged; the stream ends in the error shape
             log.exception("image stream %s failed", rid)
-            yield error_event(
-                rid, error_body(500, "internal error in the router; it is logged there")
-            )
+            yield error_event(rid, error_body(500, INTERNAL_MESSAGE))
             return
         for event in completed_events(kind, rid, done.result, done.images):
             yield event

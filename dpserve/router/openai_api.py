@@ -246,6 +246,9 @@ _STATUS_CODES: Final = {
     504: p.DEADLINE_EXCEEDED,
 }
 _WITH_FIELDS: Final = {p.INVALID_REQUEST: "invalid_value", p.UNSUPPORTED: "unsupported_value"}
+# A bug's answer (a 500, the traceback logged): no word of the exception reaches the
+# client (it may hold paths or state).
+INTERNAL_MESSAGE: Final = "internal error in the router; it is logged there"
 ERROR_CODES: Final = frozenset(
     {*_STATUS_CODES.values(), *_WITH_FIELDS.values(), p.UNSUPPORTED, MODEL_NOT_FOUND}
 )

@@ -8,12 +8,12 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol, get_args
 
+from dpserve.config.router import PolicyName
 from dpserve.protocol import HTTP_STATUS, UNAVAILABLE, ErrorBody
 
-PolicyName = Literal["round_robin", "least_work"]
-POLICIES: Final[tuple[PolicyName, ...]] = ("round_robin", "least_work")
+POLICIES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
 # Seconds per cost unit while no replica has measured one: costs are then compared
 # in plain units (the ranking is what matters; the seconds shown are units).
 UNCALIBRATED_SECONDS_PER_UNIT: Final = 1.0

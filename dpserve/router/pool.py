@@ -30,18 +30,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
 
+from dpserve.config.router import PolicyName
+from dpserve.config.router import default as option
 from dpserve.router.admission import Admission
 from dpserve.router.control_plane import ControlPlane
 from dpserve.router.desired import DesiredState
 from dpserve.router.health import Health
 from dpserve.router.load import Load
 from dpserve.router.membership import Membership
-from dpserve.router.policies import PolicyName
 from dpserve.router.replica import Replica
 from dpserve.router.replica_json import replica_json
 from dpserve.wire import WireKey, plaintext_warning
@@ -49,7 +50,9 @@ from dpserve.wire import WireKey, plaintext_warning
 
 @dataclass
 class PoolSettings:
-    request_timeout_s: float = 300.0
+    """How the pool runs; the fields a command line sets default to ``RouterConfig``'s."""
+
+    request_timeout_s: float = option("request_timeout")
     ping_interval_s: float = 1.0
     ping_timeout_s: float = 2.0
     # Pings are answered by the driver's ingress thread even mid-generation, so this
@@ -59,11 +62,9 @@ class PoolSettings:
     abandon_after_missed_pings: int = 2
     control_timeout_s: float = 300.0
     sync_backoff_max_s: float = 30.0
-    # Per replica, times its batch size (--max-batch, from its pings): one running
-    # batch and one queued keeps a gang busy.
-    max_inflight: int = 2
-    policy: PolicyName = "least_work"  # or "round_robin" (docs/router.md, Routing policies)
-    max_queue: int = 256  # requests waiting for a slot, router-wide
+    max_inflight: int = option("max_inflight_per_replica")  # times a replica's batch size
+    policy: PolicyName = field(default=option("policy"))  # docs/router.md, Routing policies
+    max_queue: int = option("max_waiting")  # requests waiting for a slot, router-wide
     # The service's wire key: the router is a CURVE client of every driver with it.
     # None: plaintext (only for a wire nobody else can reach; warned at start).
     wire_key: WireKey | None = None

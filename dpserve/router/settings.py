@@ -1,13 +1,23 @@
-"""What a router is started with (the CLI and ``serve`` build it; the app only reads it)."""
+"""What a router is started with (the CLI and ``serve`` build it; the app only reads it).
+
+The options a command line sets are ``RouterConfig``'s (``dpserve.config.router``):
+their defaults here are its own, and ``RouterSettings.from_config`` maps one onto
+these settings.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dpserve import video
+from dpserve.config.router import RouterConfig
+from dpserve.config.router import default as option
 from dpserve.router.pool import PoolSettings
 from dpserve.router.realtime_ws import RealtimeSettings
+
+if TYPE_CHECKING:
+    from dpserve.wire import WireKey
 
 
 @dataclass(frozen=True)
@@ -26,26 +36,49 @@ class RouterSettings:
     kubernetes: KubernetesDiscovery | None = None
     pool: PoolSettings = field(default_factory=PoolSettings)
     realtime: RealtimeSettings = field(default_factory=RealtimeSettings)
-    max_body_bytes: int = 1 << 20
-    # An edit's multipart form (its images and mask), read whole within body_timeout_s.
-    max_upload_bytes: int = 64 << 20
+    max_body_bytes: int = option("max_body")
+    max_upload_bytes: int = option("max_upload_bytes")
     output_dir: Path | None = None
-    public_url: str = "http://127.0.0.1:8000"
+    public_url: str = f"http://{option('host')}:{option('port')}"
     served_model_name: str | None = None
-    # Bearer keys (docs/router.md, "Security"): none configured, every route is open.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # also work on inference routes
-    body_timeout_s: float = 30.0  # a body not fully read by then is refused (408)
-    # The HTTP server's edges (docs/router.md, "Limits"): connections (WebSockets
-    # included) past max_connections get 503 at once; the kernel queues backlog more.
-    max_connections: int = 1000
-    backlog: int = 2048
-    # response_format=url files: the oldest go past either bound (docs/router.md).
-    output_max_files: int = 1000
-    output_max_age_s: float = 3600.0
-    # How often this router polls each video job it placed (dpserve/router/videos.py):
-    # how soon it sees one finish, and re-runs one whose replica was lost.
-    video_poll_s: float = 1.0
-    # The longest a video job may run: one estimated past it is a 400, one that runs
-    # past it is stopped (dpserve/router/videos.py, docs/video.md).
-    video_max_estimate_s: float = video.DEFAULT_MAX_ESTIMATE_S
+    body_timeout_s: float = option("body_timeout")
+    max_connections: int = option("max_connections")
+    backlog: int = option("backlog")
+    output_max_files: int = option("output_max_files")
+    output_max_age_s: float = option("output_max_age")
+    video_poll_s: float = option("video_poll")
+    video_max_estimate_s: float = option("video_max_estimate")
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, wire_key: WireKey | None) -> RouterSettings:
+        """The settings of a parsed command line, whose wire key file the caller read.
+
+        Its ``discovery`` options are left to the caller, which checks them first.
+        """
+        pool = PoolSettings(
+            request_timeout_s=config.request_timeout,
+            max_inflight=config.max_inflight_per_replica,
+            policy=config.policy,
+            max_queue=config.max_waiting,
+            wire_key=wire_key,
+        )
+        return cls(
+            workers=config.worker,
+            pool=pool,
+            output_dir=config.output_dir,
+            public_url=config.public_url or f"http://{config.host}:{config.port}",
+            served_model_name=config.served_model_name,
+            api_keys=config.api_keys,
+            admin_keys=config.admin_keys,
+            body_timeout_s=config.body_timeout,
+            max_body_bytes=config.max_body,
+            max_upload_bytes=config.max_upload_bytes,
+            max_connections=config.max_connections,
+            backlog=config.backlog,
+            output_max_files=config.output_max_files,
+            output_max_age_s=config.output_max_age,
+            video_poll_s=config.video_poll,
+            video_max_estimate_s=config.video_max_estimate,
+        )

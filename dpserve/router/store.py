@@ -38,8 +38,8 @@ class OutputStore:
 
     root: Path
     base_url: str  # e.g. http://router:8000, as clients reach the router
-    max_files: int = 1000
-    max_age_s: float = 3600.0
+    max_files: int  # the router's --output-max-files and --output-max-age
+    max_age_s: float
 
     def save(self, data: bytes, fmt: str) -> str:
         name = f"{uuid.uuid4().hex}.{fmt}"

@@ -105,10 +105,11 @@ class VideoJobs:
     def __init__(
         self,
         pool: ReplicaPool,
-        poll_s: float = 1.0,
-        max_run_s: float = video.DEFAULT_MAX_ESTIMATE_S,
+        poll_s: float,
+        max_run_s: float,
     ) -> None:
-        """``max_run_s``: the longest a job may run, in seconds."""
+        """``poll_s``: between looks at each job; ``max_run_s``: the longest a job may
+        run, in seconds (the router's --video-poll and --video-max-estimate)."""
         self.pool = pool
         self.poll_s = poll_s
         self.max_run_s = max_run_s

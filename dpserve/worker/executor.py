@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from dpserve import realtime as rt
+from dpserve.config.worker import WorkerConfig
 from dpserve.protocol import (
     INTERNAL,
     RESULT,
@@ -34,7 +35,6 @@ from dpserve.worker.batch_call import batch_kwargs
 from dpserve.worker.comm import GangComm
 from dpserve.worker.commands import GangStatus, Generation
 from dpserve.worker.compile import Compiler
-from dpserve.worker.config import WorkerConfig
 from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
 from dpserve.worker.cost_shape import cost_shape
 from dpserve.worker.denoiser import DenoiserPatch, Forward, HaltCheck, Halted, StopGate

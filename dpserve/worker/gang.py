@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from dpserve.worker.config import WorkerConfig, gang_first_gpu, gpu_problem
+from dpserve.config.worker import WorkerConfig
+from dpserve.worker.gpus import gang_first_gpu, gpu_problem
 from dpserve.worker.heartbeat import HangCheck, Heartbeats
 from dpserve.worker.rank import RankArgs, rank_main
 from dpserve.worker.splittable import layout_problem

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from dpserve import protocol as p
 from dpserve import realtime as rt
+from dpserve.config.worker import WorkerConfig
 from dpserve.layout import describe
 from dpserve.proc import die_with_parent
 from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_command
 from dpserve.worker.commands import encode_command as _encode
-from dpserve.worker.config import WorkerConfig
 from dpserve.worker.heartbeat import Heartbeats
 from dpserve.worker.startup import StartupLog, folder_size
 
@@ -70,16 +70,16 @@ def rank_main(args: RankArgs) -> None:
     # The supervisor coordinates shutdown: SIGTERM/SIGINT reach the driver only
     # through it, and the other ranks stop when the driver relays STOP.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    draining = {"asked": False}
+    drain_asked = threading.Event()  # SIGTERM: finish what is queued, take nothing new
     if args.rank == 0:
-        signal.signal(signal.SIGTERM, lambda *_: draining.update(asked=True))
+        signal.signal(signal.SIGTERM, lambda *_: drain_asked.set())
     else:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    code = _serve(args, draining)
+    code = _serve(args, drain_asked)
     # A clean stop leaves nothing to finalize, and the interpreter's finalization
-    # once met a collective library's thread still joinable and aborted (SIGABRT,
-    # "terminate called without an active exception", seen in CI on a CFG rank),
-    # turning a clean drain into a failed gang: flush and leave at once.
+    # can abort (SIGABRT, "terminate called without an active exception") when a
+    # collective library's thread is still joinable, which would turn a clean drain
+    # into a failed gang: flush and leave at once.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -100,7 +100,7 @@ def _thread_lock_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
+def _serve(args: RankArgs, drain_asked: threading.Event) -> int:
     cfg = args.config
     startup = StartupLog(log, speaks=args.rank == 0)
     startup.say("importing torch, diffusers and transformers")
@@ -135,7 +135,7 @@ def _serve(args: RankArgs, draining: dict[str, bool]) -> int:
     ingress = _open_ingress(cfg, executor) if comm.info.is_driver else None
     startup.say("%s", startup.summary())  # after the ingress's "replica r ready: … on …"
     try:
-        _loop(comm, executor, ingress, cfg, draining)
+        _loop(comm, executor, ingress, cfg, drain_asked)
     finally:
         if ingress is not None:
             ingress.close()
@@ -199,9 +199,7 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     info = {
         "replica": cfg.replica,
         "layout": describe(cfg.parallel),
-        "parallel": {
-            k: getattr(cfg.parallel, k) for k in ("tp", "sp", "ulysses", "ring", "pp", "cfg")
-        },
+        "parallel": {k: getattr(cfg.parallel, k) for k in ("tp", "sp", "ulysses", "ring", "cfg")},
         "gang_size": cfg.gang_size,
         "threads_per_rank": cfg.threads_per_rank,
         "device": device.type,
@@ -418,7 +416,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _next_command(
-    ingress: Ingress, executor: Executor, cfg: WorkerConfig, draining: dict[str, bool]
+    ingress: Ingress, executor: Executor, cfg: WorkerConfig, drain_asked: threading.Event
 ) -> tuple[GangCommand, list[Work]]:
     """The driver's choice for this turn: an expiry, queued work (a batch), a tick, or
     STOP once drained; with the queued work it runs (none for the driver's own)."""
@@ -428,13 +426,13 @@ def _next_command(
         log.info("session %s idle for %gs: released", expired[0], cfg.session_idle_timeout_s)
         close = rt.SessionRequest(action=rt.CLOSE, session_id=expired[0])
         return GangCommand(kind=p.SESSION, id="expiry", session=close), []
-    if draining["asked"] and not ingress.draining.is_set():
+    if drain_asked.is_set() and not ingress.draining.is_set():
         log.info("draining: no new requests, finishing %d queued", ingress.work.qsize())
         ingress.draining.set()
     # Short waits up to one tick, so a drain request is noticed promptly.
     deadline = time.monotonic() + cfg.tick_s
     batch = ingress.next_work(timeout=0)
-    while not batch and not draining["asked"] and time.monotonic() < deadline:
+    while not batch and not drain_asked.is_set() and time.monotonic() < deadline:
         batch = ingress.next_work(timeout=0.25)
     if len(batch) > 1:  # compatible generations: one command, one pipeline call
         generations = [g for work in batch for g in work.command.batch]
@@ -449,7 +447,7 @@ def _loop(
     executor: Executor,
     ingress: Ingress | None,
     cfg: WorkerConfig,
-    draining: dict[str, bool],
+    drain_asked: threading.Event,
 ) -> None:
     status = executor.status
     while True:
@@ -457,7 +455,7 @@ def _loop(
         works: list[Work] = []  # the driver's: the queued work this turn runs
         payload = None
         if ingress is not None:
-            command, works = _next_command(ingress, executor, cfg, draining)
+            command, works = _next_command(ingress, executor, cfg, drain_asked)
             payload = _encode(command)
         command = decode_command(comm.broadcast_bytes(payload))
         if command.kind == STOP:

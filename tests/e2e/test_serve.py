@@ -189,7 +189,7 @@ def test_metrics_and_info(dp2: ServeProcess) -> None:
     assert "dpserve_replica_realtime_sessions" in text
     info = dp2.http.get("/server_info").json()
     assert info["replicas"] == 2 and info["serving"] == 2
-    assert info["layout"] == "tp1-sp1(u1r1)-pp1-cfg1-dp2" and info["threads_per_rank"] == 1
+    assert info["layout"] == "tp1-sp1(u1r1)-cfg1-dp2" and info["threads_per_rank"] == 1
     assert dp2.http.get("/model_info").json()["pipeline_class"] == "FluxPipeline"
 
 
@@ -311,7 +311,7 @@ def test_serve_with_sequence_and_tensor_parallel_replicas(tiny4_model: Path) -> 
         assert done.status_code == 200, done.text
         assert done.json()["data"][0]["b64_json"]
         info = serve.http.get("/server_info").json()
-        assert info["layout"] == "tp2-sp2(u2r1)-pp1-cfg1-dp1"
+        assert info["layout"] == "tp2-sp2(u2r1)-cfg1-dp1"
         weights = info["rank_weights"]
         assert [(w["tp_rank"], w["sp_rank"]) for w in weights] == [(0, 0), (1, 0), (0, 1), (1, 1)]
         pieces = {w["bytes"]["transformer"] for w in weights}

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from dpserve import protocol as p
-from dpserve.worker.config import WorkerConfig
+from dpserve.config.worker import WorkerConfig
 from tests.executors import one_rank_executors, reply_to
 from tests.pixels import psnr_db
 from tests.workers import free_port

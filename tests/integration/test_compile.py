@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve.worker.config import WorkerConfig
+from dpserve.config.worker import WorkerConfig
 from tests.executors import one_rank_executors, reply_to
 from tests.workers import free_port
 

@@ -196,6 +196,9 @@ def test_crd_rejects_invalid_specs_with_the_cel_message(cluster: ControlPlane) -
     role = apply(cluster, dsvc("bad-role", role="denoiser", replicas=2), check=False)
     assert role.returncode != 0
     assert "data-parallel replicas need role monolithic" in role.stderr
+    alone = apply(cluster, dsvc("bad-role-alone", role="denoiser", replicas=1), check=False)
+    assert alone.returncode != 0
+    assert "disaggregated roles (encoder, denoiser, decoder) are not implemented" in alone.stderr
     sp = apply(cluster, dsvc("bad-sp", parallelism={"sp": 2, "ulysses": 2, "ring": 2}), False)
     assert sp.returncode != 0
     assert "parallelism.ulysses * parallelism.ring must equal parallelism.sp" in sp.stderr

@@ -14,8 +14,8 @@ from PIL import Image
 
 from dpserve import protocol as p
 from dpserve.client import ReplicaClient
+from dpserve.config.worker import WorkerConfig
 from dpserve.worker.commands import GangStatus
-from dpserve.worker.config import WorkerConfig
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features
 from dpserve.worker.ingress import Ingress

@@ -18,8 +18,8 @@ from PIL import Image
 
 from dpserve import protocol as p
 from dpserve import video as v
+from dpserve.config.worker import WorkerConfig
 from dpserve.layout import ParallelConfig
-from dpserve.worker.config import WorkerConfig
 from dpserve.worker.splittable import layout_problem
 from tests.executors import one_rank_executors
 from tests.workers import free_port

@@ -10,7 +10,12 @@ import pytest
 import yaml
 
 from dpserve.operator.crd import build_crd, crd_yaml
-from dpserve.operator.spec import ROLE_MESSAGE
+from dpserve.operator.spec import (
+    ROLE_MESSAGE,
+    ROLE_NOT_IMPLEMENTED,
+    DiffusionServiceSpec,
+    problems,
+)
 
 CHECKED_IN = Path(__file__).parents[2] / "charts/dpserve/crds/diffusionservices.dpserve.dev.yaml"
 
@@ -93,6 +98,17 @@ def test_cel_role_rule() -> None:
     assert _holds(ROLE_MESSAGE, {"role": "monolithic", "replicas": 4})
     assert _holds(ROLE_MESSAGE, {"role": "denoiser", "replicas": 1})
     assert not _holds(ROLE_MESSAGE, {"role": "denoiser", "replicas": 2})
+
+
+def test_the_roles_nothing_implements_are_refused() -> None:
+    # No builder reads role: a disaggregated one would run as monolithic, so the
+    # apiserver refuses it, and the operator too where an older CRD admitted it.
+    assert _holds(ROLE_NOT_IMPLEMENTED, {"role": "monolithic", "replicas": 4})
+    for role in ("encoder", "denoiser", "decoder"):
+        assert not _holds(ROLE_NOT_IMPLEMENTED, {"role": role, "replicas": 1})
+        spec = DiffusionServiceSpec.model_validate({"model": {"path": "/m"}, "role": role})
+        assert problems(spec) == [ROLE_NOT_IMPLEMENTED]
+    assert "not implemented" in ROLE_NOT_IMPLEMENTED
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dpserve.local import ReplicaSetConfig
-from dpserve.worker.config import gang_first_gpu, gpu_problem
+from dpserve.worker.gpus import gang_first_gpu, gpu_problem
 
 
 @pytest.mark.parametrize(

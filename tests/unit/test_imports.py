@@ -1,4 +1,5 @@
-"""Dependency direction: the router and operator never pull in torch; the worker no FastAPI."""
+"""Dependency direction: the router and operator never pull in torch; the worker no FastAPI;
+the options every process shares (``dpserve.config``) import none of them."""
 
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ def _modules_after_import(module: str) -> set[str]:
     return set(json.loads(out.stdout))
 
 
-# The one piece of the worker others may import: WorkerConfig, the source of the
-# worker's flags and defaults (stdlib only).
-WORKER_CONFIG = {"dpserve.worker", "dpserve.worker.config"}
+def _modules_of(package: str, loaded: set[str]) -> set[str]:
+    return {m for m in loaded if m == package or m.startswith(package + ".")}
 
 
 def _worker_modules(loaded: set[str]) -> set[str]:
-    return {m for m in loaded if m == "dpserve.worker" or m.startswith("dpserve.worker.")}
+    return _modules_of("dpserve.worker", loaded)
 
 
 @pytest.mark.parametrize(
@@ -31,13 +31,27 @@ def _worker_modules(loaded: set[str]) -> set[str]:
 def test_light_modules_do_not_import_torch(module: str) -> None:
     loaded = _modules_after_import(module)
     assert "torch" not in loaded and "diffusers" not in loaded
-    assert _worker_modules(loaded) <= WORKER_CONFIG
+    assert _worker_modules(loaded) == set()
 
 
-def test_worker_config_is_stdlib_only() -> None:
-    loaded = _modules_after_import("dpserve.worker.config")
-    assert _worker_modules(loaded) == WORKER_CONFIG
-    assert {m.split(".")[0] for m in loaded} & {"torch", "diffusers", "pydantic", "zmq"} == set()
+@pytest.mark.parametrize("module", ["dpserve.config.worker", "dpserve.config.router"])
+def test_the_shared_options_are_stdlib_only(module: str) -> None:
+    # The operator, the CLI, the router and the worker import them: they import none of
+    # those, only the layout arithmetic (stdlib too).
+    loaded = _modules_after_import(module)
+    ours = _modules_of("dpserve", loaded) - _modules_of("dpserve.config", loaded)
+    assert ours <= {"dpserve", "dpserve.layout"}
+    assert {m.split(".")[0] for m in loaded} & {
+        "torch",
+        "diffusers",
+        "pydantic",
+        "zmq",
+        "fastapi",
+        "starlette",
+        "msgspec",
+        "kopf",
+        "kubernetes",
+    } == set()
 
 
 @pytest.mark.parametrize(
@@ -52,10 +66,9 @@ def test_worker_config_is_stdlib_only() -> None:
 def test_operator_and_router_never_import_the_worker_or_torch(module: str) -> None:
     loaded = _modules_after_import(module)
     assert "torch" not in loaded and "diffusers" not in loaded
-    allowed = WORKER_CONFIG if module.startswith("dpserve.operator") else set()
-    assert _worker_modules(loaded) <= allowed
+    assert _worker_modules(loaded) == set()
     if module.startswith("dpserve.operator"):
-        assert not any(m.startswith("dpserve.router") for m in loaded)
+        assert _modules_of("dpserve.router", loaded) == set()
 
 
 def test_worker_does_not_import_fastapi() -> None:

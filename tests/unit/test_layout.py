@@ -23,10 +23,8 @@ from dpserve.layout import (
 )
 
 CONFIGS = [
-    ParallelConfig(tp=tp, sp=u * r, ulysses=u, ring=r, pp=pp, cfg=cfg, dp=dp)
-    for tp, u, r, pp, cfg, dp in itertools.product(
-        (1, 2), (1, 2), (1, 2), (1, 2), (1, 2), (1, 2, 3)
-    )
+    ParallelConfig(tp=tp, sp=u * r, ulysses=u, ring=r, cfg=cfg, dp=dp)
+    for tp, u, r, cfg, dp in itertools.product((1, 2), (1, 2), (1, 2), (1, 2), (1, 2, 3))
 ]
 
 # Axis name -> RankInfo attribute holding the rank's group along it.
@@ -37,11 +35,10 @@ VARYING = {
     "ulysses": {"ulysses_rank", "sp_rank"},
     "ring": {"ring_rank", "sp_rank"},
     "sp": {"sp_rank", "ulysses_rank", "ring_rank"},
-    "pp": {"pp_rank"},
     "cfg": {"cfg_rank"},
-    "replica": {"tp_rank", "sp_rank", "ulysses_rank", "ring_rank", "pp_rank", "cfg_rank"},
+    "replica": {"tp_rank", "sp_rank", "ulysses_rank", "ring_rank", "cfg_rank"},
 }
-COORDS = ("replica", "tp_rank", "sp_rank", "ulysses_rank", "ring_rank", "pp_rank", "cfg_rank")
+COORDS = ("replica", "tp_rank", "sp_rank", "ulysses_rank", "ring_rank", "cfg_rank")
 
 
 def infos(config: ParallelConfig) -> list[RankInfo]:
@@ -55,14 +52,14 @@ def config(request: pytest.FixtureRequest) -> ParallelConfig:
 
 def test_sizes(config: ParallelConfig) -> None:
     c = config
-    assert c.gang_size == c.tp * c.ulysses * c.ring * c.pp * c.cfg
+    assert c.gang_size == c.tp * c.ulysses * c.ring * c.cfg
     assert c.world_size == c.dp * c.gang_size
 
 
 def test_ranks_map_to_unique_coordinates_and_back(config: ParallelConfig) -> None:
     seen = set()
     for info in infos(config):
-        coords = (info.replica, info.tp_rank, info.sp_rank, info.pp_rank, info.cfg_rank)
+        coords = (info.replica, info.tp_rank, info.sp_rank, info.cfg_rank)
         seen.add(coords)
         assert info.sp_rank == info.ulysses_rank + config.ulysses * info.ring_rank
         assert info.local_rank == info.global_rank - info.replica * config.gang_size
@@ -71,7 +68,6 @@ def test_ranks_map_to_unique_coordinates_and_back(config: ParallelConfig) -> Non
             replica=info.replica,
             tp_rank=info.tp_rank,
             sp_rank=info.sp_rank,
-            pp_rank=info.pp_rank,
             cfg_rank=info.cfg_rank,
         )
         assert back == info.global_rank
@@ -82,7 +78,7 @@ def test_formula_matches_documented_order(config: ParallelConfig) -> None:
     c = config
     for info in infos(c):
         expected = info.tp_rank + c.tp * (
-            info.sp_rank + c.sp * (info.pp_rank + c.pp * (info.cfg_rank + c.cfg * info.replica))
+            info.sp_rank + c.sp * (info.cfg_rank + c.cfg * info.replica)
         )
         assert expected == info.global_rank
 
@@ -116,7 +112,6 @@ def test_rank_groups_contain_rank_and_match_all_groups(config: ParallelConfig) -
         assert len(info.sp_group) == config.sp
         assert len(info.ulysses_group) == config.ulysses
         assert len(info.ring_group) == config.ring
-        assert len(info.pp_group) == config.pp
         assert len(info.cfg_group) == config.cfg
         assert info.replica_group == tuple(replica_ranks(config, info.replica))
         # Ulysses and ring subgroups nest inside the sp group.
@@ -152,8 +147,25 @@ def test_endpoints(config: ParallelConfig) -> None:
 
 def test_describe() -> None:
     c = ParallelConfig(sp=2, cfg=2, dp=3)
-    assert describe(c) == "tp1-sp2(u2r1)-pp1-cfg2-dp3"
-    assert describe(ParallelConfig(tp=2, sp=4, ulysses=2, ring=2)) == "tp2-sp4(u2r2)-pp1-cfg1-dp1"
+    assert describe(c) == "tp1-sp2(u2r1)-cfg2-dp3"
+    assert describe(ParallelConfig(tp=2, sp=4, ulysses=2, ring=2)) == "tp2-sp4(u2r2)-cfg1-dp1"
+
+
+def test_the_axes_are_those_the_worker_implements() -> None:
+    # tp, sp (Ulysses x ring) and cfg have flags and code (dpserve.worker.parallel); a
+    # replica is a gang. No pipeline-parallel axis: nothing would run its stages.
+    assert set(AXES) == {"tp", "sp", "ulysses", "ring", "cfg", "replica"}
+    with pytest.raises(TypeError):
+        ParallelConfig(pp=2)  # type: ignore[call-arg]
+
+
+def test_the_routers_layout_takes_only_the_axes_a_layout_has() -> None:
+    from dpserve.router.routes.info import _layout
+
+    reported = {"tp": 1, "sp": 2, "ulysses": 2, "ring": 1, "pp": 1, "cfg": 2}  # an older replica
+    assert _layout({"parallel": reported}, 3) == "tp1-sp2(u2r1)-cfg2-dp3"
+    assert _layout({"parallel": {"sp": 1}}, 0) == "tp1-sp1(u1r1)-cfg1-dp1"
+    assert _layout({}, 2) is None
 
 
 def test_sp_defaults_to_pure_ulysses() -> None:
@@ -167,7 +179,7 @@ def test_from_world_size() -> None:
     assert c == ParallelConfig(tp=2, sp=2, ulysses=2, dp=3)
     with pytest.raises(
         LayoutError,
-        match=r"world size 6 is not divisible by the gang size 4 \(tp\*sp\*pp\*cfg\)",
+        match=r"world size 6 is not divisible by the gang size 4 \(tp\*sp\*cfg\)",
     ):
         ParallelConfig.from_world_size(6, sp=2, cfg=2)
 
@@ -184,7 +196,6 @@ def test_ipv6_endpoint_is_bracketed() -> None:
         ({"sp": -1}, r"sp must be >= 1 \(got -1\)"),
         ({"ulysses": 0}, r"ulysses must be >= 1 \(got 0\)"),
         ({"ring": 0}, r"ring must be >= 1 \(got 0\)"),
-        ({"pp": 0}, r"pp must be >= 1 \(got 0\)"),
         ({"cfg": 0}, r"cfg must be >= 1 \(got 0\)"),
         ({"dp": 0}, r"dp must be >= 1 \(got 0\)"),
         ({"tp": True}, r"tp must be an int \(got True\)"),

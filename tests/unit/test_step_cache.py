@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from dpserve import protocol as p
+from dpserve.config.worker import StepCacheKind, compile_size
 from dpserve.worker import compile as comp
-from dpserve.worker.config import StepCacheKind, compile_size
 from dpserve.worker.step_cache import StepCaches, refusal, service_default
 
 FBC = "first_block_cache"

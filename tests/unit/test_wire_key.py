@@ -70,7 +70,7 @@ def test_a_bad_key_file_stops_the_command_with_what_to_fix(
 
 
 def test_the_worker_flag_round_trips() -> None:
-    from dpserve.worker.config import WorkerConfig
+    from dpserve.config.worker import WorkerConfig
 
     config = WorkerConfig(model=Path("/m"), port=5000, wire_key_file=Path("/k/wire.key"))
     assert "--wire-key-file" in config.to_args()

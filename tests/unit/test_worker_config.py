@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from dpserve.cli import _replica_set, build_parser
+from dpserve.config.flags import Flag
+from dpserve.config.worker import WorkerConfig, worker_flags
 from dpserve.operator import builders as b
 from dpserve.operator.spec import DiffusionServiceSpec
-from dpserve.worker.config import Flag, WorkerConfig, worker_flags
 
 FIELDS = {f.name: f for f in dataclasses.fields(WorkerConfig)}
 FLAGS: dict[str, Flag] = {n: f.metadata["flag"] for n, f in FIELDS.items() if "flag" in f.metadata}
-GANG = {n for n, flag in FLAGS.items() if flag.gang}
+GANG = {n for n, flag in FLAGS.items() if flag.serve}
 PER_REPLICA = {"model", "port", "bind", "endpoint_file", "replica", "first_gpu", "wire_key_file"}
 
 # Every flag field set away from its default (and valid together), for the round trip.

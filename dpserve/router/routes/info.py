@@ -110,7 +110,11 @@ def model_name(pool: ReplicaPool, settings: RouterSettings) -> str:
 def _layout(info: dict[str, Any], replicas: int) -> str | None:
     """The deployment's layout: each replica's gang, with dp = the number of replicas."""
     gang = info.get("parallel")
-    return describe(ParallelConfig(**gang, dp=max(replicas, 1))) if gang else None
+    if not gang:
+        return None
+    # The axes a layout has, whatever else a replica reports (an older one: pp, always 1).
+    axes = {k: gang[k] for k in ("tp", "sp", "ulysses", "ring", "cfg") if k in gang}
+    return describe(ParallelConfig(**axes, dp=max(replicas, 1)))
 
 
 def _shown_settings(settings: RouterSettings) -> dict[str, Any]:

@@ -1,0 +1,227 @@
+"""What a router is started with: every option of ``dpserve router``, spelled once.
+
+``RouterConfig`` is to the router what ``WorkerConfig`` is to the worker: each
+field is a flag, with its help, parser and default (``dpserve.config.flags.Flag``).
+From it come the argparse of ``dpserve router`` and of ``serve``'s router
+(``add_router_args``), the config a parsed command line gives
+(``RouterConfig.from_args``; ``dpserve.router.settings`` turns it into the
+settings the app reads, whose defaults are these), the flags the operator passes
+its router pods (``router_flags``) and the CRD's defaults that mirror the
+router's (``default``). A ``serve=False`` option belongs to ``dpserve router``
+alone: where its replicas are and its wire key (``serve`` makes both itself).
+
+Stdlib only. The parsers of keys and the served name check with the router's own
+rules, imported when a command line is parsed: the operator, which imports this
+module for names and defaults, never loads the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from dpserve.config import flags
+from dpserve.config.flags import flag, port_number, positive, seconds
+
+Discovery = Literal["static", "kubernetes"]
+# The routing policies (dpserve.router.policies, docs/router.md, Routing policies).
+PolicyName = Literal["round_robin", "least_work"]
+
+
+def parse_key(value: str) -> str:
+    from dpserve.router.auth import check_key
+
+    try:
+        return check_key(value, "key")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None  # the message names no key
+
+
+def parse_key_file(value: str) -> tuple[str, ...]:
+    """The keys of a file, read while parsing: a bad file fails the start at once."""
+    from dpserve.router.auth import load_key_file
+
+    try:
+        return load_key_file(Path(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_served_name(value: str) -> str:
+    from dpserve.router.served_model import check_name
+
+    try:
+        return check_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_KEYS = "Bearer key for %s routes (repeatable; visible in ps: prefer the file)"
+_KEY_FILES = "file of %s keys, one a line (blank lines and # comments skipped; repeatable)"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    # Where the replicas are, and the wire to them: ``dpserve router``'s alone.
+    worker: tuple[str, ...] = field(
+        default=(),
+        metadata=flag("replica driver tcp://HOST:PORT", serve=False, many=True),
+    )
+    discovery: Discovery = field(
+        default="static",
+        metadata=flag(
+            "static: the --worker endpoints; kubernetes: a headless Service's ready endpoints",
+            choices=get_args(Discovery),
+            serve=False,
+        ),
+    )
+    namespace: str | None = field(
+        default=None,
+        metadata=flag("kubernetes: namespace of the replicas' Service", serve=False),
+    )
+    service: str | None = field(
+        default=None, metadata=flag("kubernetes: the replicas' headless Service", serve=False)
+    )
+    control_state_configmap: str | None = field(
+        default=None,
+        metadata=flag(
+            "kubernetes: ConfigMap holding the desired control state (the operator makes it)",
+            serve=False,
+        ),
+    )
+    # ``serve`` has its own --wire-key-file: the key it hands its replicas and router.
+    wire_key_file: Path | None = field(
+        default=None,
+        metadata=flag(
+            "the replicas' wire key (z85 CURVE secret); without one the wire is plaintext",
+            Path,
+            serve=False,
+        ),
+    )
+    # The HTTP front, ``serve``'s router too.
+    host: str = field(default="127.0.0.1", metadata=flag("HTTP address (0.0.0.0: all)"))
+    port: int = field(default=8000, metadata=flag("HTTP port", port_number))
+    request_timeout: float = field(default=300.0, metadata=flag("seconds per request", float))
+    # Per replica, times its batch size (its --max-batch, from its pings): one running
+    # batch and one queued keeps a gang busy.
+    max_inflight_per_replica: int = field(
+        default=2,
+        metadata=flag(
+            "requests per replica at once, times its --max-batch; then they wait in the router",
+            positive,
+        ),
+    )
+    policy: PolicyName = field(
+        default="least_work",
+        metadata=flag(
+            "where a generation goes: the replica with the least estimated work, or in turn",
+            choices=get_args(PolicyName),
+        ),
+    )
+    max_waiting: int = field(  # router-wide
+        default=256, metadata=flag("queued requests, then 429", positive)
+    )
+    output_dir: Path | None = field(
+        default=None, metadata=flag("enables response_format=url", Path)
+    )
+    public_url: str | None = field(  # None: http://HOST:PORT
+        default=None, metadata=flag("base of image URLs (default: own address)")
+    )
+    served_model_name: str | None = field(  # None: the model folder's name
+        default=None,
+        metadata=flag(
+            "the model's name in /v1/models and in requests' model (another is a 404); "
+            "default: the model folder's name",
+            parse_served_name,
+        ),
+    )
+    # The HTTP server's edges (docs/router.md, "Limits"): connections (WebSockets
+    # included) past max_connections get 503 at once; the kernel queues backlog more.
+    max_connections: int = field(
+        default=1000,
+        metadata=flag("open HTTP connections (WebSockets too), then 503", positive),
+    )
+    backlog: int = field(default=2048, metadata=flag("TCP accept queue length", positive))
+    # response_format=url files: the oldest go past either bound (docs/router.md).
+    output_max_files: int = field(
+        default=1000, metadata=flag("response_format=url files kept", positive)
+    )
+    output_max_age: float = field(
+        default=3600.0, metadata=flag("seconds a url image is kept", seconds)
+    )
+    # How often the router polls each video job it placed (dpserve/router/videos.py):
+    # how soon it sees one finish, and re-runs one whose replica was lost.
+    video_poll: float = field(
+        default=1.0,
+        metadata=flag(
+            "seconds between looks at each video job this router placed (re-runs lost ones)",
+            seconds,
+        ),
+    )
+    # The longest a video job may hold a replica, in seconds of run time (docs/video.md,
+    # "How long a job may run"). Half an hour: six image request timeouts.
+    video_max_estimate: float = field(
+        default=1800.0,
+        metadata=flag(
+            "seconds a video job may run: one estimated longer is a 400, one that runs "
+            "longer is stopped",
+            seconds,
+        ),
+    )
+    max_body: int = field(default=1 << 20, metadata=flag("body bytes, then 413", positive))
+    # An edit's multipart form (its images and mask), read whole within body_timeout.
+    max_upload_bytes: int = field(
+        default=64 << 20,
+        metadata=flag("an edit's multipart body (images and mask), then 413", positive),
+    )
+    body_timeout: float = field(  # a body not fully read by then is refused
+        default=30.0, metadata=flag("seconds to receive a body, then 408", seconds)
+    )
+    # Bearer keys (docs/router.md, "Security"): none configured, every route is open.
+    # Admin keys work on inference routes too. A key file's keys are read while parsing.
+    api_key: tuple[str, ...] = field(
+        default=(), repr=False, metadata=flag(_KEYS % "inference", parse_key, many=True)
+    )
+    admin_key: tuple[str, ...] = field(
+        default=(), repr=False, metadata=flag(_KEYS % "all", parse_key, many=True)
+    )
+    api_key_file: tuple[tuple[str, ...], ...] = field(
+        default=(), repr=False, metadata=flag(_KEY_FILES % "api", parse_key_file, many=True)
+    )
+    admin_key_file: tuple[tuple[str, ...], ...] = field(
+        default=(), repr=False, metadata=flag(_KEY_FILES % "admin", parse_key_file, many=True)
+    )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, serve: bool = False) -> RouterConfig:
+        """The config a ``dpserve router`` command line gives, or with ``serve`` the part
+        a ``dpserve serve`` one sets (``add_router_args``; the rest keep their defaults)."""
+        return cls(**flags.from_args(cls, args, serve_only=serve))
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The inference keys, given one by one and in files."""
+        return (*self.api_key, *(k for keys in self.api_key_file for k in keys))
+
+    @property
+    def admin_keys(self) -> tuple[str, ...]:
+        return (*self.admin_key, *(k for keys in self.admin_key_file for k in keys))
+
+
+def add_router_args(parser: argparse.ArgumentParser, serve: bool = False) -> None:
+    """Every flag of ``dpserve router``, or with ``serve`` those ``serve``'s router takes."""
+    flags.add_flags(parser, RouterConfig, serve_only=serve)
+
+
+def router_flags(options: Mapping[str, object]) -> list[str]:
+    """``dpserve router`` flags for some options, keyed by ``RouterConfig`` field name
+    (a key file's option is its path); see ``flags.to_flags``."""
+    return flags.to_flags(RouterConfig, "dpserve router", options)
+
+
+def default(name: str) -> Any:
+    """A ``RouterConfig`` field's default, for settings elsewhere that mirror it."""
+    return flags.default_of(RouterConfig, name)
