@@ -1,14 +1,16 @@
-"""Control ops (SGLang's routes), fanned out to every replica by the service layer."""
+"""Control ops (SGLang's routes), fanned out to every replica by the service layer.
+Each needs an admin key: it changes or reads the replicas' state."""
 
 from __future__ import annotations
 
 from typing import Final
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dpserve import protocol as p
 from dpserve.router import schemas
+from dpserve.router.access import admin
 from dpserve.router.bodies import parse_object, read_body
 from dpserve.router.deps import RequestIdDep, ServiceDep, SettingsDep
 from dpserve.router.openai_api import error_body
@@ -26,6 +28,7 @@ ROUTES: Final = (
 
 
 def _handler(op: str):  # type: ignore[no-untyped-def]
+    @admin
     async def handler(
         request: Request, rid: RequestIdDep, settings: SettingsDep, service: ServiceDep
     ) -> JSONResponse:
@@ -41,11 +44,12 @@ def _handler(op: str):  # type: ignore[no-untyped-def]
     return handler
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app``."""
+def router() -> APIRouter:
+    api = APIRouter()
     for path, op in ROUTES:
         handler = _handler(op)
         extra = schemas.control_body(op)
-        app.add_api_route(path, handler, methods=["POST"], name=op, openapi_extra=extra)
+        api.add_api_route(path, handler, methods=["POST"], name=op, openapi_extra=extra)
         if op in p.READ_ONLY_OPS:  # also a GET (its body, if any, is read the same way)
-            app.add_api_route(path, handler, methods=["GET"], name=op, openapi_extra={})
+            api.add_api_route(path, handler, methods=["GET"], name=op, openapi_extra={})
+    return api
