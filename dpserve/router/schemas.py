@@ -1,15 +1,20 @@
 """The request bodies (and answers) each route has, declared for /docs and /openapi.json.
 
-These models only document: the routes keep their own parsing
-(``parse_image_request``, the edit form's, the control state's checks), which names
-every bad field in a 400, so FastAPI validates nothing here (no 422s). Each model
-mirrors what its parser accepts: unknown fields are a 400 for generation and edits
-and ignored by control ops, as declared (tests/unit/test_router_security.py and
-tests/unit/test_router_images_edits.py compare the fields).
+FastAPI validates nothing with these models (no 422s): the routes keep their own
+parsing (``parse_image_request``, the edit form's, the control state's checks), which
+names every bad field in a 400. The forms read their fields' types from them
+(``form_types``: which text fields are numbers or switches), so a form field's type
+is spelled here only. Each model mirrors what its parser accepts: unknown fields are a
+400 for generation and edits and ignored by control ops, as declared
+(tests/unit/test_router_security.py and tests/unit/test_router_images.py compare the
+fields).
 """
 
 from __future__ import annotations
 
+import types
+import typing
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -273,3 +278,26 @@ _CONTROL: Final[dict[str, tuple[type[BaseModel], bool]]] = {
 def control_body(op: str) -> dict[str, Any]:
     model, required = _CONTROL[op]
     return request_body(model, required)
+
+
+@dataclass(frozen=True)
+class FormTypes:
+    """Which fields of a form (text, as every form field is) hold integers, numbers or
+    switches; the others stay text for their parser."""
+
+    ints: frozenset[str]
+    floats: frozenset[str]
+    bools: frozenset[str]
+
+
+def form_types(model: type[BaseModel]) -> FormTypes:
+    """The form fields ``model`` declares as int, float or bool (or None)."""
+    kinds: dict[type, set[str]] = {int: set(), float: set(), bool: set()}
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        held = set(typing.get_args(annotation) if union else (annotation,)) - {type(None)}
+        kind = held.pop() if len(held) == 1 else None
+        if kind in kinds:
+            kinds[kind].add(info.alias or name)
+    return FormTypes(*(frozenset(kinds[t]) for t in (int, float, bool)))
