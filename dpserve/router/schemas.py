@@ -262,24 +262,6 @@ def request_body(
     return {"requestBody": {"required": required, "content": content}}
 
 
-# Each control op's body, and whether the op needs one.
-_CONTROL: Final[dict[str, tuple[type[BaseModel], bool]]] = {
-    "update_weights_from_disk": (UpdateWeightsRequest, True),
-    "release_memory_occupation": (NoArgs, False),
-    "resume_memory_occupation": (NoArgs, False),
-    "set_lora": (SetLoraRequest, True),
-    "merge_lora_weights": (MergeLoraRequest, False),
-    "unmerge_lora_weights": (UnmergeLoraRequest, False),
-    "list_loras": (NoArgs, False),
-    "get_weights_checksum": (ChecksumRequest, False),
-}
-
-
-def control_body(op: str) -> dict[str, Any]:
-    model, required = _CONTROL[op]
-    return request_body(model, required)
-
-
 @dataclass(frozen=True)
 class FormTypes:
     """Which fields of a form (text, as every form field is) hold integers, numbers or

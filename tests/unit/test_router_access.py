@@ -11,6 +11,7 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.routing import Mount, WebSocketRoute
 
+from dpserve import protocol as p
 from dpserve.router.access import (
     ADMIN,
     INFERENCE,
@@ -73,10 +74,13 @@ def test_every_route_of_the_app_declares_its_level() -> None:
 def test_the_admin_routes_are_the_control_ops_and_the_control_state() -> None:
     levels = _levels()
     assert levels.declared(ADMIN) == ADMIN_ROUTES
-    assert {path for path, _ in control.ROUTES} | {"/server_info", "/health/replicas"} == (
+    assert {route.path for route in control.ROUTES} | {"/server_info", "/health/replicas"} == (
         ADMIN_ROUTES
     )
     assert levels.declared(OPEN) == OPEN_ROUTES
+    # Every control op of the wire has its route, but the router's own: model_info (its
+    # pings ask it; GET /model_info shows it) and sync_state (its desired-state sync).
+    assert {route.op for route in control.ROUTES} == p.CONTROL_OPS - {"model_info", p.SYNC_STATE}
 
 
 def test_a_route_without_a_level_stops_the_app_from_being_built() -> None:
