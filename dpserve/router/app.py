@@ -2,9 +2,11 @@
 
 The lifespan owns the replica pool (sockets and background tasks) and puts what
 routes need on ``app.state`` (dpserve/router/deps.py); the routes live in
-dpserve/router/routes/, one module per concern, each handler parsing, calling the
-service, and shaping the answer. Every failure leaves as JSON in OpenAI's error shape
-with a message that says what to fix, and the request's id.
+dpserve/router/routes/, one ``APIRouter`` per area, each handler parsing, calling the
+service, and shaping the answer, and declaring which key it needs (the auth
+middleware's table is built from the app's routes, dpserve/router/access.py). Every
+failure leaves as JSON in OpenAI's error shape with a message that says what to fix,
+and the request's id.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dpserve import protocol as p
 from dpserve import realtime as rt
+from dpserve.router.access import Levels
 from dpserve.router.auth import AuthMiddleware, Keys, document_security
 from dpserve.router.bodies import BadBody
 from dpserve.router.deps import Running
@@ -32,7 +35,7 @@ from dpserve.router.playground import routes as playground
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
 from dpserve.router.request_ids import RequestIdMiddleware, of_scope
-from dpserve.router.routes import control, docs, health, images, info, realtime, videos
+from dpserve.router.routes import control, docs, flat, health, images, info, realtime, videos
 from dpserve.router.routes.images import REPLICA_HEADER
 from dpserve.router.service import RouterService
 from dpserve.router.sessions import SessionRouter
@@ -87,8 +90,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
-    # /docs and /redoc are docs.install's: the same pages, with their files served here.
-    app = FastAPI(title="dpserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # The schema and its pages are the docs area's: the same, with their files served here.
+    app = FastAPI(
+        title="dpserve router",
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.started = int(time.time())  # the Model object's created
     app.state.metrics = RouterMetrics()
@@ -104,17 +113,19 @@ def create_app(settings: RouterSettings) -> FastAPI:
         else None
     )
     _handle_errors(app)
-    for routes in (images, videos, info, control, health, realtime, docs, playground):
-        routes.install(app)
+    for area in (images, videos, info, control, health, realtime, docs, playground):
+        app.include_router(area.router())
+    app.mount(docs.ASSETS, docs.assets(), name="docs-assets")
+    levels = Levels.of(flat(app.routes))  # ValueError: a route declares no level
 
     keys = Keys.of(settings.api_keys, settings.admin_keys)
     # Outermost last: the request id is on every answer, refusals included, and
     # metrics count the refusals too.
-    app.add_middleware(AuthMiddleware, keys=keys)
+    app.add_middleware(AuthMiddleware, keys=keys, levels=levels)
     app.add_middleware(RequestIdMiddleware)
     if keys.enabled:
         plain_openapi = app.openapi
-        app.openapi = lambda: document_security(plain_openapi())  # type: ignore[method-assign]
+        app.openapi = lambda: document_security(plain_openapi(), levels)  # type: ignore[method-assign]
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app
 

@@ -1,6 +1,7 @@
-"""API keys: which routes need which key, and the ASGI middleware that asks for it.
+"""API keys, and the ASGI middleware that asks each request for the key its route needs.
 
-The policy is pure (``access``, ``Keys.verdict``); the middleware only reads the
+Which key a route needs is declared with the route (dpserve/router/access.py); the
+policy is pure (``Keys.verdict``, ``cross_site``); the middleware only reads the
 ``Authorization`` header and answers a refusal in OpenAI's error shape. Keys are
 held as SHA-256 digests and compared with ``hmac.compare_digest``: the same work
 for every configured key whatever matched, and no length leak. Keys are never
@@ -17,59 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from dpserve.router.access import ADMIN, INFERENCE, OPEN, Access, Levels
 from dpserve.router.openai_api import error_body
-from dpserve.router.playground import PATHS as PLAYGROUND_PATHS
 from dpserve.router.request_ids import of_scope
 
-OPEN, INFERENCE, ADMIN = "open", "inference", "admin"
-
-# Probes carry no key (a kubelet's httpGet takes no header from a Secret) and say if
-# the router serves; the docs and schema hold no secrets. /metrics is open so a
-# Prometheus scrape needs no Secret: it carries counts and the replicas' pod
-# addresses, which anyone who can list Endpoints sees anyway (docs/router.md).
-OPEN_PATHS: Final = frozenset(
-    {
-        "/livez",
-        "/ready",
-        "/health",
-        "/metrics",
-        "/docs",
-        "/docs/oauth2-redirect",
-        "/redoc",
-        "/openapi.json",
-        *PLAYGROUND_PATHS,  # the page and its files: static, no secret (its API calls need a key)
-    }
-)
-# A stored image's name holds 122 random bits (a UUID4): the URL is the capability, like a
-# presigned URL, so an image link opens in a browser (which sends no key). The docs
-# pages' own scripts and styles are as open as the pages.
-OPEN_PREFIXES: Final = ("/v1/images/files/", "/docs/assets/")
-# Control ops change or read the replicas' state; /server_info and
-# /health/replicas show the control state (LoRA and weight paths), the router's
-# settings and each replica's endpoint and errors.
-ADMIN_PATHS: Final = frozenset(
-    {
-        "/update_weights_from_disk",
-        "/release_memory_occupation",
-        "/resume_memory_occupation",
-        "/v1/set_lora",
-        "/v1/merge_lora_weights",
-        "/v1/unmerge_lora_weights",
-        "/v1/list_loras",
-        "/get_weights_checksum",
-        "/health/replicas",
-        "/server_info",
-    }
-)
-
 HOW_TO_SEND: Final = "send it as the header `Authorization: Bearer <key>`"
-
-
-def access(path: str) -> str:
-    """Which key a path needs; anything not listed (unknown paths too) needs one."""
-    if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
-        return OPEN
-    return ADMIN if path in ADMIN_PATHS else INFERENCE
 
 
 @dataclass(frozen=True)
@@ -109,9 +62,9 @@ class Keys:
     def __repr__(self) -> str:
         return f"Keys(api={len(self.api)}, admin={len(self.admin)})"
 
-    def verdict(self, path: str, authorization: bytes | None) -> Refusal | None:
-        """None: let the request through; else how to refuse it."""
-        needed = access(path)
+    def verdict(self, needed: Access, authorization: bytes | None) -> Refusal | None:
+        """None: let a request for a route at level ``needed`` through; else how to
+        refuse it."""
         if not self.enabled or needed == OPEN:
             return None
         if needed == ADMIN and not self.admin:
@@ -160,7 +113,7 @@ _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 _FOREIGN_SITES: Final = frozenset({b"cross-site", b"same-site"})
 
 
-def cross_site(scope: Any) -> Refusal | None:
+def cross_site(scope: Any, needed: Access) -> Refusal | None:
     """A refusal for what a browser sends on another site's behalf, else None.
 
     A page elsewhere can make a browser POST without a preflight when the body is
@@ -172,7 +125,7 @@ def cross_site(scope: Any) -> Refusal | None:
     """
     if scope["type"] == "http" and scope.get("method") in _SAFE_METHODS:
         return None
-    if access(scope["path"]) == OPEN:
+    if needed == OPEN:
         return None
     site = _header(scope, b"sec-fetch-site")
     if site is not None:  # the browser's own word, which no page can forge
@@ -200,16 +153,18 @@ def _origin_host(origin: bytes) -> bytes | None:
 class AuthMiddleware:
     """Pure ASGI: refuses HTTP requests and WebSocket upgrades before the app sees them."""
 
-    def __init__(self, app: Any, keys: Keys) -> None:
+    def __init__(self, app: Any, keys: Keys, levels: Levels) -> None:
         self.app = app
         self.keys = keys
+        self.levels = levels
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        refusal = cross_site(scope) or self.keys.verdict(
-            scope["path"], _header(scope, b"authorization")
+        needed = self.levels.of_scope(scope)
+        refusal = cross_site(scope, needed) or self.keys.verdict(
+            needed, _header(scope, b"authorization")
         )
         if refusal is None:
             await self.app(scope, receive, send)
@@ -272,8 +227,8 @@ def check_key(key: str, where: str) -> str:
     return key
 
 
-def document_security(schema: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAPI schema with its Bearer scheme on every route that needs a key
+def document_security(schema: dict[str, Any], levels: Levels) -> dict[str, Any]:
+    """The OpenAPI schema with its Bearer scheme on every operation that needs a key
     (so /docs has an Authorize button), in place."""
     components = schema.setdefault("components", {})
     components.setdefault("securitySchemes", {})["bearer"] = {
@@ -282,8 +237,7 @@ def document_security(schema: dict[str, Any]) -> dict[str, Any]:
         "description": "an API key; control routes need an admin key",
     }
     for path, operations in schema.get("paths", {}).items():
-        if access(path) != OPEN:
-            for operation in operations.values():
-                if isinstance(operation, dict):
-                    operation["security"] = [{"bearer": []}]
+        for method, operation in operations.items():
+            if isinstance(operation, dict) and levels.of_path(path, method.upper()) != OPEN:
+                operation["security"] = [{"bearer": []}]
     return schema

@@ -17,25 +17,13 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from dpserve import protocol as p
 from dpserve.router.bodies import BadBody
+from dpserve.router.schemas import FormTypes, ImageEditForm, form_types
 
 FORM_TYPE: Final = "multipart/form-data"
 IMAGE_FIELDS: Final = ("image", "image[]")  # the openai client sends a list as image[]
 MASK_FIELD: Final = "mask"
-_INTS: Final = frozenset(
-    {
-        "n",
-        "num_inference_steps",
-        "output_compression",
-        "partial_images",
-        "width",
-        "height",
-        "max_sequence_length",
-    }
-)
-_FLOATS: Final = frozenset({"guidance_scale", "true_cfg_scale", "strength", "flow_shift"})
-_BOOLS: Final = frozenset(
-    {"stream", "vae_use_tiling", "vae_use_slicing", "enable_teacache", "enable_cache_dit"}
-)
+# Form fields are text: these become numbers or switches before the body is checked.
+EDIT_TYPES: Final = form_types(ImageEditForm)
 _MAX_FIELDS: Final = 64
 _MAX_FIELD_BYTES: Final = 64 << 10  # a prompt is at most 40 KB of UTF-8
 
@@ -164,29 +152,22 @@ def _file(form: EditForm, name: str, filename: str, data: bytes, out: list[p.Fie
 
 def _typed(name: str, text: str, out: list[p.FieldError]) -> Any:
     """A form string as its field's type; unknown fields stay text (the parser names them)."""
-    return typed_value(name, text, out, _INTS | {"seed"}, _FLOATS, _BOOLS)
+    return typed_value(name, text, out, EDIT_TYPES)
 
 
-def typed_value(
-    name: str,
-    text: str,
-    out: list[p.FieldError],
-    ints: frozenset[str],
-    floats: frozenset[str],
-    bools: frozenset[str] = frozenset(),
-) -> Any:
-    """A form string as the type its field has in ``ints``, ``floats`` or ``bools``
-    (others stay text); a bad one is recorded in ``out`` and comes back None."""
+def typed_value(name: str, text: str, out: list[p.FieldError], types: FormTypes) -> Any:
+    """A form string as the type its field has in ``types`` (others stay text); a bad
+    one is recorded in ``out`` and comes back None."""
     try:
-        if name in ints:
+        if name in types.ints:
             return int(text)
-        if name in floats:
+        if name in types.floats:
             return float(text)
     except ValueError:
-        kind = "a number" if name in floats else "an integer"
+        kind = "a number" if name in types.floats else "an integer"
         out.append(p.FieldError(name, f"must be {kind}, got {text[:40]!r}"))
         return None
-    if name in bools:
+    if name in types.bools:
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
         out.append(p.FieldError(name, f"must be true or false, got {text[:40]!r}"))

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Match
 
 from dpserve.router.pool import ReplicaPool
+from dpserve.router.routes import flat
 
 _ROUTE_CACHE = 1024
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -175,7 +176,7 @@ def _route_of(scope: Any) -> str:
     partial one (a wrong method, answered 405).
     """
     partial = None
-    for route in getattr(getattr(scope.get("app"), "router", None), "routes", ()):
+    for route in flat(getattr(getattr(scope.get("app"), "router", None), "routes", ())):
         match, _ = route.matches(scope)
         if match == Match.FULL:
             return str(getattr(route, "path", "unmatched"))

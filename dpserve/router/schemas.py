@@ -1,15 +1,20 @@
 """The request bodies (and answers) each route has, declared for /docs and /openapi.json.
 
-These models only document: the routes keep their own parsing
-(``parse_image_request``, the edit form's, the control state's checks), which names
-every bad field in a 400, so FastAPI validates nothing here (no 422s). Each model
-mirrors what its parser accepts: unknown fields are a 400 for generation and edits
-and ignored by control ops, as declared (tests/unit/test_router_security.py and
-tests/unit/test_router_images_edits.py compare the fields).
+FastAPI validates nothing with these models (no 422s): the routes keep their own
+parsing (``parse_image_request``, the edit form's, the control state's checks), which
+names every bad field in a 400. The forms read their fields' types from them
+(``form_types``: which text fields are numbers or switches), so a form field's type
+is spelled here only. Each model mirrors what its parser accepts: unknown fields are a
+400 for generation and edits and ignored by control ops, as declared
+(tests/unit/test_router_security.py and tests/unit/test_router_images.py compare the
+fields).
 """
 
 from __future__ import annotations
 
+import types
+import typing
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -257,19 +262,24 @@ def request_body(
     return {"requestBody": {"required": required, "content": content}}
 
 
-# Each control op's body, and whether the op needs one.
-_CONTROL: Final[dict[str, tuple[type[BaseModel], bool]]] = {
-    "update_weights_from_disk": (UpdateWeightsRequest, True),
-    "release_memory_occupation": (NoArgs, False),
-    "resume_memory_occupation": (NoArgs, False),
-    "set_lora": (SetLoraRequest, True),
-    "merge_lora_weights": (MergeLoraRequest, False),
-    "unmerge_lora_weights": (UnmergeLoraRequest, False),
-    "list_loras": (NoArgs, False),
-    "get_weights_checksum": (ChecksumRequest, False),
-}
+@dataclass(frozen=True)
+class FormTypes:
+    """Which fields of a form (text, as every form field is) hold integers, numbers or
+    switches; the others stay text for their parser."""
+
+    ints: frozenset[str]
+    floats: frozenset[str]
+    bools: frozenset[str]
 
 
-def control_body(op: str) -> dict[str, Any]:
-    model, required = _CONTROL[op]
-    return request_body(model, required)
+def form_types(model: type[BaseModel]) -> FormTypes:
+    """The form fields ``model`` declares as int, float or bool (or None)."""
+    kinds: dict[type, set[str]] = {int: set(), float: set(), bool: set()}
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        held = set(typing.get_args(annotation) if union else (annotation,)) - {type(None)}
+        kind = held.pop() if len(held) == 1 else None
+        if kind in kinds:
+            kinds[kind].add(info.alias or name)
+    return FormTypes(*(frozenset(kinds[t]) for t in (int, float, bool)))

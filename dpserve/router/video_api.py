@@ -21,14 +21,15 @@ from dpserve import protocol as p
 from dpserve import video
 from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
 from dpserve.router.forms import FORM_TYPE, form_items, is_form, typed_value
+from dpserve.router.schemas import form_types
 from dpserve.router.served_model import check_model
+from dpserve.router.video_schemas import VideoCreateForm
 
 REFERENCE: Final = "input_reference"
 # OpenAI fields checked before the job's own parse (the served model's name).
 IGNORED: Final = frozenset({"model"})
 # Form fields are text: these become numbers before the body is checked.
-_INTS: Final = frozenset({"width", "height", "fps", "num_frames", "seed", "num_inference_steps"})
-_FLOATS: Final = frozenset({"guidance_scale"})
+FORM_TYPES: Final = form_types(VideoCreateForm)
 _IMAGE_KINDS: Final = "PNG, JPEG, WebP, GIF or BMP"
 _EXTENSIONS: Final[Mapping[str, str]] = {video.VIDEO_VARIANT: "mp4", video.THUMBNAIL: "jpg"}
 ORDERS: Final = ("asc", "desc")
@@ -174,7 +175,7 @@ def is_image(data: bytes) -> bool:
 
 def _typed(name: str, text: str, out: list[p.FieldError]) -> Any:
     """A form string as its field's type; the rest stays text (seconds is text too)."""
-    return typed_value(name, text, out, _INTS, _FLOATS)
+    return typed_value(name, text, out, FORM_TYPES)
 
 
 # ---------------------------------------------------------------- list

@@ -1,7 +1,8 @@
 """The video routes' bodies and answers, declared for /docs and /openapi.json.
 
-Documentation only, like dpserve/router/schemas.py: the routes parse with
-``video_api`` and ``video.parse_video``, which name every bad field in a 400.
+FastAPI validates nothing with them, as with dpserve/router/schemas.py: the routes
+parse with ``video_api`` and ``video.parse_video``, which name every bad field in a
+400; the job's form reads its fields' types from ``VideoCreateForm``.
 """
 
 from __future__ import annotations

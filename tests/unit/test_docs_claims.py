@@ -11,6 +11,7 @@ import pytest
 
 from dpserve.cli import build_parser
 from dpserve.router.app import RouterSettings, create_app
+from dpserve.router.routes import flat
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER_MD = (ROOT / "docs" / "router.md").read_text()
@@ -21,7 +22,7 @@ METHOD = re.compile(r"^(?:(GET|POST|DELETE|WS|GET/POST) )?(/\S*)$")
 def _app_routes() -> set[tuple[str, str]]:
     app = create_app(RouterSettings(workers=("tcp://127.0.0.1:1",)))
     out = set()
-    for route in app.routes:
+    for route in flat(app.routes):
         path = re.sub(r"\{[^}]*\}", "{}", route.path)  # type: ignore[attr-defined]
         methods = getattr(route, "methods", None)
         if type(route).__name__ == "Mount":  # static files under a folder

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import httpx
 
+from dpserve.router.access import INFERENCE, OPEN, Levels
 from dpserve.router.app import RouterSettings, create_app
-from dpserve.router.auth import INFERENCE, OPEN, access
 from dpserve.router.playground import ASSETS, PAGE, PATHS
+from dpserve.router.routes import flat
 
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "dpserve" / "router" / "playground" / "static"
@@ -50,6 +51,7 @@ def test_the_page_and_its_files_are_served_without_a_key_while_the_api_needs_one
 
 
 def test_only_the_pages_own_paths_are_open() -> None:
+    access = Levels.of(flat(create_app(RouterSettings()).routes)).of_path
     assert {access(path) for path in PATHS} == {OPEN}
     assert access("/playground/other.js") == INFERENCE
     assert _get("/playground/other.js", api_keys=("K",)).status_code == 401

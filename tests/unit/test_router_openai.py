@@ -33,6 +33,7 @@ from dpserve.router.openai_api import ERROR_CODES
 from dpserve.router.playground import PATHS as PLAYGROUND_PATHS
 from dpserve.router.pool import PoolSettings
 from dpserve.router.request_ids import HEADER
+from dpserve.router.routes import flat
 from tests.polling import until
 from tests.stub_replica import StubReplica
 from tests.unit.test_router_edges import _serving
@@ -400,7 +401,7 @@ def test_every_route_answers_its_errors_in_the_one_shape() -> None:
         async with _router(stub={"fail_paths": {"/nope"}, "step_s": 0.05}) as (app, http, _):
             routes = {
                 (method, route.path)
-                for route in app.routes
+                for route in flat(app.routes)
                 if hasattr(route, "methods") and route.path not in _DOCS
                 for method in route.methods - {"HEAD"}
             }

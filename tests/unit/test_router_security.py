@@ -27,10 +27,12 @@ from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.cli import _router_settings, build_parser
 from dpserve.router import peers, schemas
+from dpserve.router.access import ADMIN, INFERENCE, OPEN, Levels
 from dpserve.router.app import RouterSettings, create_app
-from dpserve.router.auth import ADMIN, INFERENCE, OPEN, Keys, access, load_key_file
+from dpserve.router.auth import Keys, load_key_file
 from dpserve.router.openai_api import OPENAI_ONLY, request_fields
 from dpserve.router.pool import PoolSettings
+from dpserve.router.routes import flat
 from dpserve.untrusted import too_deep
 from tests.stub_replica import StubReplica
 
@@ -76,6 +78,8 @@ KEYED: dict[str, Any] = {"api_keys": (API,), "admin_keys": (ADMIN_KEY,)}
 
 
 def test_every_route_has_an_access_class() -> None:
+    app = create_app(RouterSettings())
+    access = Levels.of(flat(app.routes)).of_path
     assert {access(path) for path in ("/livez", "/ready", "/health", "/metrics")} == {OPEN}
     assert {access(path) for path in ("/docs", "/openapi.json", "/redoc")} == {OPEN}
     assert access("/v1/images/generations") == INFERENCE
@@ -84,8 +88,7 @@ def test_every_route_has_an_access_class() -> None:
     assert access("/health/") == INFERENCE  # not /health
     for path in ("/v1/set_lora", "/update_weights_from_disk", "/server_info", "/health/replicas"):
         assert access(path) == ADMIN
-    app = create_app(RouterSettings())
-    routes = {getattr(r, "path", "") for r in app.routes}
+    routes = {getattr(r, "path", "") for r in flat(app.routes)}
     controls = {"/v1/list_loras", "/get_weights_checksum", "/release_memory_occupation"}
     assert controls <= routes and {access(r) for r in controls} == {ADMIN}
 
@@ -93,9 +96,9 @@ def test_every_route_has_an_access_class() -> None:
 def test_keys_are_compared_by_digest_and_never_shown() -> None:
     keys = Keys.of([API], [ADMIN_KEY])
     assert API not in repr(keys) and API.encode() not in keys.api
-    assert keys.verdict("/v1/set_lora", f"Bearer {ADMIN_KEY}".encode()) is None
-    assert keys.verdict("/v1/set_lora", f"bearer  {ADMIN_KEY} ".encode()) is None
-    refused = keys.verdict("/v1/set_lora", f"Bearer {API}".encode())
+    assert keys.verdict(ADMIN, f"Bearer {ADMIN_KEY}".encode()) is None
+    assert keys.verdict(ADMIN, f"bearer  {ADMIN_KEY} ".encode()) is None
+    refused = keys.verdict(ADMIN, f"Bearer {API}".encode())
     assert refused is not None and refused.status == 403
     for header in (
         None,
@@ -105,7 +108,7 @@ def test_keys_are_compared_by_digest_and_never_shown() -> None:
         API.encode(),
         b"Bearer " + API.encode()[:-1],
     ):
-        refused = keys.verdict("/v1/images/generations", header)
+        refused = keys.verdict(INFERENCE, header)
         assert refused is not None and refused.status == 401, header
         assert "Authorization: Bearer <key>" in refused.message
     assert repr(RouterSettings(**KEYED)).count("sk-") == 0

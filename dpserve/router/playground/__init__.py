@@ -3,7 +3,7 @@
 Plain HTML, CSS and JavaScript shipped as package data (``static/``), no build step
 and nothing from a CDN. The page calls only the public API, with the key the user
 types (kept in the tab's sessionStorage); the page itself holds nothing secret, so
-its paths are open (``PATHS``, which the auth table reads).
+its paths (``PATHS``) are open, as routes.py declares them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The playground's routes: the page at ``/`` and its assets, read once from the package."""
+"""The playground's routes: the page at ``/`` and its assets, read once from the package.
+Open without a key: they are static and hold no secret (every API call the page makes
+needs the key the user gives it)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,10 @@ from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Final
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import Response
 
+from dpserve.router.access import public
 from dpserve.router.playground import ASSET_PREFIX, ASSETS, PAGE
 
 # The page runs only its own files and talks only to this router; the key it holds
@@ -30,14 +33,17 @@ def _read(name: str) -> bytes:
 
 
 def _serve(body: bytes, media_type: str) -> Callable[[], Awaitable[Response]]:
+    @public
     async def asset() -> Response:
         return Response(body, media_type=media_type, headers=_HEADERS)
 
     return asset
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app`` (not in the API schema: they are not the API)."""
-    app.get("/", include_in_schema=False)(_serve(_read(PAGE), "text/html; charset=utf-8"))
+def router() -> APIRouter:
+    """The page and its files (not in the API schema: they are not the API)."""
+    api = APIRouter()
+    api.get("/", include_in_schema=False)(_serve(_read(PAGE), "text/html; charset=utf-8"))
     for name, media_type in ASSETS.items():
-        app.get(ASSET_PREFIX + name, include_in_schema=False)(_serve(_read(name), media_type))
+        api.get(ASSET_PREFIX + name, include_in_schema=False)(_serve(_read(name), media_type))
+    return api

@@ -1,31 +1,50 @@
-"""Control ops (SGLang's routes), fanned out to every replica by the service layer."""
+"""Control ops (SGLang's routes), fanned out to every replica by the service layer.
+Each needs an admin key: it changes or reads the replicas' state."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from dpserve import protocol as p
 from dpserve.router import schemas
+from dpserve.router.access import admin
 from dpserve.router.bodies import parse_object, read_body
 from dpserve.router.deps import RequestIdDep, ServiceDep, SettingsDep
 from dpserve.router.openai_api import error_body
 
+
+@dataclass(frozen=True)
+class ControlRoute:
+    path: str
+    op: str
+    body: type[BaseModel]  # what /openapi.json declares the op takes
+    needs_body: bool = False
+
+
 ROUTES: Final = (
-    ("/update_weights_from_disk", "update_weights_from_disk"),
-    ("/release_memory_occupation", "release_memory_occupation"),
-    ("/resume_memory_occupation", "resume_memory_occupation"),
-    ("/v1/set_lora", "set_lora"),
-    ("/v1/merge_lora_weights", "merge_lora_weights"),
-    ("/v1/unmerge_lora_weights", "unmerge_lora_weights"),
-    ("/v1/list_loras", "list_loras"),
-    ("/get_weights_checksum", "get_weights_checksum"),
+    ControlRoute(
+        "/update_weights_from_disk",
+        "update_weights_from_disk",
+        schemas.UpdateWeightsRequest,
+        needs_body=True,
+    ),
+    ControlRoute("/release_memory_occupation", "release_memory_occupation", schemas.NoArgs),
+    ControlRoute("/resume_memory_occupation", "resume_memory_occupation", schemas.NoArgs),
+    ControlRoute("/v1/set_lora", "set_lora", schemas.SetLoraRequest, needs_body=True),
+    ControlRoute("/v1/merge_lora_weights", "merge_lora_weights", schemas.MergeLoraRequest),
+    ControlRoute("/v1/unmerge_lora_weights", "unmerge_lora_weights", schemas.UnmergeLoraRequest),
+    ControlRoute("/v1/list_loras", "list_loras", schemas.NoArgs),
+    ControlRoute("/get_weights_checksum", "get_weights_checksum", schemas.ChecksumRequest),
 )
 
 
 def _handler(op: str):  # type: ignore[no-untyped-def]
+    @admin
     async def handler(
         request: Request, rid: RequestIdDep, settings: SettingsDep, service: ServiceDep
     ) -> JSONResponse:
@@ -41,11 +60,12 @@ def _handler(op: str):  # type: ignore[no-untyped-def]
     return handler
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app``."""
-    for path, op in ROUTES:
-        handler = _handler(op)
-        extra = schemas.control_body(op)
-        app.add_api_route(path, handler, methods=["POST"], name=op, openapi_extra=extra)
+def router() -> APIRouter:
+    api = APIRouter()
+    for route in ROUTES:
+        path, op, handler = route.path, route.op, _handler(route.op)
+        extra = schemas.request_body(route.body, route.needs_body)
+        api.add_api_route(path, handler, methods=["POST"], name=op, openapi_extra=extra)
         if op in p.READ_ONLY_OPS:  # also a GET (its body, if any, is read the same way)
-            app.add_api_route(path, handler, methods=["GET"], name=op, openapi_extra={})
+            api.add_api_route(path, handler, methods=["GET"], name=op, openapi_extra={})
+    return api

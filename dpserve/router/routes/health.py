@@ -1,17 +1,24 @@
-"""Probes and metrics: open routes (no key), read-only."""
+"""Probes and metrics, read-only. Open (no key): a kubelet's ``httpGet`` probe takes
+no header from a Secret, and a Prometheus scrape then needs no Secret either;
+``/metrics`` carries counts and the replicas' pod addresses, which anyone who can list
+Endpoints sees anyway (docs/router.md, Security). ``/health/replicas`` needs an admin
+key: it shows the control state (LoRA and weight paths) and each replica's endpoint
+and errors."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
+from dpserve.router.access import admin, public
 from dpserve.router.deps import MetricsDep, PoolDep, RequestIdDep
 from dpserve.router.openai_api import error_body
 from dpserve.router.routes.info import control_state
 
 
+@public
 async def health(pool: PoolDep, rid: RequestIdDep) -> JSONResponse:
     replicas = list(pool.replicas.values())
     silent = [pool.snapshot(r) for r in replicas if not r.answering]
@@ -22,11 +29,13 @@ async def health(pool: PoolDep, rid: RequestIdDep) -> JSONResponse:
     return JSONResponse({"status": "ok", "replicas": len(replicas)})
 
 
+@public
 async def livez() -> dict[str, str]:
     """The process and its event loop are alive (replica health is /health's job)."""
     return {"status": "ok"}
 
 
+@public
 async def ready(pool: PoolDep, rid: RequestIdDep) -> JSONResponse:
     serving = len(pool.serving())
     shown = {"ready": serving > 0, "serving": serving, "replicas": len(pool.replicas)}
@@ -35,6 +44,7 @@ async def ready(pool: PoolDep, rid: RequestIdDep) -> JSONResponse:
     return JSONResponse(shown, 200 if serving else 503)
 
 
+@admin
 async def health_replicas(pool: PoolDep) -> dict[str, Any]:
     return {
         "replicas": [pool.snapshot(r) for r in pool.replicas.values()],
@@ -43,14 +53,16 @@ async def health_replicas(pool: PoolDep) -> dict[str, Any]:
     }
 
 
+@public
 async def prometheus(pool: PoolDep, metrics: MetricsDep) -> Response:
     return Response(metrics.render(pool), media_type="text/plain; version=0.0.4")
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app``."""
-    app.get("/health")(health)
-    app.get("/livez")(livez)
-    app.get("/ready")(ready)
-    app.get("/health/replicas")(health_replicas)
-    app.get("/metrics")(prometheus)
+def router() -> APIRouter:
+    api = APIRouter()
+    api.get("/health")(health)
+    api.get("/livez")(livez)
+    api.get("/ready")(ready)
+    api.get("/health/replicas")(health_replicas)
+    api.get("/metrics")(prometheus)
+    return api

@@ -7,11 +7,12 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 
 from dpserve import protocol as p
 from dpserve.router import deps, jobs, schemas
+from dpserve.router.access import inference, public
 from dpserve.router.bodies import BadBody, parse_object, read_body
 from dpserve.router.deps import (
     PoolDep,
@@ -48,6 +49,7 @@ T = TypeVar("T")
 REPLICA_HEADER = "X-Dpserve-Replica"
 
 
+@inference
 async def generate(
     request: Request,
     rid: RequestIdDep,
@@ -70,6 +72,7 @@ async def generate(
     return await _answer(request, job, asked, GENERATION, store)
 
 
+@inference
 async def edit(
     request: Request,
     rid: RequestIdDep,
@@ -84,6 +87,7 @@ async def edit(
     return await _edit(request, rid, form, form.body(), settings, pool, service, registry, store)
 
 
+@inference
 async def variation(
     request: Request,
     rid: RequestIdDep,
@@ -137,6 +141,7 @@ async def _answer(
     )
 
 
+@inference
 async def cancel(request_id: str, registry: RegistryDep, service: ServiceDep) -> JSONResponse:
     """Cancel a generation or an edit by its id, wherever it is: queued in this router,
     queued at or running on a replica, or admitted by another router of the service."""
@@ -172,6 +177,9 @@ def _too_late(request_id: str, ended: str) -> str:
     return f"request {request_id!r} already failed; there is nothing to cancel"
 
 
+# A stored image's name holds 122 random bits (a UUID4): the URL is the capability, like
+# a presigned URL, so an image link opens in a browser (which sends no key).
+@public
 async def stored_image(name: str, store: StoreDep) -> Response:
     path = store.path(name) if store is not None else None
     if path is None:
@@ -205,28 +213,28 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app``."""
-    app.post(
+def router() -> APIRouter:
+    api = APIRouter()
+    api.post(
         "/v1/images/generations",
         openapi_extra=schemas.request_body(schemas.ImageGenerationRequest, required=True),
         responses=schemas.image_responses(),
     )(generate)
-    app.post(
+    api.post(
         "/v1/images/edits",
         openapi_extra=schemas.request_body(
             schemas.ImageEditForm, required=True, media_type="multipart/form-data"
         ),
         responses=schemas.image_responses(),
     )(edit)
-    app.post(
+    api.post(
         "/v1/images/variations",
         openapi_extra=schemas.request_body(
             schemas.ImageVariationForm, required=True, media_type="multipart/form-data"
         ),
         responses=schemas.image_responses(),
     )(variation)
-    app.post(
+    api.post(
         "/v1/images/{request_id}/cancel",
         response_model=schemas.CancelResponse,
         responses={
@@ -235,4 +243,5 @@ def install(app: FastAPI) -> None:
             409: {"model": schemas.ErrorResponse, "description": "it already finished"},
         },
     )(cancel)
-    app.get("/v1/images/files/{name}")(stored_image)
+    api.get("/v1/images/files/{name}")(stored_image)
+    return api

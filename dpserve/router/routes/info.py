@@ -1,16 +1,19 @@
-"""What is served: the model, its features, the replicas and the router's settings."""
+"""What is served: the model, its features, the replicas and the router's settings.
+``/server_info`` needs an admin key: it shows the control state (LoRA and weight
+paths), the router's settings and each replica's endpoint and errors."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dpserve import protocol as p
 from dpserve.layout import ParallelConfig, describe
 from dpserve.router import deps
+from dpserve.router.access import admin, inference
 from dpserve.router.deps import PoolDep, SettingsDep
 from dpserve.router.openai_api import request_fields
 from dpserve.router.pool import ReplicaPool
@@ -19,10 +22,12 @@ from dpserve.router.served_model import UNKNOWN, model_not_found
 from dpserve.router.settings import RouterSettings
 
 
+@inference
 async def models(request: Request, pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
     return {"object": "list", "data": [_model(request, pool, settings)]}
 
 
+@inference
 async def model(
     model_id: str, request: Request, pool: PoolDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -45,6 +50,7 @@ def _model(request: Request, pool: ReplicaPool, settings: RouterSettings) -> dic
     }
 
 
+@inference
 async def model_info(pool: PoolDep, settings: SettingsDep) -> JSONResponse:
     infos = [r.info for r in pool.serving() if r.info is not None]
     if not infos:
@@ -54,6 +60,7 @@ async def model_info(pool: PoolDep, settings: SettingsDep) -> JSONResponse:
     return JSONResponse(shown)
 
 
+@admin
 async def server_info(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
     replicas = list(pool.replicas.values())
     info = next((r.info for r in replicas if r.info is not None), None) or {}
@@ -126,12 +133,13 @@ def _shown_settings(settings: RouterSettings) -> dict[str, Any]:
     return shown
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app``."""
-    app.get("/v1/models")(models)
-    app.get(
+def router() -> APIRouter:
+    api = APIRouter()
+    api.get("/v1/models")(models)
+    api.get(
         "/v1/models/{model_id:path}",
         responses={404: {"model": ErrorResponse, "description": "not the served model"}},
     )(model)
-    app.get("/model_info")(model_info)
-    app.get("/server_info")(server_info)
+    api.get("/model_info")(model_info)
+    api.get("/server_info")(server_info)
+    return api

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, WebSocket
+from fastapi import APIRouter, WebSocket
 
 from dpserve.router import deps
+from dpserve.router.access import inference
 from dpserve.router.deps import RunningDep, SettingsDep
 from dpserve.router.realtime_ws import RealtimeConnection
 
 
+@inference
 async def realtime(ws: WebSocket, running: RunningDep, settings: SettingsDep) -> None:
     # Read when each init arrives: replicas say their limits and model once they serve.
     limits = lambda: deps.limits(running.pool)  # noqa: E731
@@ -16,6 +18,7 @@ async def realtime(ws: WebSocket, running: RunningDep, settings: SettingsDep) ->
     await RealtimeConnection(ws, running.sessions, limits, settings.realtime, served).run()
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app``."""
-    app.websocket("/v1/realtime_video/generate")(realtime)
+def router() -> APIRouter:
+    api = APIRouter()
+    api.websocket("/v1/realtime_video/generate")(realtime)
+    return api

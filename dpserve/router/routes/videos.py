@@ -4,16 +4,18 @@ response models only document (JSONResponse skips FastAPI's checking of them).""
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from dpserve.router import deps, video_api, video_schemas
+from dpserve.router.access import inference
 from dpserve.router.bodies import read_body
 from dpserve.router.deps import PoolDep, SettingsDep, VideosDep
 from dpserve.router.forms import is_form
 from dpserve.router.routes.info import model_name
 
 
+@inference
 async def create(
     request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
 ) -> JSONResponse:
@@ -27,6 +29,7 @@ async def create(
     return JSONResponse(video_api.job_json(job, model_name(pool, settings)))
 
 
+@inference
 async def retrieve(
     video_id: str, settings: SettingsDep, pool: PoolDep, videos: VideosDep
 ) -> JSONResponse:
@@ -34,6 +37,7 @@ async def retrieve(
     return JSONResponse(video_api.job_json(held.job, model_name(pool, settings)))
 
 
+@inference
 async def list_videos(
     request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
 ) -> JSONResponse:
@@ -42,38 +46,40 @@ async def list_videos(
     return JSONResponse(video_api.list_json(jobs, has_more, model_name(pool, settings)))
 
 
+@inference
 async def content(video_id: str, videos: VideosDep, variant: str = "video") -> Response:
     meta, data = await videos.content(video_id, variant)
     disposition = f'attachment; filename="{video_api.filename(video_id, meta.variant)}"'
     return Response(data, media_type=meta.media_type, headers={"Content-Disposition": disposition})
 
 
+@inference
 async def delete(video_id: str, videos: VideosDep) -> JSONResponse:
     job = await videos.delete(video_id)
     return JSONResponse(video_api.deleted_json(job.id))
 
 
-def install(app: FastAPI) -> None:
-    """Add these routes to ``app``."""
+def router() -> APIRouter:
     schemas = video_schemas
-    app.post(
+    api = APIRouter()
+    api.post(
         "/v1/videos",
         openapi_extra=schemas.create_body(),
         response_model=schemas.VideoObject,
         responses=schemas.errors(400, 429, 503),
     )(create)
-    app.get(
+    api.get(
         "/v1/videos",
         response_model=schemas.VideoListResponse,
         responses=schemas.errors(400),
         openapi_extra={"parameters": _LIST_PARAMETERS},
     )(list_videos)
-    app.get(
+    api.get(
         "/v1/videos/{video_id}",
         response_model=schemas.VideoObject,
         responses=schemas.errors(404),
     )(retrieve)
-    app.get(
+    api.get(
         "/v1/videos/{video_id}/content",
         response_class=Response,
         responses={
@@ -81,11 +87,12 @@ def install(app: FastAPI) -> None:
             **schemas.errors(400, 404, 409),
         },
     )(content)
-    app.delete(
+    api.delete(
         "/v1/videos/{video_id}",
         response_model=schemas.VideoDeleted,
         responses=schemas.errors(404),
     )(delete)
+    return api
 
 
 _LIST_PARAMETERS = [
