@@ -29,6 +29,8 @@ import zmq.asyncio
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc, parse_doc
 from dpserve.cost import cost_units
+from dpserve.model_info import ModelInfo, ModelInfoError
+from dpserve.model_info import decode as decode_model_info
 from dpserve.router.connection import ReplicaConnection, ReplicaLost
 from dpserve.router.desired import DesiredState, OutOfSync
 from dpserve.router.policies import (
@@ -84,7 +86,7 @@ class Replica:
     served: int = 0
     last_error: str | None = None
     last_seen: float = 0.0
-    info: dict[str, Any] | None = None
+    info: ModelInfo | None = None
     sessions: int = 0  # realtime sessions it holds, as of its last ping
     max_sessions: int = 0
     session_bytes: int = 0
@@ -300,15 +302,20 @@ class ReplicaPool:
         """A request saw the replica fail: stop sending to it until pings say otherwise."""
         self._down(replica, reason)
 
-    async def _model_info(self, replica: Replica) -> dict[str, Any] | None:
+    async def _model_info(self, replica: Replica) -> ModelInfo | None:
         request = p.ControlRequest(op="model_info")
         try:
             reply = await replica.conn.request(p.CONTROL, request, self.settings.ping_timeout_s)
+            result: p.ControlResult = reply.body_as(p.ControlResult)
+            return decode_model_info(result.result)
+        except ModelInfoError as exc:
+            if replica.last_error != str(exc):  # once, not at every ping
+                log.error("replica %s cannot serve: %s", replica.name, exc)
+            replica.last_error = str(exc)
+            return None
         except (ReplicaLost, TimeoutError, p.RequestError) as exc:
             replica.last_error = f"model_info failed: {exc}"
             return None
-        result: p.ControlResult = reply.body_as(p.ControlResult)
-        return result.result
 
     # ------------------------------------------------------------ the desired state
 
