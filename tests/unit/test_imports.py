@@ -34,6 +34,13 @@ def test_light_modules_do_not_import_torch(module: str) -> None:
     assert _worker_modules(loaded) <= WORKER_CONFIG
 
 
+def test_the_model_info_contract_belongs_to_neither_side() -> None:
+    # Driver and router both build on dpserve.model_info: it imports neither.
+    loaded = _modules_after_import("dpserve.model_info")
+    assert not _worker_modules(loaded) and not any(m.startswith("dpserve.router") for m in loaded)
+    assert {m.split(".")[0] for m in loaded} & {"torch", "fastapi", "starlette", "zmq"} == set()
+
+
 def test_worker_config_is_stdlib_only() -> None:
     loaded = _modules_after_import("dpserve.worker.config")
     assert _worker_modules(loaded) == WORKER_CONFIG
