@@ -14,12 +14,15 @@ import io
 import uuid
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.asyncio
 from PIL import Image
 
+from dpserve import model_info as mi
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc
+from dpserve.layout import ParallelConfig, describe
 from dpserve.transport import bind_router
 from dpserve.wire import Gatekeeper, WireKey
 
@@ -30,6 +33,53 @@ def _png() -> bytes:
     return buf.getvalue()
 
 
+def _model_info(replica: int) -> mi.ModelInfo:
+    """A one-rank image model at /stub whose features leave every check to the stub."""
+    features = mi.Features(
+        edits=True,
+        inpainting=True,
+        max_edit_images=p.MAX_EDIT_IMAGES,
+        partial_images=p.MAX_PARTIAL_IMAGES,
+        output_formats=list(p.OUTPUT_FORMATS),
+        output_compression=True,
+        max_n=p.Limits.max_n,
+        step_caches={},
+        step_cache_default=None,
+        max_sequence_length=None,
+        flow_shift=None,
+        vae_tiling=False,
+        vae_slicing=False,
+        video=None,
+    )
+    return mi.ModelInfo(
+        replica=replica,
+        layout=describe(ParallelConfig()),
+        parallel=mi.GangShape(tp=1, sp=1, ulysses=1, ring=1, cfg=1),
+        gang_size=1,
+        threads_per_rank=1,
+        device="cpu",
+        dtype="float32",
+        size_factor=16,
+        max_side=p.Limits.max_side,
+        max_steps=p.Limits.max_steps,
+        max_sequence_length=None,
+        max_sessions=0,
+        session_idle_timeout_s=0.0,
+        compile=None,
+        realtime="unsupported: a stub",
+        features=features,
+        cfg_parallel="off",
+        without_true_cfg="whole",
+        model_path="/stub",
+        pipeline_class="StubDriver",
+        components=[],
+        released=False,
+        loras=[],
+        rank_weights=[mi.RankWeights(rank=0, tp_rank=0, sp_rank=0, cfg_rank=0, bytes={})],
+        ranks=1,
+    )
+
+
 async def serve(port: int, replica: int, key: WireKey | None = None) -> None:
     ctx = zmq.asyncio.Context()
     # Held for the process's life, as a driver's ingress holds its own.
@@ -37,7 +87,7 @@ async def serve(port: int, replica: int, key: WireKey | None = None) -> None:
     sock = bind_router(ctx, f"tcp://127.0.0.1:{port}", key=key)
     png, boot, served = _png(), uuid.uuid4().hex, 0
     held: dict[str, object] = StateDoc().to_builtins()
-    info = {"model_path": "/stub", "size_factor": 16, "max_side": 2048, "max_steps": 100}
+    info = msgspec.to_builtins(_model_info(replica))
     while True:
         identity, *frames = await sock.recv_multipart()
         message = p.decode(frames)

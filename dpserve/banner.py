@@ -4,9 +4,9 @@ command that works as printed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from dpserve.model_info import ModelInfo
 
 _CT = "-H 'Content-Type: application/json'"
 
@@ -22,14 +22,14 @@ class ModelFacts:
     size_factor: int = 16
 
     @classmethod
-    def of(cls, info: Mapping[str, Any]) -> ModelFacts:
-        video = (info.get("features") or {}).get("video")
+    def of(cls, info: ModelInfo) -> ModelFacts:
+        video = info.features.video
         return cls(
             known=True,
             video=video is not None,
-            text_to_video=bool(video.get("text_to_video", True)) if video else True,
-            realtime=info.get("realtime") == "supported",
-            size_factor=int(info.get("size_factor") or 16),
+            text_to_video=video.text_to_video if video is not None else True,
+            realtime=info.realtime == "supported",
+            size_factor=info.size_factor,
         )
 
 

@@ -29,6 +29,8 @@ from dpserve.banner import ModelFacts, Ready, banner
 from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.config.worker import worker_flags
 from dpserve.layout import replica_endpoint
+from dpserve.model_info import ModelInfoError
+from dpserve.model_info import decode as decode_model_info
 from dpserve.ports import free_port
 from dpserve.proc import die_with_parent
 from dpserve.protocol import RequestError
@@ -379,7 +381,8 @@ def _model_facts(worker: WorkerProcess) -> ModelFacts:
     """What the banner's examples depend on, from a replica's own model_info."""
     try:
         with worker.client(timeout_s=10.0) as client:
-            return ModelFacts.of(client.control("model_info"))
-    except (ReplicaTimeout, RequestError) as exc:  # a replica that just died: no examples
+            return ModelFacts.of(decode_model_info(client.control("model_info")))
+    # A replica that just died, or an answer this version cannot read: no examples.
+    except (ReplicaTimeout, RequestError, ModelInfoError) as exc:
         log.warning("replica 0 did not say what it serves (%s): the banner shows no examples", exc)
         return ModelFacts()

@@ -53,6 +53,56 @@ def _png() -> bytes:
     return buf.getvalue()
 
 
+# What a driver's model_info says of a one-rank image model that takes no settings.
+FEATURES: dict[str, Any] = {
+    "edits": True,
+    "inpainting": True,
+    "max_edit_images": p.MAX_EDIT_IMAGES,
+    "partial_images": p.MAX_PARTIAL_IMAGES,
+    "output_formats": list(p.OUTPUT_FORMATS),
+    "output_compression": True,
+    "max_n": 10,
+    "step_caches": {},
+    "step_cache_default": None,
+    "max_sequence_length": None,
+    "flow_shift": None,
+    "vae_tiling": False,
+    "vae_slicing": False,
+    "video": None,
+}
+
+
+def model_info(replica: int = 0) -> dict[str, Any]:
+    """A whole model_info (dpserve.model_info.ModelInfo's wire form) of a stub at /stub."""
+    return {
+        "replica": replica,
+        "layout": "tp1-sp1(u1r1)-pp1-cfg1-dp1",
+        "parallel": {"tp": 1, "sp": 1, "ulysses": 1, "ring": 1, "cfg": 1},
+        "gang_size": 1,
+        "threads_per_rank": 1,
+        "device": "cpu",
+        "dtype": "float32",
+        "size_factor": 16,
+        "max_side": 2048,
+        "max_steps": 100,
+        "max_sequence_length": None,
+        "max_sessions": 8,
+        "session_idle_timeout_s": 300.0,
+        "compile": None,
+        "realtime": "supported",
+        "features": dict(FEATURES),
+        "cfg_parallel": "off",
+        "without_true_cfg": "whole",
+        "model_path": "/stub",
+        "pipeline_class": "StubPipeline",
+        "components": [],
+        "released": False,
+        "loras": [],
+        "rank_weights": [{"rank": 0, "tp_rank": 0, "sp_rank": 0, "cfg_rank": 0, "bytes": {}}],
+        "ranks": 1,
+    }
+
+
 @dataclass
 class StubReplica:
     ctx: zmq.asyncio.Context
@@ -70,17 +120,8 @@ class StubReplica:
     key: WireKey | None = None  # a CURVE server of this key, as a driver given one
     step_s: float = 0.0  # per denoising step (steps: the request's, default 4)
     preview: bytes | None = None  # each preview's blob (default: the fixed PNG)
-    features: dict[str, Any] = field(
-        default_factory=lambda: {
-            "edits": True,
-            "inpainting": True,
-            "max_edit_images": p.MAX_EDIT_IMAGES,
-            "partial_images": p.MAX_PARTIAL_IMAGES,
-            "output_formats": list(p.OUTPUT_FORMATS),
-            "output_compression": True,
-            "max_n": 10,
-        }
-    )
+    # Its model_info's features; a test may give some, the rest are FEATURES'.
+    features: dict[str, Any] = field(default_factory=lambda: dict(FEATURES))
     received: list[tuple[p.GenerateParams, int]] = field(default_factory=list)  # and blobs
     cancelled: list[str] = field(default_factory=list)  # request ids it dropped
     # What its pings say about its load (outstanding_units: its generations in flight).
@@ -292,8 +333,7 @@ class StubReplica:
 
     def _control(self, request: p.ControlRequest) -> dict[str, Any]:
         if request.op == "model_info":
-            info = {"model_path": "/stub", "size_factor": 16, "parallel": {"sp": 1}}
-            features = dict(self.features)
+            features = {**FEATURES, **self.features}
             if self.video_limits is not None:
                 limits = self.video_limits
                 features["video"] = {
@@ -302,8 +342,9 @@ class StubReplica:
                     "default_frames": limits.default_frames,
                     "default_fps": limits.default_fps,
                     "image_to_video": True,
+                    "text_to_video": True,
                 }
-            return {**info, "features": features}
+            return {**model_info(self.replica), "features": features}
         if request.op == "list_loras":
             return {"loaded": sorted(self.held.state.loras)}
         if request.state is None:

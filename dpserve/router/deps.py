@@ -10,14 +10,14 @@ jobs) while the app runs. Nothing here is module state: every app has its own.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
 from dpserve import protocol as p
+from dpserve.model_info import Features, ModelInfo
 from dpserve.router import served_model
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import ReplicaPool
@@ -94,7 +94,7 @@ MetricsDep = Annotated[RouterMetrics, Depends(metrics)]
 RequestIdDep = Annotated[str, Depends(request_id)]
 
 
-def model_info(pool: ReplicaPool) -> dict[str, Any] | None:
+def model_info(pool: ReplicaPool) -> ModelInfo | None:
     """A serving replica's model_info (every replica serves the same model)."""
     return next((r.info for r in pool.serving() if r.info is not None), None)
 
@@ -105,40 +105,15 @@ def served_name(pool: ReplicaPool, settings: RouterSettings) -> str | None:
     return served_model.served_name(settings.served_model_name, infos)
 
 
-def features(pool: ReplicaPool) -> dict[str, Any] | None:
+def features(pool: ReplicaPool) -> Features | None:
     """The serving replicas' features (None: none has said; the replica checks anyway)."""
     info = model_info(pool)
-    found = info.get("features") if info is not None else None
-    return found if isinstance(found, dict) else None
+    return info.features if info is not None else None
 
 
 def limits(pool: ReplicaPool) -> p.Limits:
-    """Router-side checks mirror what the replicas enforce, once one has told us."""
+    """The bounds the replicas check (a video model's frames included), once one has
+    told us; until then the defaults, and frames are left to the replica (``max_frames``
+    0: not checked here)."""
     info = model_info(pool)
-    if info is None:
-        return p.Limits()
-    factor = int(info.get("size_factor", 16))
-    max_n = (features(pool) or {}).get("max_n")
-    return p.Limits(
-        max_n=int(max_n) if isinstance(max_n, int) and max_n > 0 else p.Limits.max_n,
-        size_factor=factor,
-        min_side=factor,
-        max_side=int(info.get("max_side", 2048)),
-        max_steps=int(info.get("max_steps", 100)),
-        sequence_split=int(info.get("parallel", {}).get("sp", 1)),
-    )
-
-
-def video_limits(pool: ReplicaPool) -> p.Limits:
-    """``limits`` with the frames a video model makes (its features' ``video``); without
-    them, frames are left to the replica (``max_frames`` 0: not checked here)."""
-    base = limits(pool)
-    found = (features(pool) or {}).get("video")
-    if not isinstance(found, dict):
-        return base
-    known = {
-        name: value
-        for name in ("max_frames", "frame_factor", "default_frames", "default_fps")
-        if isinstance(value := found.get(name), int) and not isinstance(value, bool) and value > 0
-    }
-    return dataclasses.replace(base, **known)
+    return info.limits() if info is not None else p.Limits()

@@ -18,10 +18,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc, parse_doc
+from dpserve.model_info import ModelInfo, ModelInfoError
+from dpserve.model_info import decode as decode_model_info
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.membership import Membership
 from dpserve.router.replica import Replica
@@ -130,15 +131,20 @@ class Health:
         replica.answering = replica.serving = False
         replica.last_error = reason
 
-    async def _model_info(self, replica: Replica) -> dict[str, Any] | None:
+    async def _model_info(self, replica: Replica) -> ModelInfo | None:
         request = p.ControlRequest(op="model_info")
         try:
             reply = await replica.conn.request(p.CONTROL, request, self.timeout_s)
+            result: p.ControlResult = reply.body_as(p.ControlResult)
+            return decode_model_info(result.result)
+        except ModelInfoError as exc:
+            if replica.last_error != str(exc):  # once, not at every ping
+                log.error("replica %s cannot serve: %s", replica.name, exc)
+            replica.last_error = str(exc)
+            return None
         except (ReplicaLost, TimeoutError, p.RequestError) as exc:
             replica.last_error = f"model_info failed: {exc}"
             return None
-        result: p.ControlResult = reply.body_as(p.ControlResult)
-        return result.result
 
     async def boot_id(self, replica: Replica) -> str | None:
         """The replica's boot id, asked now rather than at its next ping (which records

@@ -11,6 +11,7 @@ from typing import Any, Final
 import msgspec
 
 from dpserve import protocol as p
+from dpserve.model_info import Features
 from dpserve.router import peers
 from dpserve.router.served_model import MODEL_NOT_FOUND, check_model
 
@@ -89,7 +90,7 @@ def parse_image_request(
     body: Any,
     limits: p.Limits,
     can_url: bool,
-    features: Mapping[str, Any] | None = None,
+    features: Features | None = None,
     blobs: int | None = None,
     ignore: frozenset[str] = frozenset(),
     served: str | None = None,
@@ -140,7 +141,7 @@ def parse_image_request(
         raise p.invalid_fields(problems)
     partials = params.partial_images if stream else 0
     if features is not None:
-        partials = min(partials, int(features.get("partial_images", p.MAX_PARTIAL_IMAGES)))
+        partials = min(partials, features.partial_images)
     if partials != params.partial_images:
         params = msgspec.structs.replace(params, partial_images=partials)
     return ImageRequest(params, str(fmt), stream)
@@ -165,19 +166,19 @@ def size_of(width: int, height: int) -> str:
     return f"{width}x{height}"
 
 
-def check_edit_supported(features: dict[str, Any] | None, masked: bool) -> None:
+def check_edit_supported(features: Features | None, masked: bool) -> None:
     """Refuse an edit the served model cannot do, as its features say (None: not known
     yet, and the replica decides)."""
     if features is None:
         return
-    if not features.get("edits", False):
+    if not features.edits:
         raise p.RequestError(
             p.UNSUPPORTED,
             "this model serves no edits (its pipeline has no image-to-image or inpainting "
             "form; see GET /v1/models features)",
             [p.FieldError("image", "edits are not supported by the served model")],
         )
-    if masked and not features.get("inpainting", False):
+    if masked and not features.inpainting:
         raise p.RequestError(
             p.UNSUPPORTED,
             "this model cannot inpaint: send the edit without a mask",

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 from dpserve import protocol as p
 from dpserve.control_state import StateDoc
+from dpserve.model_info import ModelInfo
 from dpserve.router.connection import ReplicaConnection
 from dpserve.router.policies import WorkLedger
 
@@ -45,7 +45,7 @@ class Replica:
     served: int = 0
     last_error: str | None = None
     last_seen: float = 0.0
-    info: dict[str, Any] | None = None
+    info: ModelInfo | None = None
     sessions: int = 0  # realtime sessions it holds, as of its last ping
     max_sessions: int = 0
     session_bytes: int = 0

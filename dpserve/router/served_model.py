@@ -7,11 +7,12 @@ finds out at once instead of getting another model's images.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
 from dpserve import protocol as p
+from dpserve.model_info import ModelInfo
 
 MODEL_NOT_FOUND: Final = "model_not_found"  # OpenAI's and SGLang's error.code
 MAX_NAME_CHARS: Final = 256
@@ -31,15 +32,14 @@ def check_name(name: str) -> str:
     return name
 
 
-def served_name(configured: str | None, infos: Iterable[Mapping[str, Any]]) -> str | None:
+def served_name(configured: str | None, infos: Iterable[ModelInfo]) -> str | None:
     """The name given at start-up, else the model folder's name a replica reports;
     None while neither is known (no replica has answered yet)."""
     if configured:
         return configured
     for info in infos:
-        path = info.get("model_path")
-        if isinstance(path, str) and Path(path).name:
-            return Path(path).name
+        if Path(info.model_path).name:
+            return Path(info.model_path).name
     return None
 
 

@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile
 
 from dpserve import protocol as p
 from dpserve import video
+from dpserve.model_info import Features
 from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
 from dpserve.router.forms import FORM_TYPE, form_items, is_form, typed_value
 from dpserve.router.schemas import form_types
@@ -79,7 +80,7 @@ async def read_create(raw: bytes, content_type: str | None) -> VideoAsk:
 def parse_create(
     asked: VideoAsk,
     limits: p.Limits,
-    features: Mapping[str, Any] | None,
+    features: Features | None,
     served: str | None = None,
 ) -> p.GenerateParams:
     """The job's generation; 400 naming what to fix (an image model included), 404 for
@@ -89,14 +90,14 @@ def parse_create(
     return video.parse_video(asked.body, limits, ignore=IGNORED, blobs=len(asked.blobs))
 
 
-def _check_model(features: Mapping[str, Any] | None, reference: bool) -> None:
+def _check_model(features: Features | None, reference: bool) -> None:
     """Features unknown (no replica has said): the replica checks."""
     if features is None:
         return
-    made = features.get("video")
-    if not isinstance(made, Mapping):
+    made = features.video
+    if made is None:
         raise p.RequestError(p.UNSUPPORTED, "this model makes images; use /v1/images/generations")
-    if reference and not made.get("image_to_video"):
+    if reference and not made.image_to_video:
         raise p.RequestError(
             p.UNSUPPORTED,
             f"this model makes videos from text only: send the job without {REFERENCE}",

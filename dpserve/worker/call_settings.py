@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from dpserve.model_info import FlowShift, TextLength
 from dpserve.protocol import UNSUPPORTED, FieldError, GenerateParams, RequestError
 
 # The scheduler switch that, when on, replaces its shift by one from the image size.
@@ -52,18 +53,15 @@ class CallSettings:
     vae_tiling: bool = False
     vae_slicing: bool = False
 
-    def info(self) -> dict[str, Any]:
-        """The ``features`` entries (model_info) that say what a request may set."""
-        text = None
-        if self.text_length is not None:
-            text = {"max": self.text_length, "multiple_of": self.text_multiple}
-        shift = None if self.shift_key is None else {"default": self.shift_default}
-        return {
-            "max_sequence_length": text,
-            "flow_shift": shift,
-            "vae_tiling": self.vae_tiling,
-            "vae_slicing": self.vae_slicing,
-        }
+    def text_offer(self) -> TextLength | None:
+        """model_info's ``max_sequence_length``: what a request may ask."""
+        if self.text_length is None:
+            return None
+        return TextLength(max=self.text_length, multiple_of=self.text_multiple)
+
+    def shift_offer(self) -> FlowShift | None:
+        """model_info's ``flow_shift``: None where the scheduler has no shift to set."""
+        return None if self.shift_key is None else FlowShift(default=self.shift_default)
 
     def check(self, params: GenerateParams) -> None:
         """Refuse, naming each field and what to send, what this pipeline cannot do."""

@@ -23,6 +23,8 @@ from typing import Any, Final
 
 import torch
 
+from dpserve.model_info import CompileInfo
+
 Forward = Callable[..., Any]
 MAX_SIZES: Final = 8  # dynamo's default recompile limit: graphs kept per function
 
@@ -73,12 +75,12 @@ class Compiler:
         with torch.compiler.set_stance("eager_on_recompile"):
             yield
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "sizes": [f"{w}x{h}" for w, h in self.sizes],
-            "warmup_graphs": self.warmup_graphs,
-            "other_shapes": "eager",
-        }
+    def info(self) -> CompileInfo:
+        return CompileInfo(
+            sizes=[f"{w}x{h}" for w, h in self.sizes],
+            warmup_graphs=self.warmup_graphs,
+            other_shapes="eager",
+        )
 
 
 def refusal(tp: int, sp: int, step_cache: str | None) -> str | None:

@@ -27,6 +27,7 @@ from dpserve.control_state import (
     reduce,
     refusal,
 )
+from dpserve.model_info import ModelInfo, RankWeights, ReplicaFacts
 from dpserve.protocol import (
     CONFLICT,
     INVALID_REQUEST,
@@ -62,7 +63,7 @@ class ControlOps:
         pipe: Pipeline,
         model_path: Path,
         device: torch.device,
-        info: dict[str, Any],
+        info: ReplicaFacts | None,
         parallel: ModelParallel,
         relay: EncoderRelay | None = None,
         allow_paths: tuple[Path, ...] = (),
@@ -70,7 +71,8 @@ class ControlOps:
         self.pipe = pipe
         self.parallel = parallel
         self.applier = StateApplier(pipe, model_path, device, parallel, relay, allow_paths)
-        self.info = info  # static facts for model_info (layout, threads, ...)
+        # What model_info says besides the pipeline's state (None until the boot has it).
+        self.info = info
         self._doc = StateDoc()  # the last document a router sent (its state: state())
         self._local_revision = 0  # for ops sent straight to this replica, not by a router
 
@@ -162,23 +164,29 @@ class ControlOps:
     # ------------------------------------------------------------ introspection
 
     def op_model_info(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
-        info = self.parallel.info
-        return {
-            **self.info,
-            "model_path": str(self.applier.source_of("transformer")),
-            "pipeline_class": type(self.pipe).__name__,
-            "components": sorted(modules_of(self.pipe.components)),
-            "released": self.released,
-            "loras": sorted(self.loras.loaded),
-            # Merged over the gang into one entry per rank (executor).
-            "rank_weights": {
-                "rank": info.local_rank,
-                "tp_rank": info.tp_rank,
-                "sp_rank": info.sp_rank,
-                "cfg_rank": info.cfg_rank,
-                "bytes": {n: tensor_bytes(m) for n, m in modules_of(self.pipe.components).items()},
-            },
-        }
+        """This rank's answer: the gang's driver merges every rank's (model_info.gathered)."""
+        if self.info is None:
+            raise RequestError(UNAVAILABLE, "the replica is still starting")
+        rank = self.parallel.info
+        modules = modules_of(self.pipe.components)
+        weights = RankWeights(
+            rank=rank.local_rank,
+            tp_rank=rank.tp_rank,
+            sp_rank=rank.sp_rank,
+            cfg_rank=rank.cfg_rank,
+            bytes={name: tensor_bytes(module) for name, module in modules.items()},
+        )
+        info = ModelInfo(
+            **msgspec.structs.asdict(self.info),
+            model_path=str(self.applier.source_of("transformer")),
+            pipeline_class=type(self.pipe).__name__,
+            components=sorted(modules),
+            released=self.released,
+            loras=sorted(self.loras.loaded),
+            rank_weights=[weights],
+            ranks=1,
+        )
+        return msgspec.to_builtins(info)
 
     def op_get_weights_checksum(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:
         self.require_weights()

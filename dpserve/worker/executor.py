@@ -16,6 +16,8 @@ import torch
 
 from dpserve import realtime as rt
 from dpserve.config.worker import WorkerConfig
+from dpserve.model_info import decode as decode_model_info
+from dpserve.model_info import gathered
 from dpserve.protocol import (
     INTERNAL,
     RESULT,
@@ -430,8 +432,7 @@ def _merge_ranks(op: str, outcomes: list[_RankOutcome]) -> dict[str, Any]:
     if op == "get_weights_checksum":
         return {**_merge_checksums([o.result for o in outcomes]), "ranks": len(outcomes)}
     if op == "model_info":
-        weights = [o.result["rank_weights"] for o in outcomes]
-        return {**outcomes[0].result, "rank_weights": weights, "ranks": len(outcomes)}
+        return msgspec.to_builtins(gathered([decode_model_info(o.result) for o in outcomes]))
     return {**outcomes[0].result, "ranks": len(outcomes)}
 
 

@@ -3,11 +3,11 @@ and the ingress checks requests against."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
+from dpserve import model_info as contract
 from dpserve.protocol import MAX_PARTIAL_IMAGES, OUTPUT_FORMATS, Limits
 from dpserve.worker.call_settings import CallSettings
 from dpserve.worker.edit import EditSupport, edit_support
@@ -31,8 +31,15 @@ class VideoSupport:
     image_to_video: bool = False  # takes an input_reference image
     text_to_video: bool = True  # False: it needs one (Wan's image-to-video pipeline)
 
-    def info(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def info(self) -> contract.VideoFeatures:
+        return contract.VideoFeatures(
+            max_frames=self.max_frames,
+            frame_factor=self.frame_factor,
+            default_frames=self.default_frames,
+            default_fps=self.default_fps,
+            image_to_video=self.image_to_video,
+            text_to_video=self.text_to_video,
+        )
 
 
 def video_support(pipe: Pipeline, max_frames: int) -> VideoSupport | None:
@@ -60,19 +67,6 @@ def video_support(pipe: Pipeline, max_frames: int) -> VideoSupport | None:
     )
 
 
-def with_video(limits: Limits, video: VideoSupport | None) -> Limits:
-    """``limits`` with a video model's frames (``max_frames`` 0: it makes no videos)."""
-    if video is None:
-        return dataclasses.replace(limits, max_frames=0)
-    return dataclasses.replace(
-        limits,
-        max_frames=video.max_frames,
-        frame_factor=video.frame_factor,
-        default_frames=video.default_frames,
-        default_fps=video.default_fps,
-    )
-
-
 @dataclass(frozen=True)
 class Features:
     edit: EditSupport
@@ -82,20 +76,25 @@ class Features:
     video: VideoSupport | None = None  # None: an image model
     settings: CallSettings = field(default_factory=CallSettings)  # text length, shift, VAE
 
-    def info(self) -> dict[str, Any]:
-        """The ``features`` entry of model_info (the router shows it to clients)."""
-        return {
-            "edits": self.edit.edits,
-            "inpainting": self.edit.inpainting,
-            "max_edit_images": self.edit.max_images,
-            "partial_images": self.partial_images,
-            "output_formats": list(OUTPUT_FORMATS),
-            "output_compression": True,
-            "max_n": self.max_n,
-            **self.step_caches.info(),
-            **self.settings.info(),
-            "video": self.video.info() if self.video is not None else None,
-        }
+    def info(self) -> contract.Features:
+        """The ``features`` of model_info (the router checks requests by it and shows it)."""
+        return contract.Features(
+            edits=self.edit.edits,
+            inpainting=self.edit.inpainting,
+            max_edit_images=self.edit.max_images,
+            partial_images=self.partial_images,
+            output_formats=list(OUTPUT_FORMATS),
+            output_compression=True,
+            max_n=self.max_n,
+            step_caches=self.step_caches.offered_knobs(),
+            step_cache_default=self.step_caches.default_knobs(),
+            step_caches_unavailable=self.step_caches.refusal,
+            max_sequence_length=self.settings.text_offer(),
+            flow_shift=self.settings.shift_offer(),
+            vae_tiling=self.settings.vae_tiling,
+            vae_slicing=self.settings.vae_slicing,
+            video=self.video.info() if self.video is not None else None,
+        )
 
 
 def features_of(

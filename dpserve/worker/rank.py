@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from dpserve import protocol as p
 from dpserve import realtime as rt
 from dpserve.config.worker import WorkerConfig
@@ -181,14 +183,14 @@ def _with_replica(info: Any, replica: int) -> Any:
 
 
 def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Executor:
+    from dpserve.model_info import GangShape, ReplicaFacts
     from dpserve.worker.control import ControlOps
     from dpserve.worker.executor import Executor
     from dpserve.worker.parallel import ModelParallel, ParallelUnsupported
     from dpserve.worker.pipeline import call_defaults, load_pipeline, size_factor
     from dpserve.worker.sessions import SessionLimits
 
-    layout = cfg.parallel
-    parallel = ModelParallel(comm.info, comm.model_groups, layout)
+    parallel = ModelParallel(comm.info, comm.model_groups, cfg.parallel)
     relay = _encoder_relay(cfg, comm)
     started = time.perf_counter()
     skip = relay.skipped() if relay is not None else None
@@ -196,32 +198,15 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
     if relay is not None:
         relay.install(pipe, dtype, device)
     log.info("loaded %s in %.2fs", type(pipe).__name__, time.perf_counter() - started)
-    info = {
-        "replica": cfg.replica,
-        "layout": describe(cfg.parallel),
-        "parallel": {k: getattr(cfg.parallel, k) for k in ("tp", "sp", "ulysses", "ring", "cfg")},
-        "gang_size": cfg.gang_size,
-        "threads_per_rank": cfg.threads_per_rank,
-        "device": device.type,
-        "dtype": str(dtype).removeprefix("torch."),
-        "size_factor": size_factor(pipe),
-        "max_side": cfg.max_side,
-        "max_steps": cfg.max_steps,
-    }
     defaults = call_defaults(pipe)
     fixed = {}
     if cfg.max_sequence_length is not None:
         if "max_sequence_length" not in defaults:
             raise ValueError(f"{type(pipe).__name__} does not take --max-sequence-length")
         fixed["max_sequence_length"] = cfg.max_sequence_length
-    info["max_sequence_length"] = fixed.get(
-        "max_sequence_length", defaults.get("max_sequence_length")
-    )
-    info["max_sessions"] = cfg.max_sessions
-    info["session_idle_timeout_s"] = cfg.session_idle_timeout_s
-    text_tokens = info["max_sequence_length"]
+    text_tokens = fixed.get("max_sequence_length", defaults.get("max_sequence_length"))
     parallel.check_loaded(pipe, text_tokens)
-    ops = ControlOps(pipe, cfg.model, device, info, parallel, relay, cfg.allow_paths)
+    ops = ControlOps(pipe, cfg.model, device, None, parallel, relay, cfg.allow_paths)
     limits = SessionLimits(
         cfg.max_sessions, int(cfg.max_session_mb * (1 << 20)), cfg.session_idle_timeout_s
     )
@@ -240,9 +225,6 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
         compiler,
         cfg.max_frames,
     )
-    info["compile"] = compiler.info() if compiler is not None else None
-    info["realtime"] = executor.sessions.unsupported() or "supported"
-    info["features"] = executor.features.info()
     if cfg.cfg > 1 and not executor.split_ok:
         # Its second rank would only redo the first one's work.
         raise ParallelUnsupported(
@@ -250,11 +232,36 @@ def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Ex
             f"(cache_context, as diffusers' true-CFG pipelines do); "
             f"{type(pipe).__name__}'s does not: use --cfg 1 and more replicas"
         )
-    info["cfg_parallel"] = "off" if cfg.cfg == 1 else "split"
     # Requests without true CFG: split over the CFG ranks' sequence too, or run twice.
     # (Never a compiled or step-cached call: executor._wrap.)
     lent = parallel.lending if compiler is None else None
-    info["without_true_cfg"] = f"lent to sequence parallel ({lent})" if lent else "whole"
+    layout = cfg.parallel
+    ops.info = ReplicaFacts(
+        replica=cfg.replica,
+        layout=describe(layout),
+        parallel=GangShape(
+            tp=layout.tp,
+            sp=layout.sp,
+            ulysses=layout.ulysses,
+            ring=layout.ring,
+            cfg=layout.cfg,
+        ),
+        gang_size=cfg.gang_size,
+        threads_per_rank=cfg.threads_per_rank,
+        device=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        size_factor=size_factor(pipe),
+        max_side=cfg.max_side,
+        max_steps=cfg.max_steps,
+        max_sequence_length=text_tokens,
+        max_sessions=cfg.max_sessions,
+        session_idle_timeout_s=cfg.session_idle_timeout_s,
+        compile=compiler.info() if compiler is not None else None,
+        realtime=executor.sessions.unsupported() or "supported",
+        features=executor.features.info(),
+        cfg_parallel="off" if cfg.cfg == 1 else "split",
+        without_true_cfg=f"lent to sequence parallel ({lent})" if lent else "whole",
+    )
     return executor
 
 
@@ -352,7 +359,9 @@ def _warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = 
         log.info("warmup at %dx%d done in %.2fs", width, height, time.perf_counter() - started)
     if compiler is not None:
         compiler.seal(compiled_before)
-        executor.ops.info["compile"] = compiler.info()
+        facts = executor.ops.info
+        assert facts is not None  # set by _build_executor
+        executor.ops.info = msgspec.structs.replace(facts, compile=compiler.info())
     # A warm-up pays first-call costs (and compiles): no measure of a request. An
     # uncalibrated replica borrows the others' figure, so it is not passed over until
     # its own traffic calibrates it (dpserve.cost, docs/router.md).
@@ -362,18 +371,12 @@ def _warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = 
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
     from dpserve.wire import WireKey
     from dpserve.worker.batch import Batching
-    from dpserve.worker.features import with_video
     from dpserve.worker.ingress import Ingress
     from dpserve.worker.video_jobs import VideoBook
 
-    limits = p.Limits(
-        size_factor=int(executor.ops.info["size_factor"]),
-        min_side=int(executor.ops.info["size_factor"]),
-        max_side=cfg.max_side,
-        max_steps=cfg.max_steps,
-        sequence_split=cfg.sp,
-    )
-    limits = with_video(limits, executor.features.video)  # a video model's frames
+    facts = executor.ops.info
+    assert facts is not None  # set by _build_executor
+    limits = facts.limits()  # the router checks with the same (dpserve.model_info)
     ingress = Ingress(
         cfg.endpoint,
         cfg.replica,

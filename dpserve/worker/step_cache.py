@@ -82,15 +82,13 @@ class StepCaches:
     default: StepCache | None = None
     refusal: str | None = None
 
-    def info(self) -> dict[str, Any]:
-        """The ``features`` entries (model_info) that say what a request may ask."""
-        out: dict[str, Any] = {
-            "step_caches": {kind: {knob_of(kind): DEFAULTS[kind]} for kind in self.offered},
-            "step_cache_default": None if self.default is None else knobs(self.default),
-        }
-        if self.refusal is not None:
-            out["step_caches_unavailable"] = self.refusal
-        return out
+    def offered_knobs(self) -> dict[str, dict[str, int | float]]:
+        """Each kind offered with its knob's default (model_info's ``step_caches``)."""
+        return {kind: {knob_of(kind): DEFAULTS[kind]} for kind in self.offered}
+
+    def default_knobs(self) -> dict[str, str | int | float] | None:
+        """The service's default as a request writes it (``step_cache_default``)."""
+        return None if self.default is None else knobs(self.default)
 
     def check(self, requested: StepCache | None) -> None:
         """Refuse, naming the field and what is offered, a kind this replica lacks."""

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -59,7 +60,7 @@ def size_shift(executor: Executor, width: int, height: int) -> float:
 
 
 def test_the_features_say_what_a_request_may_set(executor: Executor) -> None:
-    features = executor.ops.info["features"]
+    features = msgspec.to_builtins(executor.ops.info)["features"]
     assert features["max_sequence_length"] == {"max": 512, "multiple_of": 1}
     assert features["flow_shift"] == {"default": None}  # Flux shifts by the image size
     assert features["vae_tiling"] is True and features["vae_slicing"] is True

@@ -38,7 +38,7 @@ def _ops(model: Path, *allow: Path) -> ControlOps:
     layout = ParallelConfig()
     parallel = ModelParallel(rank_info(layout, 0), ParallelGroups(), layout)
     pipe = load_pipeline(model, torch.device("cpu"), torch.float32, parallel.prepare)
-    return ControlOps(pipe, model, torch.device("cpu"), {}, parallel, allow_paths=allow)
+    return ControlOps(pipe, model, torch.device("cpu"), None, parallel, allow_paths=allow)
 
 
 @pytest.fixture()

@@ -27,7 +27,7 @@ def ops(tiny_model: Path, tiny_lora: Path) -> ControlOps:
     parallel = ModelParallel(rank_info(layout, 0), ParallelGroups(), layout)
     pipe = load_pipeline(tiny_model, torch.device("cpu"), torch.float32, parallel.prepare)
     allow = (tiny_lora.parent,)
-    return ControlOps(pipe, tiny_model, torch.device("cpu"), {}, parallel, allow_paths=allow)
+    return ControlOps(pipe, tiny_model, torch.device("cpu"), None, parallel, allow_paths=allow)
 
 
 def _sums(ops: ControlOps) -> dict[str, str]:

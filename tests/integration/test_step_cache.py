@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from PIL import Image
@@ -71,12 +72,12 @@ def _hooks(executor: Executor) -> list[str]:
 
 def test_model_info_lists_the_offered_caches_and_the_default(executors: Any) -> None:
     plain, cached, _ = executors
-    assert plain.ops.info["features"]["step_caches"] == {
+    assert msgspec.to_builtins(plain.ops.info)["features"]["step_caches"] == {
         "first_block_cache": {"threshold": 0.08},
         "taylorseer": {"interval": 3},
     }
-    assert plain.ops.info["features"]["step_cache_default"] is None
-    default = cached.ops.info["features"]["step_cache_default"]
+    assert msgspec.to_builtins(plain.ops.info)["features"]["step_cache_default"] is None
+    default = msgspec.to_builtins(cached.ops.info)["features"]["step_cache_default"]
     assert default == {"type": "first_block_cache", "threshold": 1.0}
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from PIL import Image
@@ -60,7 +61,7 @@ def _pixels(data: bytes) -> np.ndarray:
 
 
 def test_features_say_what_the_tiny_flux_serves(executor: Executor) -> None:
-    assert executor.ops.info["features"] == {
+    assert msgspec.to_builtins(executor.ops.info)["features"] == {
         "edits": True,
         "inpainting": True,
         "max_edit_images": 1,

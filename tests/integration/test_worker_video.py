@@ -150,7 +150,7 @@ def test_images_and_videos_are_refused_by_the_other_kind_of_model(gang: Any) -> 
 
 def test_the_replica_reports_a_video_models_frames(gang: Any) -> None:
     video, image, _ = gang
-    assert video.features.info()["video"] == {
+    assert msgspec.to_builtins(video.features.info())["video"] == {
         "max_frames": 129,
         "frame_factor": 4,
         "default_frames": 81,
@@ -158,9 +158,9 @@ def test_the_replica_reports_a_video_models_frames(gang: Any) -> None:
         "image_to_video": False,
         "text_to_video": True,
     }
-    assert image.features.info()["video"] is None
-    assert video.ops.info["size_factor"] == 16
-    assert video.ops.info["realtime"] != "supported"  # sessions are an image model's
+    assert msgspec.to_builtins(image.features.info())["video"] is None
+    assert video.ops.info is not None and video.ops.info.size_factor == 16
+    assert video.ops.info.realtime != "supported"  # sessions are an image model's
     # --max-frames is rounded down to a count the VAE makes, and capped where the
     # transformer's rotary positions end (1024 latent frames).
     assert video_support(video.pipe, 20) == dataclasses.replace(
@@ -220,7 +220,7 @@ def _png(colour: tuple[int, int, int], size: tuple[int, int] = (80, 60)) -> byte
 
 def test_an_image_to_video_model_animates_the_input_reference(executors: Any) -> None:
     _, _, i2v, cfg = executors
-    support = i2v.features.info()["video"]
+    support = msgspec.to_builtins(i2v.features.info())["video"]
     assert support["image_to_video"] and not support["text_to_video"]
     _warmup(i2v, cfg)  # animates a grey image
     reference = _params(frames=9, edit=p.EditInput(images=[0]))

@@ -4,10 +4,23 @@ tests/e2e/test_serve_startup.py run them against real servers)."""
 from __future__ import annotations
 
 from dpserve.banner import ModelFacts, Ready, banner
+from dpserve.model_info import ModelInfo, decode
+from tests.stub_replica import FEATURES, model_info
 
 READY = Ready("http://127.0.0.1:8000", 2, "/m", ["tcp://127.0.0.1:5575"], False, 12.34)
-IMAGE_INFO = {"features": {"video": None}, "realtime": "supported", "size_factor": 16}
-VIDEO = {"max_frames": 129, "text_to_video": True, "image_to_video": False}
+IMAGE_INFO = decode({**model_info(), "realtime": "supported", "size_factor": 16})
+VIDEO = {
+    "max_frames": 129,
+    "frame_factor": 4,
+    "default_frames": 81,
+    "default_fps": 16,
+    "text_to_video": True,
+    "image_to_video": False,
+}
+
+
+def _video_info(video: dict[str, object], **changes: object) -> ModelInfo:
+    return decode({**model_info(), "features": {**FEATURES, "video": video}, **changes})
 
 
 def test_an_image_model_shows_a_generation_and_realtime() -> None:
@@ -19,7 +32,7 @@ def test_an_image_model_shows_a_generation_and_realtime() -> None:
 
 
 def test_a_video_model_shows_its_job_calls_and_no_image_call() -> None:
-    info = {"features": {"video": VIDEO}, "realtime": "unsupported: no", "size_factor": 16}
+    info = _video_info(VIDEO, realtime="unsupported: no", size_factor=16)
     text = banner(READY, ModelFacts.of(info))
     assert "/v1/images" not in text and "realtime" not in text
     assert "curl -s http://127.0.0.1:8000/v1/videos -H 'Content-Type: application/json'" in text
@@ -29,7 +42,7 @@ def test_a_video_model_shows_its_job_calls_and_no_image_call() -> None:
 
 def test_an_image_to_video_model_sends_an_image() -> None:
     video = {**VIDEO, "text_to_video": False, "image_to_video": True}
-    text = banner(READY, ModelFacts.of({"features": {"video": video}, "size_factor": 32}))
+    text = banner(READY, ModelFacts.of(_video_info(video, size_factor=32)))
     assert "-F size=128x96" in text and "-F input_reference=@YOUR_IMAGE.png" in text
     assert "application/json" not in text
 

@@ -54,6 +54,13 @@ def test_the_shared_options_are_stdlib_only(module: str) -> None:
     } == set()
 
 
+def test_the_model_info_contract_belongs_to_neither_side() -> None:
+    # Driver and router both build on dpserve.model_info: it imports neither.
+    loaded = _modules_after_import("dpserve.model_info")
+    assert not _worker_modules(loaded) and not any(m.startswith("dpserve.router") for m in loaded)
+    assert {m.split(".")[0] for m in loaded} & {"torch", "fastapi", "starlette", "zmq"} == set()
+
+
 @pytest.mark.parametrize(
     "module",
     [

@@ -159,13 +159,14 @@ def test_the_axes_are_those_the_worker_implements() -> None:
         ParallelConfig(pp=2)  # type: ignore[call-arg]
 
 
-def test_the_routers_layout_takes_only_the_axes_a_layout_has() -> None:
-    from dpserve.router.routes.info import _layout
+def test_an_older_replicas_pp_axis_is_ignored_by_the_contract() -> None:
+    import msgspec
+
+    from dpserve.model_info import GangShape
 
     reported = {"tp": 1, "sp": 2, "ulysses": 2, "ring": 1, "pp": 1, "cfg": 2}  # an older replica
-    assert _layout({"parallel": reported}, 3) == "tp1-sp2(u2r1)-cfg2-dp3"
-    assert _layout({"parallel": {"sp": 1}}, 0) == "tp1-sp1(u1r1)-cfg1-dp1"
-    assert _layout({}, 2) is None
+    gang = msgspec.structs.asdict(msgspec.convert(reported, GangShape))
+    assert describe(ParallelConfig(**gang, dp=3)) == "tp1-sp2(u2r1)-cfg2-dp3"
 
 
 def test_sp_defaults_to_pure_ulysses() -> None:

@@ -462,8 +462,10 @@ def test_a_crash_is_a_json_500_that_says_nothing_of_it() -> None:
 
 def test_serves_banner_says_where_keys_go_and_never_shows_one() -> None:
     from dpserve.banner import ModelFacts, Ready, banner
+    from dpserve.model_info import decode
+    from tests.stub_replica import model_info
 
-    image = ModelFacts.of({"features": {"video": None}})
+    image = ModelFacts.of(decode({**model_info(), "realtime": "unsupported"}))
 
     def shown(keyed: bool) -> str:
         ready = Ready("http://127.0.0.1:8000", 2, "/m", ["tcp://127.0.0.1:5575"], keyed, 1.0)

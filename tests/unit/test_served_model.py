@@ -11,7 +11,9 @@ import pytest
 from dpserve import protocol as p
 from dpserve.cli import _router_settings, _serve_settings, build_parser
 from dpserve.local import default_model
+from dpserve.model_info import decode
 from dpserve.router.served_model import check_model, check_name, served_name
+from tests.stub_replica import model_info
 
 README = Path(__file__).parents[2] / "README.md"
 
@@ -25,7 +27,7 @@ def test_a_name_is_printable_ascii_without_spaces() -> None:
 
 
 def test_the_given_name_wins_then_the_folder_a_replica_reports() -> None:
-    infos = [{"model_path": "/models/flux-dev/"}]
+    infos = [decode({**model_info(), "model_path": "/models/flux-dev/"})]
     assert served_name("mine", infos) == "mine"
     assert served_name(None, infos) == "flux-dev"
     assert served_name(None, []) is None  # not known: requests wait for a replica

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import io
 
+import msgspec
 import numpy as np
 import pytest
 
 from dpserve import protocol as p
 from dpserve.cost import cfg_branches, cost_units, latent_frames
+from dpserve.model_info import decode
 from dpserve.worker.batch import Batching, batchable, compatible
 from dpserve.worker.commands import GangCommand, Generation
 
@@ -19,10 +21,11 @@ torch = pytest.importorskip("torch")
 
 from PIL import Image  # noqa: E402
 
-from dpserve.worker.features import VideoSupport, with_video  # noqa: E402
+from dpserve.worker.features import VideoSupport  # noqa: E402
 from dpserve.worker.pipeline import cfg_requested  # noqa: E402
 from dpserve.worker.video_call import refusal, video_kwargs  # noqa: E402
 from dpserve.worker.video_encode import encode_mp4, encode_thumbnail, to_uint8  # noqa: E402
+from tests.stub_replica import FEATURES, model_info  # noqa: E402
 
 WAN_ARGS = {"negative_prompt": None, "width": 832, "height": 480, "num_frames": 81,
             "num_inference_steps": 50, "guidance_scale": 5.0}  # fmt: skip
@@ -200,11 +203,13 @@ def test_images_and_videos_go_only_to_their_models() -> None:
 
 
 def test_limits_carry_a_video_models_frames() -> None:
-    limits = with_video(p.Limits(max_side=512), SUPPORT)
+    video = msgspec.to_builtins(SUPPORT.info())
+    info = decode({**model_info(), "max_side": 512, "features": {**FEATURES, "video": video}})
+    limits = info.limits()
     assert (limits.max_frames, limits.frame_factor, limits.default_frames) == (129, 4, 81)
     assert limits.default_fps == 16 and limits.max_side == 512
-    assert with_video(p.Limits(), None).max_frames == 0  # no videos
-    assert SUPPORT.info() == {
+    assert decode(model_info()).limits().max_frames == 0  # no videos
+    assert video == {
         "max_frames": 129,
         "frame_factor": 4,
         "default_frames": 81,

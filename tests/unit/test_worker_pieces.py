@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from dpserve.worker.executor import _merge_ranks, _RankOutcome  # noqa: E402
 from dpserve.worker.pipeline import cfg_requested, pipeline_kwargs  # noqa: E402
+from tests.stub_replica import model_info  # noqa: E402
 
 FLUX_ARGS = {"negative_prompt": None, "true_cfg_scale": 1.0, "width": None, "height": None,
              "num_inference_steps": 28, "guidance_scale": 3.5}  # fmt: skip
@@ -85,8 +86,10 @@ def test_sharded_checksums_agree_per_piece_and_digest_the_pieces_in_tp_order() -
 
 def test_model_info_lists_every_ranks_weights() -> None:
     def info(rank: int, size: int) -> _RankOutcome:
-        weights = {"rank": rank, "tp_rank": rank, "bytes": {"transformer": size}}
-        return _RankOutcome(ok=True, result={"layout": "tp2", "rank_weights": weights})
+        weights = {"rank": rank, "tp_rank": rank, "sp_rank": 0, "cfg_rank": 0}
+        weights["bytes"] = {"transformer": size}
+        result = {**model_info(), "layout": "tp2", "rank_weights": [weights]}
+        return _RankOutcome(ok=True, result=result)
 
     merged = _merge_ranks("model_info", [info(0, 10), info(1, 10)])
     assert merged["layout"] == "tp2" and merged["ranks"] == 2

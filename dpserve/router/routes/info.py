@@ -7,11 +7,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dpserve import protocol as p
 from dpserve.layout import ParallelConfig, describe
+from dpserve.model_info import ModelInfo
 from dpserve.router import deps
 from dpserve.router.access import admin, inference
 from dpserve.router.deps import PoolDep, SettingsDep
@@ -45,7 +47,7 @@ def _model(request: Request, pool: ReplicaPool, settings: RouterSettings) -> dic
         "object": "model",
         "created": request.app.state.started,
         "owned_by": "dpserve",
-        "features": deps.features(pool),
+        "features": msgspec.to_builtins(deps.features(pool)),
         "router_features": router_features(settings),
     }
 
@@ -55,25 +57,27 @@ async def model_info(pool: PoolDep, settings: SettingsDep) -> JSONResponse:
     infos = [r.info for r in pool.serving() if r.info is not None]
     if not infos:
         raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet")
-    shown = {**infos[0], "replicas_serving": len(infos)}
-    shown.update(features=deps.features(pool), router_features=router_features(settings))
+    shown = {**msgspec.to_builtins(infos[0]), "replicas_serving": len(infos)}
+    shown.update(
+        features=msgspec.to_builtins(deps.features(pool)), router_features=router_features(settings)
+    )
     return JSONResponse(shown)
 
 
 @admin
 async def server_info(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
     replicas = list(pool.replicas.values())
-    info = next((r.info for r in replicas if r.info is not None), None) or {}
+    info = next((r.info for r in replicas if r.info is not None), None)
     return {
         "replicas": len(replicas),
         "serving": len(pool.serving()),
         "model": model_name(pool, settings),
         "layout": _layout(info, len(replicas)),
-        "threads_per_rank": info.get("threads_per_rank"),
+        "threads_per_rank": info.threads_per_rank if info is not None else None,
         # Each rank's weight bytes per module (a serving replica's; the same layout
         # everywhere): tensor parallel's split and the encoders' placement show here.
-        "rank_weights": info.get("rank_weights"),
-        "features": deps.features(pool),
+        "rank_weights": msgspec.to_builtins(info.rank_weights) if info is not None else None,
+        "features": msgspec.to_builtins(deps.features(pool)),
         "router_features": router_features(settings),
         "router": _shown_settings(settings),
         "control_state": control_state(pool),
@@ -114,14 +118,12 @@ def model_name(pool: ReplicaPool, settings: RouterSettings) -> str:
     return deps.served_name(pool, settings) or UNKNOWN
 
 
-def _layout(info: dict[str, Any], replicas: int) -> str | None:
+def _layout(info: ModelInfo | None, replicas: int) -> str | None:
     """The deployment's layout: each replica's gang, with dp = the number of replicas."""
-    gang = info.get("parallel")
-    if not gang:
+    if info is None:
         return None
-    # The axes a layout has, whatever else a replica reports (an older one: pp, always 1).
-    axes = {k: gang[k] for k in ("tp", "sp", "ulysses", "ring", "cfg") if k in gang}
-    return describe(ParallelConfig(**axes, dp=max(replicas, 1)))
+    gang = msgspec.structs.asdict(info.parallel)
+    return describe(ParallelConfig(**gang, dp=max(replicas, 1)))
 
 
 def _shown_settings(settings: RouterSettings) -> dict[str, Any]:

@@ -24,7 +24,7 @@ async def create(
     raw = await read_body(request, limit, settings.body_timeout_s)
     asked = await video_api.read_create(raw, content_type)
     served = deps.served_name(pool, settings)
-    params = video_api.parse_create(asked, deps.video_limits(pool), deps.features(pool), served)
+    params = video_api.parse_create(asked, deps.limits(pool), deps.features(pool), served)
     job = await videos.submit(params, asked.blobs)
     return JSONResponse(video_api.job_json(job, model_name(pool, settings)))
 
