@@ -35,7 +35,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_model, median, rank_processes, timed_round
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.local import WorkerProcess
 
 

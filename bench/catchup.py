@@ -31,7 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_lora, cached_model
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 
 
 def _replicas(http: httpx.Client) -> list[dict[str, object]]:

@@ -22,7 +22,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_model, median, timed_round
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 
 MAX_FOREIGN = 0.15
 

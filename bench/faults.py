@@ -37,7 +37,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_lora, cached_model
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 from dpserve.router.metrics import read_accounting
 
 REQUEST = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 4}

@@ -39,7 +39,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_model, wait_ready
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 
 ROUTE = "/v1/images/generations"
 

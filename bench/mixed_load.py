@@ -34,8 +34,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_model, cpu_seconds, timed_round, wait_ready
-from dpserve.ports import free_port
-from dpserve.wire import WireKey
+from dpserve.plumbing.curve import WireKey
+from dpserve.plumbing.ports import free_port
 
 SMALL = {"size": "64x64", "num_inference_steps": 4}
 LARGE = {"size": "256x256", "num_inference_steps": 16}

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 from tests.cluster.localcluster import LocalCluster
 from tests.images.build import build_images
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import connection_cap, wait_ready
 from dpserve.client import ReplicaClient
-from dpserve.ports import free_port
-from dpserve.wire import WireKey
+from dpserve.plumbing.curve import WireKey
+from dpserve.plumbing.ports import free_port
 
 BODY = {"prompt": "x", "size": "64x64", "num_inference_steps": 1, "seed": 1}
 

@@ -48,7 +48,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import connection_cap, timed_round, wait_ready
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 from dpserve.router.metrics import Accounting, read_accounting
 
 BODY = {"prompt": "x", "size": "64x64", "num_inference_steps": 1, "seed": 1}

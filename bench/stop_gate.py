@@ -31,8 +31,10 @@ def _rank(rank: int, model: str, args: dict[str, Any], store: str, out: str) -> 
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from dpserve.layout import ParallelConfig
-    from dpserve.protocol import GenerateParams
+    from dpserve.contract.layout import ParallelConfig
+    from dpserve.contract.protocol import (
+        GenerateParams,
+    )
     from dpserve.worker.comm import init_gang
     from dpserve.worker.denoiser import DenoiserPatch, StopGate
     from dpserve.worker.parallel import ModelParallel

@@ -19,12 +19,13 @@ import zmq
 import zmq.asyncio
 from PIL import Image
 
-from dpserve import model_info as mi
-from dpserve import protocol as p
-from dpserve.control_state import StateDoc
-from dpserve.layout import ParallelConfig, describe
-from dpserve.transport import bind_router
-from dpserve.wire import Gatekeeper, WireKey
+from dpserve.contract import model_info as mi
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract.control_state import StateDoc
+from dpserve.contract.layout import ParallelConfig, describe
+from dpserve.plumbing.curve import Gatekeeper, WireKey
+from dpserve.plumbing.transport import bind_router
 
 
 def _png() -> bytes:
@@ -38,11 +39,11 @@ def _model_info(replica: int) -> mi.ModelInfo:
     features = mi.Features(
         edits=True,
         inpainting=True,
-        max_edit_images=p.MAX_EDIT_IMAGES,
-        partial_images=p.MAX_PARTIAL_IMAGES,
-        output_formats=list(p.OUTPUT_FORMATS),
+        max_edit_images=pv.MAX_EDIT_IMAGES,
+        partial_images=pv.MAX_PARTIAL_IMAGES,
+        output_formats=list(pv.OUTPUT_FORMATS),
         output_compression=True,
-        max_n=p.Limits.max_n,
+        max_n=pv.Limits.max_n,
         step_caches={},
         step_cache_default=None,
         max_sequence_length=None,
@@ -60,8 +61,8 @@ def _model_info(replica: int) -> mi.ModelInfo:
         device="cpu",
         dtype="float32",
         size_factor=16,
-        max_side=p.Limits.max_side,
-        max_steps=p.Limits.max_steps,
+        max_side=pv.Limits.max_side,
+        max_steps=pv.Limits.max_steps,
         max_sequence_length=None,
         max_sessions=0,
         session_idle_timeout_s=0.0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpserve.model_info import ModelInfo
+from dpserve.contract.model_info import ModelInfo
 
 _CT = "-H 'Content-Type: application/json'"
 

@@ -10,17 +10,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpserve.bind import PortUnavailable, check_tcp, hold_tcp
 from dpserve.config.flags import port_number, positive
 from dpserve.config.router import RouterConfig, add_router_args
 from dpserve.config.worker import add_gang_args, add_worker_args
-from dpserve.layout import LayoutError
-from dpserve.wire import WireKeyError
+from dpserve.contract.layout import LayoutError
+from dpserve.plumbing.bind import PortUnavailable, check_tcp, hold_tcp
+from dpserve.plumbing.curve import WireKeyError
 
 if TYPE_CHECKING:
     from dpserve.local import ReplicaSetConfig
+    from dpserve.plumbing.curve import WireKey
     from dpserve.router.app import RouterSettings
-    from dpserve.wire import WireKey
 
 
 def _add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -135,7 +135,7 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
 
 
 def _wire_key(path: Path | None) -> WireKey | None:
-    from dpserve.wire import WireKey
+    from dpserve.plumbing.curve import WireKey
 
     return None if path is None else WireKey.load(path)
 
@@ -167,7 +167,7 @@ def _router(args: argparse.Namespace) -> int:
 def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConfig:
     """``serve``'s replicas, each given its gang options; None: the tiny model."""
     from dpserve.config.worker import gang_options, worker_flags
-    from dpserve.layout import ParallelConfig
+    from dpserve.contract.layout import ParallelConfig
     from dpserve.local import ReplicaSetConfig, default_model
 
     layout = ParallelConfig(  # fail fast, before a model is built or a replica starts
@@ -233,7 +233,7 @@ def _probe(args: argparse.Namespace) -> int:
     "stalled" (a hung gang keeps its port open, so only a real ping tells).
     """
     from dpserve.client import ReplicaClient, ReplicaTimeout
-    from dpserve.layout import replica_endpoint
+    from dpserve.contract.layout import replica_endpoint
 
     try:
         endpoint = replica_endpoint(args.host, args.port, 0)

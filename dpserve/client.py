@@ -9,10 +9,10 @@ from typing import Any
 
 import zmq
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
-from dpserve.transport import connect_dealer
-from dpserve.wire import WireKey
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.plumbing.curve import WireKey
+from dpserve.plumbing.transport import connect_dealer
 
 
 class ReplicaTimeout(TimeoutError):

@@ -28,13 +28,15 @@ from typing import TYPE_CHECKING
 from dpserve.banner import ModelFacts, Ready, banner
 from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.config.worker import worker_flags
-from dpserve.layout import replica_endpoint
-from dpserve.model_info import ModelInfoError
-from dpserve.model_info import decode as decode_model_info
-from dpserve.ports import free_port
-from dpserve.proc import die_with_parent
-from dpserve.protocol import RequestError
-from dpserve.wire import WireKey
+from dpserve.contract.layout import replica_endpoint
+from dpserve.contract.model_info import ModelInfoError
+from dpserve.contract.model_info import decode as decode_model_info
+from dpserve.contract.protocol import (
+    RequestError,
+)
+from dpserve.plumbing.curve import WireKey
+from dpserve.plumbing.ports import free_port
+from dpserve.plumbing.proc import die_with_parent
 
 if TYPE_CHECKING:
     import uvicorn

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dpserve import protocol as p
 from dpserve.config.worker import WorkerConfig
+from dpserve.contract import protocol as p
 
 if TYPE_CHECKING:
     from dpserve.worker.executor import Executor

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from dpserve.layout import ParallelConfig
-from dpserve.protocol import GenerateParams
+from dpserve.contract.layout import ParallelConfig
+from dpserve.contract.protocol import (
+    GenerateParams,
+)
 
 TEXT_TOKENS = 32
 

@@ -1,6 +1,6 @@
 """An in-process replica for router tests: the real wire protocol on a real ZMQ socket.
 
-It holds a control state the way a worker does (dpserve.control_state: documents
+It holds a control state the way a worker does (dpserve.contract.control_state: documents
 ordered by version, whole states applied, the worker's refusals) and
 answers pings (with its load: cost units in flight, a calibration, a busy share and
 a batch size, as a driver reports them), model_info (with features), control ops,
@@ -9,7 +9,7 @@ a fixed PNG per image (an edit echoes its first upload), after ``partial_images`
 previews per image (PARTIAL replies), a step at a time (``step_s``) so tests can
 cancel mid-way; cancels (its own clients', and any client's) are answered as a
 driver does. Given ``video_limits`` it is a video model with a job book
-(dpserve.video): it checks a submit's frames and size against those limits, runs
+(dpserve.contract.video): it checks a submit's frames and size against those limits, runs
 its jobs one at a time, a step each ``step_s`` (progress), keeps their records for
 get and list, serves fixed bytes as their mp4 and thumbnail, and drops a deleted
 one at its next step. What it leaves out is the model: tests that need pixels or
@@ -33,12 +33,13 @@ import zmq
 import zmq.asyncio
 from PIL import Image
 
-from dpserve import protocol as p
-from dpserve import video as v
-from dpserve.control_state import StateDoc, answer, parse_doc, reduce, refusal
-from dpserve.cost import cost_units
-from dpserve.transport import bind_router
-from dpserve.wire import Gatekeeper, WireKey
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract import video as v
+from dpserve.contract.control_state import StateDoc, answer, parse_doc, reduce, refusal
+from dpserve.contract.cost import cost_units
+from dpserve.plumbing.curve import Gatekeeper, WireKey
+from dpserve.plumbing.transport import bind_router
 
 T = TypeVar("T")
 # What a stub video model makes: an mp4's first bytes, and a JPEG thumbnail's.
@@ -57,9 +58,9 @@ def _png() -> bytes:
 FEATURES: dict[str, Any] = {
     "edits": True,
     "inpainting": True,
-    "max_edit_images": p.MAX_EDIT_IMAGES,
-    "partial_images": p.MAX_PARTIAL_IMAGES,
-    "output_formats": list(p.OUTPUT_FORMATS),
+    "max_edit_images": pv.MAX_EDIT_IMAGES,
+    "partial_images": pv.MAX_PARTIAL_IMAGES,
+    "output_formats": list(pv.OUTPUT_FORMATS),
     "output_compression": True,
     "max_n": 10,
     "step_caches": {},
@@ -73,7 +74,7 @@ FEATURES: dict[str, Any] = {
 
 
 def model_info(replica: int = 0) -> dict[str, Any]:
-    """A whole model_info (dpserve.model_info.ModelInfo's wire form) of a stub at /stub."""
+    """A whole model_info (dpserve.contract.model_info.ModelInfo's wire form) of a stub at /stub."""
     return {
         "replica": replica,
         "layout": "tp1-sp1(u1r1)-pp1-cfg1-dp1",
@@ -129,7 +130,7 @@ class StubReplica:
     max_batch: int = 1
     busy_fraction: float = 0.0
     # A video model's frame limits (and max_side, its video sizes); None: an image model.
-    video_limits: p.Limits | None = None
+    video_limits: pv.Limits | None = None
     video_max_queue: int = 8  # unfinished jobs it holds, then overloaded
     video_submits: list[tuple[v.VideoRequest, int]] = field(default_factory=list)  # and blobs
     video_cancelled: list[str] = field(default_factory=list)  # unfinished jobs deleted
@@ -259,7 +260,7 @@ class StubReplica:
 
     async def _generate(self, identity: bytes, message: p.Message) -> None:
         try:
-            params = p.parse_generate(message.body_as(dict), p.Limits(), blobs=len(message.blobs))
+            params = pv.parse_generate(message.body_as(dict), pv.Limits(), blobs=len(message.blobs))
         except p.RequestError as exc:
             await self.sock.send_multipart([identity, *p.encode_error(message.id, exc)])
             return
@@ -420,7 +421,7 @@ class StubReplica:
         spec = v.resolve_frames(params.video, limits)
         width, height = params.width or 64, params.height or 64
         if max(width, height) > limits.max_side:
-            raise p.invalid_fields(
+            raise pv.invalid_fields(
                 [p.FieldError("size", f"is {width}x{height}; videos here are at most "
                               f"{limits.max_side} a side")]
             )  # fmt: skip

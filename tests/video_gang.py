@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from dpserve import protocol as p
-from dpserve.layout import ParallelConfig
+from dpserve.contract import protocol as p
+from dpserve.contract.layout import ParallelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 
 from dpserve.local import WorkerProcess
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 
 __all__ = ["WorkerProcess", "free_port", "ranks"]
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args
 
 from dpserve.config import flags
 from dpserve.config.flags import flag, non_negative, port_number, positive, seconds
-from dpserve.layout import ParallelConfig
+from dpserve.contract.layout import ParallelConfig
 
 Device = Literal["auto", "cpu", "cuda"]
 # protocol.STEP_CACHE_KNOBS's kinds (spelled here: this module is stdlib only).
@@ -60,7 +60,7 @@ class WorkerConfig:
     first_gpu: int = field(  # the gang's ranks take GPUs first_gpu, first_gpu + 1, ...
         default=0, metadata=flag("GPU of rank 0; rank k takes first-gpu + k", int, serve=False)
     )
-    # The service's CURVE key (dpserve.wire); None: a plaintext wire, warned at start.
+    # The service's CURVE key (dpserve.plumbing.curve); None: a plaintext wire, warned at start.
     # Not a gang option: ``serve`` makes its own key and hands each replica the file.
     wire_key_file: Path | None = field(
         default=None,

@@ -22,13 +22,14 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from dpserve.layout import LayoutError, ParallelConfig
+from dpserve.contract.layout import LayoutError, ParallelConfig
 from dpserve.operator import builders as b
 from dpserve.operator import spec as s
-from dpserve.operator.kube import Kube, load_config
+from dpserve.operator.kube import Kube
 from dpserve.operator.plan import Note, plan, why_create, why_delete
 from dpserve.operator.status import compute_status, known_indices, parse_control_state, pod_facts
-from dpserve.wire import WireKey
+from dpserve.plumbing.curve import WireKey
+from dpserve.plumbing.kubeconfig import load_config
 
 log = logging.getLogger(__name__)
 ANNOTATION_PREFIX = "dpserve.dev"

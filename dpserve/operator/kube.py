@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Final, ParamSpec, TypeVar
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
@@ -88,14 +88,6 @@ def required_rules(cluster_wide: bool = True) -> set[Rule]:
         for verb in rule["verbs"]
     }
     return own | set(KOPF_RULES) | granted | (set(KOPF_CLUSTER_RULES) if cluster_wide else set())
-
-
-def load_config() -> None:
-    """In a pod: its service account; elsewhere: the kubeconfig."""
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
 
 
 class Kube:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Final, TypeGuard
 
-from dpserve.layout import LayoutError, replica_endpoint
+from dpserve.contract.layout import LayoutError, replica_endpoint
 from dpserve.operator import builders as b
 from dpserve.operator.plan import PodView
 from dpserve.operator.spec import Condition, DiffusionServiceStatus, ReplicaStatus

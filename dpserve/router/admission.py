@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.load import Load
 from dpserve.router.membership import Membership
 from dpserve.router.policies import Estimate, PolicyName, make_policy

@@ -22,8 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
 from dpserve.router.access import Levels
 from dpserve.router.auth import AuthMiddleware, Keys, document_security
 from dpserve.router.bodies import BadBody
@@ -64,9 +64,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.set_endpoints(settings.workers)
         discovery = None
     else:
+        from dpserve.plumbing import kubeconfig
         from dpserve.router import kubernetes as kube
 
-        kube.load_config()
+        kubeconfig.load_config()
         store = (
             kube.ConfigMapStateStore(k8s.namespace, k8s.control_state_configmap)
             if k8s.control_state_configmap

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from starlette.requests import Request
 
-from dpserve.untrusted import MAX_DEPTH, too_deep
+from dpserve.plumbing.untrusted import MAX_DEPTH, too_deep
 
 JSON_TYPE: Final = "application/json"
 _INT_LOW, _INT_HIGH = -(2**63), 2**64 - 1  # what msgpack (and so the wire) can carry

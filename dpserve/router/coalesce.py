@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Generic, TypeVar
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 
 T = TypeVar("T")
 

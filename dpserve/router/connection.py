@@ -19,10 +19,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.plumbing.curve import WireKey
+from dpserve.plumbing.transport import connect_dealer
 from dpserve.router.waiting import wait_within
-from dpserve.transport import connect_dealer
-from dpserve.wire import WireKey
 
 log = logging.getLogger(__name__)
 

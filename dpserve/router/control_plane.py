@@ -1,7 +1,7 @@
 """The control plane: the control state every replica should hold, and getting it there.
 
 :class:`ControlPlane` is the one owner of the router's side of the control state
-(dpserve/control_state.py): the desired document (kept and adopted by
+(dpserve/contract/control_state.py): the desired document (kept and adopted by
 :class:`~dpserve.router.desired.DesiredState`, in a store), the state a fan-out is
 moving replicas from, the lock that makes this router change the state one op at a
 time, and one sync task per replica that does not hold the desired state. It also
@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from dpserve import protocol as p
-from dpserve.control_state import ControlState, StateDoc, newest, parse_doc, reduce
+from dpserve.contract import protocol as p
+from dpserve.contract.control_state import ControlState, StateDoc, newest, parse_doc, reduce
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.desired import DesiredState, OutOfSync
 from dpserve.router.health import Health

@@ -16,8 +16,8 @@ from typing import Annotated
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
-from dpserve import protocol as p
-from dpserve.model_info import Features, ModelInfo
+from dpserve.contract import validation as pv
+from dpserve.contract.model_info import Features, ModelInfo
 from dpserve.router import served_model
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import ReplicaPool
@@ -111,9 +111,9 @@ def features(pool: ReplicaPool) -> Features | None:
     return info.features if info is not None else None
 
 
-def limits(pool: ReplicaPool) -> p.Limits:
+def limits(pool: ReplicaPool) -> pv.Limits:
     """The bounds the replicas check (a video model's frames included), once one has
     told us; until then the defaults, and frames are left to the replica (``max_frames``
     0: not checked here)."""
     info = model_info(pool)
-    return info.limits() if info is not None else p.Limits()
+    return info.limits() if info is not None else pv.Limits()

@@ -3,7 +3,7 @@
 :class:`DesiredState` owns the desired document, for the control plane
 (dpserve/router/control_plane.py), which owns the rest of the router's control
 state. It adopts the greatest document
-(dpserve.control_state) it sees — in its store, or reported by a replica in a
+(dpserve.contract.control_state) it sees — in its store, or reported by a replica in a
 ping — so a restarted router, a second router, or a router whose ConfigMap was
 deleted picks up the state the service really has instead of starting over.
 Writes go through the store's compare-and-swap ``advance``, which only ever
@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dpserve.control_state import StateDoc, newest, stored_after
+from dpserve.contract.control_state import StateDoc, newest, stored_after
 
 log = logging.getLogger(__name__)
 

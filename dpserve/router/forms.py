@@ -15,7 +15,8 @@ from typing import Any, Final
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.router.bodies import BadBody
 from dpserve.router.schemas import FormTypes, ImageEditForm, form_types
 
@@ -53,7 +54,7 @@ class EditForm:
             else None
         )
         if problems:
-            raise p.invalid_fields(problems)
+            raise pv.invalid_fields(problems)
         k = len(self.images)
         body["edit"] = {
             "images": list(range(k)),
@@ -73,7 +74,7 @@ class EditForm:
         if len(self.images) > 1:
             problems.append(p.FieldError("image", "a variation starts from one image"))
         if problems:
-            raise p.invalid_fields(problems)
+            raise pv.invalid_fields(problems)
         return {**self.body(), "prompt": ""}
 
 
@@ -111,7 +112,7 @@ async def parse_form(raw: bytes, content_type: str | None) -> EditForm:
         got = f"got {content_type!r}" if content_type else "got none"
         raise BadBody(415, f"send an edit as {FORM_TYPE} (OpenAI's edit form; {got})")
     assert content_type is not None
-    items = await form_items(raw, content_type, max_files=p.MAX_EDIT_IMAGES + 1)
+    items = await form_items(raw, content_type, max_files=pv.MAX_EDIT_IMAGES + 1)
     form = EditForm()
     problems: list[p.FieldError] = []
     for name, value in items:
@@ -128,15 +129,15 @@ async def parse_form(raw: bytes, content_type: str | None) -> EditForm:
     if not form.images and not any(f.field in IMAGE_FIELDS for f in problems):
         problems.append(p.FieldError("image", "is required: upload one or more image files"))
     if problems:
-        raise p.invalid_fields(problems)
+        raise pv.invalid_fields(problems)
     return form
 
 
 def _file(form: EditForm, name: str, filename: str, data: bytes, out: list[p.FieldError]) -> None:
     if name not in (*IMAGE_FIELDS, MASK_FIELD):
         out.append(p.FieldError(name, "is not a known field (files go in image, image[], mask)"))
-    elif len(data) > p.MAX_EDIT_IMAGE_BYTES:
-        limit = p.MAX_EDIT_IMAGE_BYTES >> 20
+    elif len(data) > pv.MAX_EDIT_IMAGE_BYTES:
+        limit = pv.MAX_EDIT_IMAGE_BYTES >> 20
         out.append(p.FieldError(name, f"{filename!r} is {len(data)} bytes; at most {limit} MiB"))
     elif not data:
         out.append(p.FieldError(name, f"{filename!r} is empty"))
@@ -144,8 +145,8 @@ def _file(form: EditForm, name: str, filename: str, data: bytes, out: list[p.Fie
         if form.mask is not None:
             out.append(p.FieldError(name, "give one mask"))
         form.mask = data
-    elif len(form.images) >= p.MAX_EDIT_IMAGES:
-        out.append(p.FieldError(name, f"at most {p.MAX_EDIT_IMAGES} images per edit"))
+    elif len(form.images) >= pv.MAX_EDIT_IMAGES:
+        out.append(p.FieldError(name, f"at most {pv.MAX_EDIT_IMAGES} images per edit"))
     else:
         form.images.append(data)
 

@@ -19,10 +19,10 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from dpserve import protocol as p
-from dpserve.control_state import StateDoc, parse_doc
-from dpserve.model_info import ModelInfo, ModelInfoError
-from dpserve.model_info import decode as decode_model_info
+from dpserve.contract import protocol as p
+from dpserve.contract.control_state import StateDoc, parse_doc
+from dpserve.contract.model_info import ModelInfo, ModelInfoError
+from dpserve.contract.model_info import decode as decode_model_info
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.membership import Membership
 from dpserve.router.replica import Replica

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.registry import CANCELLED, COMPLETED, FAILED, InFlight, Registry
 from dpserve.router.service import Generated, RouterService
@@ -42,7 +43,7 @@ def start(
     on_partial: Callable[[p.Message], None] | None = None
     if params.partial_images:
         # At most this many come (a retry may send them again: the oldest stay).
-        previews = asyncio.Queue(maxsize=params.n * p.MAX_PARTIAL_IMAGES)
+        previews = asyncio.Queue(maxsize=params.n * pv.MAX_PARTIAL_IMAGES)
 
         def on_partial(message: p.Message) -> None:
             assert previews is not None

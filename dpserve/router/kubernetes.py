@@ -18,22 +18,15 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from kubernetes import client, config, watch
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from dpserve.control_state import StateDoc, parse_doc, stored_after
-from dpserve.layout import replica_endpoint
+from dpserve.contract.control_state import StateDoc, parse_doc, stored_after
+from dpserve.contract.layout import replica_endpoint
 
 log = logging.getLogger(__name__)
 SERVICE_LABEL = "kubernetes.io/service-name"
 T = TypeVar("T")
-
-
-def load_config() -> None:
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
 
 
 def ready_endpoints(slices: list[dict[str, Any]], port_name: str = "zmq") -> set[str]:

@@ -1,4 +1,4 @@
-"""What a request costs on a replica, and how much work waits there (dpserve.cost).
+"""What a request costs on a replica, and how much work waits there (dpserve.contract.cost).
 
 :class:`Load` reads the replicas' calibrations and ledgers, and writes nothing: a
 request's cost units come from its shape and the replica's defaults; its seconds
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from dpserve import protocol as p
-from dpserve.cost import cost_units
+from dpserve.contract import protocol as p
+from dpserve.contract.cost import cost_units
 from dpserve.router.membership import Membership
 from dpserve.router.policies import measured_seconds_per_unit, seconds_per_unit
 from dpserve.router.replica import Replica

@@ -18,10 +18,10 @@ from typing import Any
 
 import zmq.asyncio
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.plumbing.curve import WireKey
 from dpserve.router.connection import ReplicaConnection
 from dpserve.router.replica import Replica
-from dpserve.wire import WireKey
 
 log = logging.getLogger(__name__)
 

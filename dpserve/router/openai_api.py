@@ -10,8 +10,9 @@ from typing import Any, Final
 
 import msgspec
 
-from dpserve import protocol as p
-from dpserve.model_info import Features
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract.model_info import Features
 from dpserve.router import peers
 from dpserve.router.served_model import MODEL_NOT_FOUND, check_model
 
@@ -70,7 +71,7 @@ EDIT_FIELDS: Final = frozenset({"image", "image[]", "mask", "strength"})
 
 def request_fields() -> dict[str, list[str]]:
     """Every field each image route takes, as /v1/models advertises them."""
-    shared = p.GENERATE_FIELDS | OPENAI_ONLY | peers.ACCEPTED
+    shared = pv.GENERATE_FIELDS | OPENAI_ONLY | peers.ACCEPTED
     return {
         "generations": sorted(shared),
         "edits": sorted(shared | EDIT_ONLY | EDIT_FIELDS),
@@ -88,7 +89,7 @@ class ImageRequest:
 
 def parse_image_request(
     body: Any,
-    limits: p.Limits,
+    limits: pv.Limits,
     can_url: bool,
     features: Features | None = None,
     blobs: int | None = None,
@@ -132,13 +133,13 @@ def parse_image_request(
     body, peer_problems = peers.translate(body)
     problems += peer_problems
     try:
-        params = p.parse_generate(body, limits, ignore=OPENAI_ONLY | ignore, blobs=blobs)
+        params = pv.parse_generate(body, limits, ignore=OPENAI_ONLY | ignore, blobs=blobs)
     except p.RequestError as exc:
         if not exc.fields:
             raise
         problems = [*exc.fields, *problems]
     if problems or params is None:
-        raise p.invalid_fields(problems)
+        raise pv.invalid_fields(problems)
     partials = params.partial_images if stream else 0
     if features is not None:
         partials = min(partials, features.partial_images)
@@ -227,7 +228,7 @@ _ERROR_TYPES: Final = {
     503: "service_unavailable",
 }
 # error.code: why, as a short string a client can branch on (OpenAI's where it has
-# one). A replica's refusal keeps its wire code (dpserve.protocol); the router's own by
+# one). A replica's refusal keeps its wire code (dpserve.contract.protocol); the router's own by
 # status; a refusal naming fields is invalid_value (unsupported_value: the model
 # cannot do it).
 _STATUS_CODES: Final = {

@@ -5,7 +5,7 @@ Each is mapped to the field of this server that does the same, accepted where it
 cannot change the output here, or refused with a 400 naming what to send instead.
 None that would change the image is dropped. ``max_sequence_length``, ``flow_shift``,
 ``vae_use_tiling`` and ``vae_use_slicing`` are this server's own fields under the
-peers' names (dpserve.protocol), so they need nothing here.
+peers' names (dpserve.contract.protocol), so they need nothing here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 
 # SGLang's output_quality names and the JPEG/WebP quality each stands for there.
 OUTPUT_QUALITIES: Final[Mapping[str, int]] = {
@@ -90,7 +91,7 @@ def _step_cache(out: dict[str, Any], bad: list[p.FieldError]) -> None:
         bad.append(p.FieldError(first, "give step_cache or this, not both"))
         return
     chosen = [CACHE_SWITCHES[name] for name, on in switches.items() if on]
-    out["step_cache"] = chosen[0] if chosen else p.STEP_CACHE_OFF
+    out["step_cache"] = chosen[0] if chosen else pv.STEP_CACHE_OFF
 
 
 def _output_quality(out: dict[str, Any], bad: list[p.FieldError]) -> None:
@@ -103,13 +104,13 @@ def _output_quality(out: dict[str, Any], bad: list[p.FieldError]) -> None:
         bad.append(p.FieldError("output_quality", f"must be one of {names}, got {_shown(quality)}"))
     elif out.get("output_compression") is not None:
         bad.append(p.FieldError("output_quality", "give output_compression or this, not both"))
-    elif out.get("output_format", "png") in p.COMPRESSIBLE_FORMATS:
+    elif out.get("output_format", "png") in pv.COMPRESSIBLE_FORMATS:
         out["output_compression"] = OUTPUT_QUALITIES[quality]
 
 
 def _bag_message(bag: Any) -> str:
     keys = sorted(str(k) for k in bag) if isinstance(bag, Mapping) else []
-    ours = [k for k in keys if k in p.GENERATE_FIELDS]
+    ours = [k for k in keys if k in pv.GENERATE_FIELDS]
     hint = f"send {', '.join(ours)} as top-level fields" if ours else f"send {_NAMED_FIELDS}"
     return (
         "passes keywords into the pipeline call, which this server does not do (each "

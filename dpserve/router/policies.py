@@ -11,7 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, Protocol, get_args
 
 from dpserve.config.router import PolicyName
-from dpserve.protocol import HTTP_STATUS, UNAVAILABLE, ErrorBody
+from dpserve.contract.protocol import (
+    HTTP_STATUS,
+    UNAVAILABLE,
+    ErrorBody,
+)
 
 POLICIES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
 # Seconds per cost unit while no replica has measured one: costs are then compared

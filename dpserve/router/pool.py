@@ -19,7 +19,7 @@ only what spans the parts: who is in the pool and serving, and the ``/health`` J
   estimated work, or round-robin; at most ``max_inflight`` x the replica's batch
   size each) or wait in a bounded FIFO; video jobs are placed at once, past the cap.
 - :class:`~dpserve.router.load.Load` (``pool.load``): each request's estimated cost,
-  so the pool knows every replica's outstanding work (dpserve.cost, docs/router.md).
+  so the pool knows every replica's outstanding work (dpserve.contract.cost, docs/router.md).
 
 Which part writes which field of a :class:`~dpserve.router.replica.Replica` is
 written down in dpserve/router/replica.py.
@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from dpserve.config.router import PolicyName
 from dpserve.config.router import default as option
+from dpserve.plumbing.curve import WireKey, plaintext_warning
 from dpserve.router.admission import Admission
 from dpserve.router.control_plane import ControlPlane
 from dpserve.router.desired import DesiredState
@@ -45,7 +46,6 @@ from dpserve.router.load import Load
 from dpserve.router.membership import Membership
 from dpserve.router.replica import Replica
 from dpserve.router.replica_json import replica_json
-from dpserve.wire import WireKey, plaintext_warning
 
 
 @dataclass

@@ -25,8 +25,9 @@ from typing import Any, Final
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.contract import validation as pv
 from dpserve.router.served_model import check_model
 from dpserve.router.sessions import Attached, Frame, SessionLost, SessionMoved, SessionRouter
 
@@ -84,7 +85,7 @@ class RealtimeConnection:
         self,
         ws: WebSocket,
         sessions: SessionRouter,
-        limits: Callable[[], p.Limits],
+        limits: Callable[[], pv.Limits],
         settings: RealtimeSettings,
         served: Callable[[], str | None] = lambda: None,
     ) -> None:

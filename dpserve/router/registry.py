@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 
 # Where a request is. The replica-side pair comes from a replica's CancelResult
 # (a request another router admitted); this router's own are the first two.

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from dpserve import protocol as p
-from dpserve.control_state import StateDoc
-from dpserve.model_info import ModelInfo
+from dpserve.contract import protocol as p
+from dpserve.contract.control_state import StateDoc
+from dpserve.contract.model_info import ModelInfo
 from dpserve.router.connection import ReplicaConnection
 from dpserve.router.policies import WorkLedger
 

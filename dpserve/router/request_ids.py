@@ -13,7 +13,9 @@ import re
 import uuid
 from typing import Any, Final
 
-from dpserve.protocol import FieldError
+from dpserve.contract.protocol import (
+    FieldError,
+)
 from dpserve.router.openai_api import error_body
 
 HEADER: Final = "X-Request-Id"

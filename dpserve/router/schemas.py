@@ -19,11 +19,11 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpserve import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.router import peers
 
 Names = str | list[str]
-Target = Literal["all", "transformer"]  # dpserve.control_state.LORA_TARGETS
+Target = Literal["all", "transformer"]  # dpserve.contract.control_state.LORA_TARGETS
 
 
 class _ImageFields(BaseModel):
@@ -31,17 +31,17 @@ class _ImageFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, named
 
-    prompt: str = Field(max_length=p.MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, max_length=p.MAX_PROMPT_CHARS)
-    n: int = Field(1, ge=1, le=p.Limits.max_n, description="images in this request")
+    prompt: str = Field(max_length=pv.MAX_PROMPT_CHARS)
+    negative_prompt: str | None = Field(None, max_length=pv.MAX_PROMPT_CHARS)
+    n: int = Field(1, ge=1, le=pv.Limits.max_n, description="images in this request")
     size: str | None = Field(
         None, description='"WIDTHxHEIGHT" (multiples of the model\'s size factor) or "auto"'
     )
     width: int | None = Field(None, description="instead of size, with height")
     height: int | None = None
-    num_inference_steps: int | None = Field(None, ge=1, le=p.Limits.max_steps)
-    guidance_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
-    true_cfg_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
+    num_inference_steps: int | None = Field(None, ge=1, le=pv.Limits.max_steps)
+    guidance_scale: float | None = Field(None, ge=0, le=pv.Limits.max_scale)
+    true_cfg_scale: float | None = Field(None, ge=0, le=pv.Limits.max_scale)
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: int | None = Field(
         None, ge=0, le=100, description="jpeg/webp quality (0-100); not for png"
@@ -51,7 +51,7 @@ class _ImageFields(BaseModel):
     )
     stream: bool = Field(False, description="answer Server-Sent Events (OpenAI's image events)")
     partial_images: int = Field(
-        0, ge=0, le=p.MAX_PARTIAL_IMAGES, description="previews per image, with stream"
+        0, ge=0, le=pv.MAX_PARTIAL_IMAGES, description="previews per image, with stream"
     )
     step_cache: str | dict[str, str | float | None] | None = Field(
         None,
@@ -63,14 +63,14 @@ class _ImageFields(BaseModel):
     max_sequence_length: int | None = Field(
         None,
         ge=1,
-        le=p.MAX_SEQUENCE_LENGTH,
+        le=pv.MAX_SEQUENCE_LENGTH,
         description="text tokens the prompt is padded or cut to; at most "
         "features.max_sequence_length.max (null there: the model takes none)",
     )
     flow_shift: float | None = Field(
         None,
-        ge=p.FLOW_SHIFT_RANGE[0],
-        le=p.FLOW_SHIFT_RANGE[1],
+        ge=pv.FLOW_SHIFT_RANGE[0],
+        le=pv.FLOW_SHIFT_RANGE[1],
         description="the flow-matching schedule's shift s (sigma -> s*sigma/(1+(s-1)*sigma)), "
         "instead of the scheduler's own; where features.flow_shift is not null",
     )
@@ -109,7 +109,7 @@ class ImageGenerationRequest(_ImageFields):
     """OpenAI's images API with SGLang's extra fields."""
 
     seed: int | list[int] | None = Field(
-        None, description="one seed (image i gets seed + i) or one per image", ge=0, le=p.MAX_SEED
+        None, description="one seed (image i gets seed + i) or one per image", ge=0, le=pv.MAX_SEED
     )
 
 
@@ -118,11 +118,11 @@ class ImageEditForm(_ImageFields):
     form text. ``image`` or ``image[]`` (the openai client's name for a list): one or
     more image files; ``mask`` repaints where it is white (its size is the image's)."""
 
-    image: list[bytes] | None = Field(None, description=f"1-{p.MAX_EDIT_IMAGES} image files")
+    image: list[bytes] | None = Field(None, description=f"1-{pv.MAX_EDIT_IMAGES} image files")
     image_list: list[bytes] | None = Field(None, alias="image[]", description="same as image")
     mask: bytes | None = None
     strength: float | None = Field(None, gt=0, le=1, description="how far from the input")
-    seed: int | None = Field(None, ge=0, le=p.MAX_SEED, description="image i gets seed + i")
+    seed: int | None = Field(None, ge=0, le=pv.MAX_SEED, description="image i gets seed + i")
     input_fidelity: None = Field(None, description="refused: strength says how far to go")
 
 

@@ -11,8 +11,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from dpserve import protocol as p
-from dpserve.model_info import ModelInfo
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract.model_info import ModelInfo
 
 MODEL_NOT_FOUND: Final = "model_not_found"  # OpenAI's and SGLang's error.code
 MAX_NAME_CHARS: Final = 256
@@ -59,7 +60,7 @@ def check_model(asked: Any, served: str | None) -> None:
     if asked is None:
         return
     if not isinstance(asked, str):
-        raise p.invalid_fields(
+        raise pv.invalid_fields(
             [p.FieldError("model", f"must be a string, got {type(asked).__name__}")]
         )
     if served is not None and asked != served:

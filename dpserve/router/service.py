@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.router.coalesce import Coalescer, retrieve
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import FanoutAnswer, merge_fanout
@@ -71,7 +72,7 @@ class RouterService:
         previews (a retry's come again from the start).
         """
         request_id = request_id or uuid.uuid4().hex
-        params = p.fill_seeds(params)
+        params = pv.fill_seeds(params)
         timeout_s = self.pool.settings.request_timeout_s
         deadline = time.monotonic() + timeout_s
         tried: set[str] = set()
@@ -178,7 +179,7 @@ class RouterService:
 
     async def control(self, op: str, args: dict[str, Any]) -> FanoutAnswer:
         """Send ``op`` to every replica at once and merge: first error wins."""
-        p.parse_control(p.ControlRequest(op=op, args=args))
+        pv.parse_control(p.ControlRequest(op=op, args=args))
         if op == p.SYNC_STATE:
             raise p.RequestError(p.UNSUPPORTED, "sync_state is internal to the router")
         if op in HEAVY_READS:

@@ -12,14 +12,13 @@ its state lives on the owner only, so when the owner is gone, so is the session.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import secrets
 from dataclasses import dataclass
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.contract.ids import decode_owner, encode_owner
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import hrw_order
 from dpserve.router.pool import ReplicaPool
@@ -40,18 +39,14 @@ class SessionMoved(Exception):
 
 
 def make_session_id(key: str, owner: str) -> str:
-    encoded = base64.urlsafe_b64encode(owner.encode()).decode().rstrip("=")
-    return f"{key}{_SEPARATOR}{encoded}"
+    return f"{key}{_SEPARATOR}{encode_owner(owner)}"
 
 
 def session_owner(session_id: str) -> str:
     """The owner's endpoint recorded in a session id; a malformed id is the client's error."""
     key, _, encoded = session_id.partition(_SEPARATOR)
-    try:
-        owner = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        owner = ""
-    if not key or not owner.startswith("tcp://"):
+    owner = decode_owner(encoded)
+    if not key or owner is None:
         raise p.RequestError(
             p.INVALID_REQUEST, f"{session_id!r} is not a session id this service gave out"
         )

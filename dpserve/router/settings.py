@@ -17,7 +17,7 @@ from dpserve.router.pool import PoolSettings
 from dpserve.router.realtime_ws import RealtimeSettings
 
 if TYPE_CHECKING:
-    from dpserve.wire import WireKey
+    from dpserve.plumbing.curve import WireKey
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from starlette.responses import StreamingResponse
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.openai_api import BACKGROUND, NO_USAGE, size_of
 
 MEDIA_TYPE: Final = "text/event-stream"

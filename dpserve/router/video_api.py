@@ -1,4 +1,4 @@
-"""OpenAI's video API over the job contract (dpserve/video.py): the create body (JSON,
+"""OpenAI's video API over the job contract (dpserve/contract/video.py): the create body (JSON,
 or a multipart form with an ``input_reference`` image file, as the openai client
 sends it), the list's query and paging, and the answers' shapes.
 
@@ -17,9 +17,10 @@ from typing import Any, Final
 
 from starlette.datastructures import UploadFile
 
-from dpserve import protocol as p
-from dpserve import video
-from dpserve.model_info import Features
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract import video
+from dpserve.contract.model_info import Features
 from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
 from dpserve.router.forms import FORM_TYPE, form_items, is_form, typed_value
 from dpserve.router.schemas import form_types
@@ -79,7 +80,7 @@ async def read_create(raw: bytes, content_type: str | None) -> VideoAsk:
 
 def parse_create(
     asked: VideoAsk,
-    limits: p.Limits,
+    limits: pv.Limits,
     features: Features | None,
     served: str | None = None,
 ) -> p.GenerateParams:
@@ -129,7 +130,7 @@ async def _read_form(raw: bytes, content_type: str) -> VideoAsk:
         else:
             body[name] = _typed(name, value, problems)
     if problems:
-        raise p.invalid_fields(problems)
+        raise pv.invalid_fields(problems)
     return VideoAsk(body, reference)
 
 
@@ -146,22 +147,24 @@ def _json_reference(raw: Any) -> bytes | None:
     url = raw.get("image_url") if isinstance(raw, dict) else None
     head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
     if not (head.startswith("data:") and head.endswith(";base64")):
-        raise p.invalid_fields([p.FieldError(REFERENCE, _REFERENCE_HOW)])
+        raise pv.invalid_fields([p.FieldError(REFERENCE, _REFERENCE_HOW)])
     try:
         image = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise p.invalid_fields([p.FieldError(REFERENCE, "holds data that is not base64")]) from None
+        raise pv.invalid_fields(
+            [p.FieldError(REFERENCE, "holds data that is not base64")]
+        ) from None
     problem = _image_problem(image, "the image_url data")
     if problem is not None:
-        raise p.invalid_fields([p.FieldError(REFERENCE, problem)])
+        raise pv.invalid_fields([p.FieldError(REFERENCE, problem)])
     return image
 
 
 def _image_problem(data: bytes, name: str) -> str | None:
     if not data:
         return f"{name!r} is empty"
-    if len(data) > p.MAX_EDIT_IMAGE_BYTES:
-        return f"{name!r} is {len(data)} bytes; at most {p.MAX_EDIT_IMAGE_BYTES >> 20} MiB"
+    if len(data) > pv.MAX_EDIT_IMAGE_BYTES:
+        return f"{name!r} is {len(data)} bytes; at most {pv.MAX_EDIT_IMAGE_BYTES >> 20} MiB"
     if not is_image(data):
         return f"{name!r} is not an image ({_IMAGE_KINDS})"
     return None
@@ -203,7 +206,7 @@ def parse_list(query: Mapping[str, str]) -> ListQuery:
     if order not in ORDERS:
         problems.append(p.FieldError("order", f"must be asc or desc, got {order[:20]!r}"))
     if problems:
-        raise p.invalid_fields(problems)
+        raise pv.invalid_fields(problems)
     return ListQuery(after, limit, order)
 
 
@@ -214,7 +217,7 @@ def page(jobs: Sequence[video.VideoJob], query: ListQuery) -> tuple[list[video.V
     if query.after is not None:
         at = next((i for i, j in enumerate(ordered) if j.id == query.after), None)
         if at is None:
-            raise p.invalid_fields(
+            raise pv.invalid_fields(
                 [
                     p.FieldError(
                         "after",

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpserve import protocol as p
-from dpserve import video
+from dpserve.contract import validation as pv
+from dpserve.contract import video
 from dpserve.router.schemas import ErrorResponse
 
 
@@ -21,8 +21,8 @@ class _VideoFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, named
 
-    prompt: str = Field(max_length=p.MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, max_length=p.MAX_PROMPT_CHARS)
+    prompt: str = Field(max_length=pv.MAX_PROMPT_CHARS)
+    negative_prompt: str | None = Field(None, max_length=pv.MAX_PROMPT_CHARS)
     seconds: str | None = Field(
         None, description='length, as OpenAI sends it ("4"); rounds to frames the model makes'
     )
@@ -33,9 +33,9 @@ class _VideoFields(BaseModel):
     num_frames: int | None = Field(
         None, ge=1, description="instead of seconds: frame_factor*k+1 (GET /v1/models features)"
     )
-    seed: int | None = Field(None, ge=0, le=p.MAX_SEED, description="default: a random one")
-    num_inference_steps: int | None = Field(None, ge=1, le=p.Limits.max_steps)
-    guidance_scale: float | None = Field(None, ge=0, le=p.Limits.max_scale)
+    seed: int | None = Field(None, ge=0, le=pv.MAX_SEED, description="default: a random one")
+    num_inference_steps: int | None = Field(None, ge=1, le=pv.Limits.max_steps)
+    guidance_scale: float | None = Field(None, ge=0, le=pv.Limits.max_scale)
     model: str | None = Field(
         None, description="the served model's name (GET /v1/models); another is a 404"
     )

@@ -1,5 +1,5 @@
 """Video jobs through the router: placement, the watch that re-runs a lost job, and
-finding any job from any router (dpserve/video.py has the whole design).
+finding any job from any router (dpserve/contract/video.py has the whole design).
 
 **Place.** A job takes a slot at once (:meth:`Admission.place`: the policy's pick,
 past the in-flight cap, no waiting): it queues at its replica, whose --max-queue
@@ -48,8 +48,9 @@ from typing import Final, NoReturn
 
 import msgspec
 
-from dpserve import protocol as p
-from dpserve import video
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract import video
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.replica import Replica, Slot
@@ -137,7 +138,7 @@ class VideoJobs:
         The submission finishes even if its caller is cancelled (a client that left):
         a job a replica took is then watched like any other, not orphaned there.
         """
-        task = asyncio.ensure_future(self._submit(p.fill_seeds(params), blobs))
+        task = asyncio.ensure_future(self._submit(pv.fill_seeds(params), blobs))
         self._submits.add(task)
         task.add_done_callback(self._submits.discard)
         task.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -403,7 +404,7 @@ class VideoJobs:
         """A completed job's mp4 or thumbnail; 409 while it is not completed."""
         if variant not in video.MEDIA_TYPES:
             offered = ", ".join(video.MEDIA_TYPES)
-            raise p.invalid_fields(
+            raise pv.invalid_fields(
                 [p.FieldError("variant", f"is {variant[:40]!r}; this service offers {offered}")]
             )
         held = await self.find(job_id)

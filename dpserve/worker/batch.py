@@ -23,7 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
-from dpserve.protocol import GENERATE, GenerateParams
+from dpserve.contract.protocol import (
+    GENERATE,
+    GenerateParams,
+)
 from dpserve.worker.commands import GangCommand
 
 T = TypeVar("T")

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from dpserve.protocol import GenerateParams
+from dpserve.contract.protocol import (
+    GenerateParams,
+)
 from dpserve.worker.pipeline import pipeline_kwargs
 
 

@@ -29,8 +29,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dpserve.model_info import FlowShift, TextLength
-from dpserve.protocol import UNSUPPORTED, FieldError, GenerateParams, RequestError
+from dpserve.contract.model_info import FlowShift, TextLength
+from dpserve.contract.protocol import (
+    UNSUPPORTED,
+    FieldError,
+    GenerateParams,
+    RequestError,
+)
 
 # The scheduler switch that, when on, replaces its shift by one from the image size.
 _DYNAMIC: Final = "use_dynamic_shifting"

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dpserve.layout import Axis, ParallelConfig, RankInfo, all_groups, rank_info
+from dpserve.contract.layout import Axis, ParallelConfig, RankInfo, all_groups, rank_info
 from dpserve.worker.parallel import ParallelGroups
 
 

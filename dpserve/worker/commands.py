@@ -8,9 +8,12 @@ from typing import Any, Final
 
 import msgspec
 
-from dpserve.cost import Calibration
-from dpserve.protocol import ControlRequest, GenerateParams
-from dpserve.realtime import SessionRequest
+from dpserve.contract.cost import Calibration
+from dpserve.contract.protocol import (
+    ControlRequest,
+    GenerateParams,
+)
+from dpserve.contract.realtime import SessionRequest
 from dpserve.worker.load import BusyWindow
 
 TICK: Final = "tick"  # idle heartbeat: proves the gang is alive, keeps collectives warm
@@ -62,7 +65,8 @@ class GangStatus:
     sessions: int = 0
     session_bytes: int = 0
     max_batch: int = 1  # --max-batch, reported in pings (the router's per-replica cap)
-    # Seconds per cost unit, observed by the output rank after each generation (dpserve.cost).
+    # Seconds per cost unit, observed by the output rank after each generation
+    # (dpserve.contract.cost).
     calibration: Calibration = field(default_factory=Calibration)
     load: BusyWindow = field(default_factory=BusyWindow)  # busy_fraction's window
 

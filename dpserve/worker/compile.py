@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import torch
 
-from dpserve.model_info import CompileInfo
+from dpserve.contract.model_info import CompileInfo
 
 Forward = Callable[..., Any]
 MAX_SIZES: Final = 8  # dynamo's default recompile limit: graphs kept per function

@@ -1,7 +1,7 @@
 """Control operations on one replica: weights, LoRA adapters, memory, introspection.
 
 Every op runs on every rank of the gang with the same arguments. A state-changing
-op becomes a whole control state (dpserve.control_state) that each rank brings
+op becomes a whole control state (dpserve.contract.control_state) that each rank brings
 itself to; the ranks then agree, and if any rank failed every rank returns to the
 state it held before, so the ranks of a gang never differ. The executor gathers
 the per-rank outcomes and the driver answers once.
@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
-from dpserve.control_state import (
+from dpserve.contract.control_state import (
     ControlState,
     StateDoc,
     answer,
@@ -27,8 +27,8 @@ from dpserve.control_state import (
     reduce,
     refusal,
 )
-from dpserve.model_info import ModelInfo, RankWeights, ReplicaFacts
-from dpserve.protocol import (
+from dpserve.contract.model_info import ModelInfo, RankWeights, ReplicaFacts
+from dpserve.contract.protocol import (
     CONFLICT,
     INVALID_REQUEST,
     MUTATING_OPS,

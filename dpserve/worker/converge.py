@@ -1,4 +1,4 @@
-"""Bring one rank's pipeline to a control state (dpserve.control_state), all or nothing.
+"""Bring one rank's pipeline to a control state (dpserve.contract.control_state), all or nothing.
 
 The state's parts are applied in the order they depend on each other: weights
 back on the device, modules reloaded (which drops adapters: they belonged to
@@ -22,8 +22,11 @@ from typing import Any
 import msgspec
 import torch
 
-from dpserve.control_state import ControlState, WeightSource, bad
-from dpserve.protocol import INTERNAL, RequestError
+from dpserve.contract.control_state import ControlState, WeightSource, bad
+from dpserve.contract.protocol import (
+    INTERNAL,
+    RequestError,
+)
 from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.parallel.encoders import EncoderRelay, relayed

@@ -1,4 +1,4 @@
-"""The loaded pipeline's side of the cost model (dpserve.cost): its defaults and what
+"""The loaded pipeline's side of the cost model (dpserve.contract.cost): its defaults and what
 its prompt's text tokens add to every denoising step."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dpserve.protocol import CostReport
+from dpserve.contract.protocol import (
+    CostReport,
+)
 from dpserve.worker.pipeline import Pipeline, cfg_report, guides_by_scale, size_factor
 
 if TYPE_CHECKING:

@@ -37,7 +37,11 @@ import torch
 import torch.distributed as dist
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from dpserve.protocol import CANCELLED, DEADLINE_EXCEEDED, RequestError
+from dpserve.contract.protocol import (
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    RequestError,
+)
 
 Forward = Callable[..., Any]
 # The driver's look at the running request: why it must stop now (a CANCELLED or

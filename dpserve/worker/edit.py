@@ -23,16 +23,18 @@ from typing import TYPE_CHECKING, Any, Final
 
 from PIL import Image, UnidentifiedImageError
 
-from dpserve.protocol import (
+from dpserve.contract.protocol import (
     INVALID_REQUEST,
-    MAX_EDIT_IMAGE_BYTES,
-    MAX_EDIT_IMAGES,
-    MAX_EDIT_PIXELS,
     UNSUPPORTED,
     EditInput,
     FieldError,
     GenerateParams,
     RequestError,
+)
+from dpserve.contract.validation import (
+    MAX_EDIT_IMAGE_BYTES,
+    MAX_EDIT_IMAGES,
+    MAX_EDIT_PIXELS,
 )
 
 if TYPE_CHECKING:  # the ingress thread checks uploads without loading torch

@@ -14,11 +14,11 @@ from typing import Any
 import msgspec
 import torch
 
-from dpserve import realtime as rt
 from dpserve.config.worker import WorkerConfig
-from dpserve.model_info import decode as decode_model_info
-from dpserve.model_info import gathered
-from dpserve.protocol import (
+from dpserve.contract import realtime as rt
+from dpserve.contract.model_info import decode as decode_model_info
+from dpserve.contract.model_info import gathered
+from dpserve.contract.protocol import (
     INTERNAL,
     RESULT,
     ControlRequest,
@@ -228,7 +228,7 @@ class Executor:
         peak_mb = self._gang_peak_mb()
         if not output_rank:
             return [[] for _ in batch]
-        # The router's cost model learns this replica's seconds per unit (dpserve.cost).
+        # The router's cost model learns this replica's seconds per unit (dpserve.contract.cost).
         units = sum(self.status.calibration.units(p) for p in params)
         self.status.calibration.observe(units, inference_s)
         if first.video is not None:

@@ -7,8 +7,12 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Final
 
-from dpserve import model_info as contract
-from dpserve.protocol import MAX_PARTIAL_IMAGES, OUTPUT_FORMATS, Limits
+from dpserve.contract import model_info as contract
+from dpserve.contract.validation import (
+    MAX_PARTIAL_IMAGES,
+    OUTPUT_FORMATS,
+    Limits,
+)
 from dpserve.worker.call_settings import CallSettings
 from dpserve.worker.edit import EditSupport, edit_support
 from dpserve.worker.pipeline import Pipeline, call_defaults
@@ -22,7 +26,7 @@ _FALLBACK_FRAMES: Final = 81  # Wan's default length, for a pipeline that declar
 
 @dataclass(frozen=True)
 class VideoSupport:
-    """A video model's frames (dpserve.video): counts are ``frame_factor * k + 1``."""
+    """A video model's frames (dpserve.contract.video): counts are ``frame_factor * k + 1``."""
 
     max_frames: int
     frame_factor: int

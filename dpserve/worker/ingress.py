@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
-from dpserve import video as v
-from dpserve.transport import bind_router, bound_endpoint, inproc_pair
-from dpserve.wire import Gatekeeper, WireKey, plaintext_warning
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.contract import validation as pv
+from dpserve.contract import video as v
+from dpserve.plumbing.curve import Gatekeeper, WireKey, plaintext_warning
+from dpserve.plumbing.transport import bind_router, bound_endpoint, inproc_pair
 from dpserve.worker.batch import Batching
 from dpserve.worker.commands import GangCommand, GangStatus, Generation
 from dpserve.worker.edit import check_edit, fitted_size, upload_size
@@ -199,7 +200,7 @@ class Ingress:
         self,
         endpoint: str,
         replica: int,
-        limits: p.Limits,
+        limits: pv.Limits,
         status: GangStatus,
         max_queue: int,
         stall_s: float,
@@ -415,14 +416,14 @@ class Ingress:
         if message.kind == p.VIDEO:  # answered at once; a submit queues the job's generation
             return self._video(message)
         if message.kind == p.GENERATE:
-            params = p.fill_seeds(self._generate(message))
+            params = pv.fill_seeds(self._generate(message))
             blobs = list(message.blobs) if params.edit is not None else []
             batch = [Generation(id=message.id, params=params)]
             command = GangCommand(kind=p.GENERATE, id=message.id, batch=batch, blobs=blobs)
         elif message.kind == p.SESSION:
             command = self._session(message)
         elif message.kind == p.CONTROL:
-            control = p.parse_control(message.body_as(p.ControlRequest))
+            control = pv.parse_control(message.body_as(p.ControlRequest))
             command = GangCommand(kind=p.CONTROL, id=message.id, control=control)
         else:
             kinds = ", ".join(sorted(p.REQUEST_KINDS))
@@ -451,7 +452,7 @@ class Ingress:
         model serves. An edit without a size takes its first image's (fitted)."""
         body: Any = message.body_as(dict)
         blobs = message.blobs
-        params = p.parse_generate(body, self.limits, blobs=len(blobs))
+        params = pv.parse_generate(body, self.limits, blobs=len(blobs))
         features = self.features
         if features is not None and params.partial_images > features.partial_images:
             limit = features.partial_images
@@ -471,7 +472,7 @@ class Ingress:
             width, height = fitted_size(size, self.limits.size_factor, self.limits.max_side)
             # Parsed again so the fitted size meets every bound a given one does.
             body = {k: v for k, v in body.items() if k != "size"}
-            params = p.parse_generate(
+            params = pv.parse_generate(
                 {**body, "width": width, "height": height}, self.limits, blobs=len(blobs)
             )
         return params
@@ -520,7 +521,7 @@ class Ingress:
             raise p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
         if book.holds(request.job_id):  # a re-run sent twice: the job is here already
             return book.get(request.job_id)
-        params = p.fill_seeds(self._video_params(request.params, blobs))
+        params = pv.fill_seeds(self._video_params(request.params, blobs))
         command = GangCommand(
             kind=p.GENERATE,
             id=request.job_id,
@@ -640,7 +641,7 @@ class Ingress:
         )
 
 
-def _check_session_params(params: rt.SessionParams, limits: p.Limits) -> None:
+def _check_session_params(params: rt.SessionParams, limits: pv.Limits) -> None:
     """The bounds a generation request gets, applied to what a session renders."""
     body = {
         "prompt": params.prompt,
@@ -653,7 +654,7 @@ def _check_session_params(params: rt.SessionParams, limits: p.Limits) -> None:
         "seed": params.seed,
         "output_format": params.output_format,
     }
-    p.parse_generate({k: v for k, v in body.items() if v is not None}, limits)
+    pv.parse_generate({k: v for k, v in body.items() if v is not None}, limits)
     if not 1 <= params.frame_steps <= limits.max_steps or not 0 < params.strength <= 1:
         raise p.RequestError(
             p.INVALID_REQUEST,

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from dpserve.control_state import bad
-from dpserve.protocol import RequestError
+from dpserve.contract.control_state import bad
+from dpserve.contract.protocol import (
+    RequestError,
+)
 
 # One text for every refusal, whatever the cause (see the module's docstring).
 REFUSED: Final = (

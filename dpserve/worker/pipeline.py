@@ -13,8 +13,8 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
-from dpserve.cost import cfg_branches
-from dpserve.protocol import (
+from dpserve.contract.cost import cfg_branches
+from dpserve.contract.protocol import (
     INVALID_REQUEST,
     UNSUPPORTED,
     CostReport,
@@ -133,7 +133,7 @@ def guides_by_scale(pipe: Pipeline) -> bool:
 
 
 def cfg_report(defaults: Mapping[str, Any], by_guidance: bool) -> CostReport:
-    """The pipeline's CFG defaults as the cost model reads them (dpserve.cost)."""
+    """The pipeline's CFG defaults as the cost model reads them (dpserve.contract.cost)."""
     guidance = float(defaults.get("guidance_scale") or 1.0) if by_guidance else None
     return CostReport(
         default_true_cfg_scale=float(defaults.get("true_cfg_scale") or 1.0),

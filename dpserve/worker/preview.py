@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
-from dpserve.protocol import PARTIAL, GenerateParams, PartialImage, encode
+from dpserve.contract.protocol import (
+    PARTIAL,
+    GenerateParams,
+    PartialImage,
+    encode,
+)
 from dpserve.worker.encode import encode_image
 from dpserve.worker.pipeline import Pipeline
 

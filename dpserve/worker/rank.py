@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
 from dpserve.config.worker import WorkerConfig
-from dpserve.layout import describe
-from dpserve.proc import die_with_parent
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.contract.layout import describe
+from dpserve.plumbing.proc import die_with_parent
 from dpserve.worker.commands import STOP, TICK, GangCommand, GangStatus, decode_command
 from dpserve.worker.commands import encode_command as _encode
 from dpserve.worker.heartbeat import Heartbeats
@@ -183,7 +183,7 @@ def _with_replica(info: Any, replica: int) -> Any:
 
 
 def _build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Executor:
-    from dpserve.model_info import GangShape, ReplicaFacts
+    from dpserve.contract.model_info import GangShape, ReplicaFacts
     from dpserve.worker.control import ControlOps
     from dpserve.worker.executor import Executor
     from dpserve.worker.parallel import ModelParallel, ParallelUnsupported
@@ -364,19 +364,19 @@ def _warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = 
         executor.ops.info = msgspec.structs.replace(facts, compile=compiler.info())
     # A warm-up pays first-call costs (and compiles): no measure of a request. An
     # uncalibrated replica borrows the others' figure, so it is not passed over until
-    # its own traffic calibrates it (dpserve.cost, docs/router.md).
+    # its own traffic calibrates it (dpserve.contract.cost, docs/router.md).
     executor.status.calibration.forget()
 
 
 def _open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
-    from dpserve.wire import WireKey
+    from dpserve.plumbing.curve import WireKey
     from dpserve.worker.batch import Batching
     from dpserve.worker.ingress import Ingress
     from dpserve.worker.video_jobs import VideoBook
 
     facts = executor.ops.info
     assert facts is not None  # set by _build_executor
-    limits = facts.limits()  # the router checks with the same (dpserve.model_info)
+    limits = facts.limits()  # the router checks with the same (dpserve.contract.model_info)
     ingress = Ingress(
         cfg.endpoint,
         cfg.replica,

@@ -27,7 +27,7 @@ import msgspec
 import torch
 from PIL import Image
 
-from dpserve.protocol import (
+from dpserve.contract.protocol import (
     CONFLICT,
     NOT_FOUND,
     OVERLOADED,
@@ -35,7 +35,7 @@ from dpserve.protocol import (
     GenerateParams,
     RequestError,
 )
-from dpserve.realtime import SessionParams
+from dpserve.contract.realtime import SessionParams
 from dpserve.worker.edit import decode_image, fitted_size, image_to_image
 from dpserve.worker.pipeline import Pipeline, pipeline_kwargs, size_factor
 

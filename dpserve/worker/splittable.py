@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpserve.layout import LayoutError, ParallelConfig
+from dpserve.contract.layout import LayoutError, ParallelConfig
 
 # The denoisers each split can cut: tp needs a sharding plan, sp a sequence cut.
 TENSOR_SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel",)

@@ -34,14 +34,16 @@ from typing import Any, Final
 
 import torch
 
-from dpserve.protocol import (
-    STEP_CACHE_KNOBS,
-    STEP_CACHE_OFF,
+from dpserve.contract.protocol import (
     UNSUPPORTED,
-    FieldChecker,
     FieldError,
     RequestError,
     StepCache,
+)
+from dpserve.contract.validation import (
+    STEP_CACHE_KNOBS,
+    STEP_CACHE_OFF,
+    FieldChecker,
     parse_step_cache,
 )
 

@@ -1,4 +1,4 @@
-"""A video generation (``params.video`` set, dpserve.video) in the gang: which model
+"""A video generation (``params.video`` set, dpserve.contract.video) in the gang: which model
 may run it, its pipeline arguments, its progress, and the output rank's reply.
 
 A job's frames, rate and seed are fixed by the replica that accepts it before it
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dpserve import protocol as p
-from dpserve import video as v
+from dpserve.contract import protocol as p
+from dpserve.contract import video as v
 from dpserve.worker.edit import decode_image
 from dpserve.worker.encode import encode_image
 from dpserve.worker.features import VideoSupport

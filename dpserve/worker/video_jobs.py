@@ -1,6 +1,6 @@
 """The replica's video job book: each job's record, and the finished files on disk.
 
-The driver owns it (dpserve/video.py says why jobs live on their replica). The
+The driver owns it (dpserve/contract/video.py says why jobs live on their replica). The
 ingress thread reads it and submits, deletes and lists; the gang loop's thread
 reports through it (started, progress, the output rank's answer). One lock covers
 the records; files are written before a record says ``completed``, so a reader
@@ -31,8 +31,8 @@ from typing import Final
 
 import msgspec
 
-from dpserve import protocol as p
-from dpserve import video as v
+from dpserve.contract import protocol as p
+from dpserve.contract import video as v
 
 log = logging.getLogger(__name__)
 

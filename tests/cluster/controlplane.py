@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from dpserve.ports import free_ports
+from dpserve.plumbing.ports import free_ports
 
 HERE = Path(__file__).resolve().parent
 KUBECTL = os.environ.get("KUBECTL", shutil.which("kubectl") or "/usr/bin/kubectl")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dpserve.ports import free_ports
+from dpserve.plumbing.ports import free_ports
 from tests.cluster import cni, hoststate
 from tests.cluster.containerd import Containerd
 from tests.cluster.controlplane import ControlPlane

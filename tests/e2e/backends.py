@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from dpserve.ports import free_port
+from dpserve.plumbing.ports import free_port
 from tests.chart import tools
 from tests.cluster.controlplane import build_binaries
 from tests.cluster.registry import Registry, deliver

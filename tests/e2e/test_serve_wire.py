@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dpserve.client import ReplicaClient, ReplicaTimeout
-from dpserve.wire import WireKey
+from dpserve.plumbing.curve import WireKey
 from tests.servers import ServeProcess
 
 pytestmark = pytest.mark.e2e

@@ -23,10 +23,10 @@ import psutil
 import pytest
 import zmq
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
-from dpserve.transport import connect_dealer
-from dpserve.wire import WireKey, secure_client
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.plumbing.curve import WireKey, secure_client
+from dpserve.plumbing.transport import connect_dealer
 from tests.workers import WorkerProcess, ranks
 
 pytestmark = pytest.mark.e2e

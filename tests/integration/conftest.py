@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpserve import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.ingress import Ingress
 from tests.workers import free_port
@@ -15,7 +15,7 @@ from tests.workers import free_port
 @pytest.fixture()
 def ingress() -> Iterator[Ingress]:
     """A driver's ingress alone (no gang behind it): queue limit 8, 2 sessions."""
-    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, p.Limits(), GangStatus(), 8, 120.0, 2)
+    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, pv.Limits(), GangStatus(), 8, 120.0, 2)
     front.start()
     try:
         yield front

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient
+from dpserve.contract import protocol as p
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient, ReplicaTimeout
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.worker.batch import Batching
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.ingress import Ingress, Work
@@ -24,7 +25,7 @@ def front() -> Iterator[Ingress]:
     ingress = Ingress(
         f"tcp://127.0.0.1:{free_port()}",
         0,
-        p.Limits(),
+        pv.Limits(),
         GangStatus(),
         8,
         120.0,

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
 from dpserve.config.worker import WorkerConfig
+from dpserve.contract import protocol as p
 from tests.executors import one_rank_executors, reply_to
 from tests.pixels import psnr_db
 from tests.workers import free_port

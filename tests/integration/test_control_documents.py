@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpserve.control_state import StateDoc, newest, reduce
-from dpserve.layout import ParallelConfig, rank_info
-from dpserve.protocol import CONFLICT, SYNC_STATE, ControlRequest, RequestError
+from dpserve.contract.control_state import StateDoc, newest, reduce
+from dpserve.contract.layout import ParallelConfig, rank_info
+from dpserve.contract.protocol import (
+    CONFLICT,
+    SYNC_STATE,
+    ControlRequest,
+    RequestError,
+)
 from dpserve.worker.control import ControlOps
 from dpserve.worker.parallel import ModelParallel, ParallelGroups
 from dpserve.worker.pipeline import load_pipeline

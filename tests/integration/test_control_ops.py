@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from dpserve.client import ReplicaClient
-from dpserve.protocol import RequestError
+from dpserve.contract.protocol import (
+    RequestError,
+)
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang

@@ -15,8 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpserve.layout import ParallelConfig, rank_info
-from dpserve.protocol import ControlRequest, RequestError
+from dpserve.contract.layout import ParallelConfig, rank_info
+from dpserve.contract.protocol import (
+    ControlRequest,
+    RequestError,
+)
 from dpserve.worker.control import ControlOps
 from dpserve.worker.parallel import ModelParallel, ParallelGroups
 from dpserve.worker.paths import REFUSED

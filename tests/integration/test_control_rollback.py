@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpserve.layout import ParallelConfig, rank_info
-from dpserve.protocol import ControlRequest, RequestError
+from dpserve.contract.layout import ParallelConfig, rank_info
+from dpserve.contract.protocol import (
+    ControlRequest,
+    RequestError,
+)
 from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
 from dpserve.worker.parallel import ModelParallel, ParallelGroups
 from dpserve.worker.pipeline import load_pipeline

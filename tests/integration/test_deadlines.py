@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang

@@ -14,7 +14,10 @@ import psutil
 import pytest
 from PIL import Image
 
-from dpserve.protocol import GenerateResult, RequestError
+from dpserve.contract.protocol import (
+    GenerateResult,
+    RequestError,
+)
 from tests.workers import WorkerProcess, ranks
 
 pytestmark = pytest.mark.gang

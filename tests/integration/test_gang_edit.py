@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient
+from dpserve.contract import protocol as p
 from tests.integration.test_gang import CFG_REQUEST
 from tests.polling import eventually
 from tests.workers import WorkerProcess

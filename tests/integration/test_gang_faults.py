@@ -16,8 +16,10 @@ import psutil
 import pytest
 
 from dpserve.client import ReplicaClient, ReplicaTimeout
+from dpserve.contract.protocol import (
+    PingResult,
+)
 from dpserve.local import LocalReplicas, ReplicaSetConfig
-from dpserve.protocol import PingResult
 from tests.polling import eventually
 from tests.workers import WorkerProcess, free_port, ranks
 

@@ -8,8 +8,8 @@ import time
 import msgspec
 import pytest
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient, ReplicaTimeout
+from dpserve.contract import protocol as p
 from dpserve.worker.ingress import Ingress
 
 BODY = {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}

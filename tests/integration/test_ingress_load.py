@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient
-from dpserve.cost import cost_units
+from dpserve.contract import protocol as p
+from dpserve.contract.cost import cost_units
 from dpserve.worker.ingress import Ingress
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
 from dpserve.client import ReplicaClient
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
 from dpserve.worker.ingress import Ingress
 
 PARAMS = rt.SessionParams(prompt="a kite", width=64, height=64)

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import realtime as rt
-from dpserve.protocol import RequestError
+from dpserve.contract import realtime as rt
+from dpserve.contract.protocol import (
+    RequestError,
+)
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang

@@ -17,7 +17,7 @@ import pytest
 import zmq.asyncio
 from kubernetes import config
 
-from dpserve.control_state import ControlState, StateDoc
+from dpserve.contract.control_state import ControlState, StateDoc
 from dpserve.router.desired import DesiredState
 from dpserve.router.kubernetes import ConfigMapStateStore, EndpointSliceDiscovery
 from dpserve.router.pool import PoolSettings, ReplicaPool

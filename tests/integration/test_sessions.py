@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
 from dpserve.client import ReplicaClient
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
 from tests.polling import eventually
 from tests.workers import WorkerProcess
 

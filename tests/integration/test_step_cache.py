@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient
 from dpserve.config.worker import WorkerConfig
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features
@@ -134,7 +135,7 @@ def test_the_ingress_refuses_a_cache_the_replica_lacks_before_it_queues() -> Non
         step_caches=StepCaches((), refusal=refusal),
     )
     url = f"tcp://127.0.0.1:{free_port()}"
-    front = Ingress(url, 0, p.Limits(), GangStatus(), 8, 120.0, 2, features=features)
+    front = Ingress(url, 0, pv.Limits(), GangStatus(), 8, 120.0, 2, features=features)
     front.start()
     body = {"prompt": "x", "width": 64, "height": 64, "seed": 1}
     try:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
-from dpserve import video as v
+from dpserve.contract import protocol as p
+from dpserve.contract import video as v
 
 pytest.importorskip("torch")
 pytest.importorskip("av")

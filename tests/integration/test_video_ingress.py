@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
-from dpserve import video as v
 from dpserve.client import ReplicaClient
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract import video as v
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features, VideoSupport
@@ -24,7 +25,7 @@ from dpserve.worker.ingress import JOB_IDENTITY, Ingress
 from dpserve.worker.video_jobs import VideoBook
 from tests.workers import free_port
 
-LIMITS = p.Limits(size_factor=16, min_side=16, max_frames=17, frame_factor=4, default_frames=9)
+LIMITS = pv.Limits(size_factor=16, min_side=16, max_frames=17, frame_factor=4, default_frames=9)
 
 
 @pytest.fixture()
@@ -48,7 +49,7 @@ def _submit(
 ) -> p.Message:
     body = {"prompt": "a cat", "width": 64, "height": 48, "seed": 5, **fields}
     body = {k: value for k, value in body.items() if value is not None}
-    params = v.parse_video(body, p.Limits(), blobs=1 if blobs else 0)
+    params = v.parse_video(body, pv.Limits(), blobs=1 if blobs else 0)
     request = v.VideoRequest(
         action=v.SUBMIT, job_id=job_id, params=params, created_at=99, max_run_s=max_run_s
     )
@@ -171,7 +172,7 @@ def test_bad_jobs_are_refused_before_they_queue(front: Ingress) -> None:
 
 
 def test_an_image_model_refuses_jobs_and_lists_none() -> None:
-    ingress = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, p.Limits(), GangStatus(), 2, 120.0, 2)
+    ingress = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, pv.Limits(), GangStatus(), 2, 120.0, 2)
     ingress.start()
     try:
         job_id = v.make_job_id(ingress.endpoint, "0123456789abcdef")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from tests.parallel_harness import final_latents, relative_error
 
 pytestmark = pytest.mark.gang

@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaTimeout
+from dpserve.contract import protocol as p
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang

@@ -15,10 +15,11 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient, ReplicaTimeout
-from dpserve.transport import bind_router, bound_endpoint, connect_dealer
-from dpserve.wire import WireKey, secure_client
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.plumbing.curve import WireKey, secure_client
+from dpserve.plumbing.transport import bind_router, bound_endpoint, connect_dealer
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.ingress import Ingress
 from tests.workers import free_port
@@ -33,7 +34,7 @@ def key() -> WireKey:
 def secured(key: WireKey) -> Iterator[Ingress]:
     """A driver's ingress under ``key`` (no gang behind it)."""
     front = Ingress(
-        f"tcp://127.0.0.1:{free_port()}", 0, p.Limits(), GangStatus(), 8, 120.0, 2, key=key
+        f"tcp://127.0.0.1:{free_port()}", 0, pv.Limits(), GangStatus(), 8, 120.0, 2, key=key
     )
     front.start()
     try:
@@ -147,7 +148,7 @@ def test_an_oversized_frame_drops_only_its_sender(secured: Ingress, key: WireKey
 
 
 def test_a_driver_without_a_key_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 3, p.Limits(), GangStatus(), 8, 120.0, 2)
+    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 3, pv.Limits(), GangStatus(), 8, 120.0, 2)
     front.start()
     front.close()
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
@@ -156,7 +157,7 @@ def test_a_driver_without_a_key_says_so(caplog: pytest.LogCaptureFixture) -> Non
 
 
 def test_the_caps_cover_the_biggest_legitimate_frames() -> None:
-    from dpserve import realtime as rt
+    from dpserve.contract import realtime as rt
 
     assert p.MAX_REQUEST_FRAME_BYTES >= 2 * rt.MAX_FIRST_FRAME_BYTES
     # One image per reply frame: raw 8-bit RGB at 4096x4096 (max_side's documented ceiling).

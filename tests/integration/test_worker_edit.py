@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
 from dpserve.config.worker import WorkerConfig
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from tests.executors import one_rank_executors, reply_to
 from tests.workers import free_port
 
@@ -65,7 +66,7 @@ def test_features_say_what_the_tiny_flux_serves(executor: Executor) -> None:
         "edits": True,
         "inpainting": True,
         "max_edit_images": 1,
-        "partial_images": p.MAX_PARTIAL_IMAGES,
+        "partial_images": pv.MAX_PARTIAL_IMAGES,
         "output_formats": ["png", "jpeg", "webp"],
         "output_compression": True,
         "max_n": 10,

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
 from dpserve.client import ReplicaClient, ReplicaTimeout
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features
@@ -24,7 +25,7 @@ FLUX = Features(EditSupport(edits=True, inpainting=True, max_images=1), partial_
 
 def _front(features: Features) -> Ingress:
     url = f"tcp://127.0.0.1:{free_port()}"
-    return Ingress(url, 0, p.Limits(), GangStatus(), 8, 120.0, 2, features=features)
+    return Ingress(url, 0, pv.Limits(), GangStatus(), 8, 120.0, 2, features=features)
 
 
 @pytest.fixture()

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
-from dpserve import video as v
 from dpserve.config.worker import WorkerConfig
-from dpserve.layout import ParallelConfig
+from dpserve.contract import protocol as p
+from dpserve.contract import video as v
+from dpserve.contract.layout import ParallelConfig
 from dpserve.worker.splittable import layout_problem
 from tests.executors import one_rank_executors
 from tests.workers import free_port

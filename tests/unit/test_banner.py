@@ -4,7 +4,7 @@ tests/e2e/test_serve_startup.py run them against real servers)."""
 from __future__ import annotations
 
 from dpserve.banner import ModelFacts, Ready, banner
-from dpserve.model_info import ModelInfo, decode
+from dpserve.contract.model_info import ModelInfo, decode
 from tests.stub_replica import FEATURES, model_info
 
 READY = Ready("http://127.0.0.1:8000", 2, "/m", ["tcp://127.0.0.1:5575"], False, 12.34)

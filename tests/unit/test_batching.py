@@ -9,8 +9,11 @@ import time
 import msgspec
 import pytest
 
-from dpserve import protocol as p
-from dpserve.protocol import EditInput, GenerateParams
+from dpserve.contract import protocol as p
+from dpserve.contract.protocol import (
+    EditInput,
+    GenerateParams,
+)
 from dpserve.worker.batch import PER_IMAGE, Batching, compatible, split
 from dpserve.worker.commands import GangCommand, Generation
 from dpserve.worker.ingress import Work, WorkQueue

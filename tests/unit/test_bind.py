@@ -1,4 +1,4 @@
-"""The ports a command claims before its slow start (dpserve/bind.py)."""
+"""The ports a command claims before its slow start (dpserve/plumbing/bind.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from dpserve.bind import PortUnavailable, check_tcp, hold_tcp
-from dpserve.ports import free_port
+from dpserve.plumbing.bind import PortUnavailable, check_tcp, hold_tcp
+from dpserve.plumbing.ports import free_port
 
 
 def test_a_free_port_is_held_bound_until_handed_on() -> None:

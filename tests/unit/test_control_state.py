@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpserve.control_state import (
+from dpserve.contract.control_state import (
     ControlState,
     StateDoc,
     WeightSource,
@@ -15,7 +15,10 @@ from dpserve.control_state import (
     refusal,
     stored_after,
 )
-from dpserve.protocol import SYNC_STATE, RequestError
+from dpserve.contract.protocol import (
+    SYNC_STATE,
+    RequestError,
+)
 
 LORA = {"lora_nickname": "a", "lora_path": "/l/a"}
 

@@ -8,8 +8,12 @@ import threading
 import msgspec
 import pytest
 
-from dpserve.cost import Calibration, cost_units
-from dpserve.protocol import CostReport, EditInput, GenerateParams
+from dpserve.contract.cost import Calibration, cost_units
+from dpserve.contract.protocol import (
+    CostReport,
+    EditInput,
+    GenerateParams,
+)
 from dpserve.worker.load import BusyWindow
 
 SHAPE = CostReport(default_width=1024, default_height=512, default_steps=20, text_megapixels=0.02)

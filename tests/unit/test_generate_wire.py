@@ -15,9 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 
-LIMITS = p.Limits()
+LIMITS = pv.Limits()
 # One non-default value per field, as a router's parse produces it.
 SAMPLES: dict[str, list[Any]] = {
     "negative_prompt": ["blurry"],
@@ -74,7 +75,7 @@ def test_a_field_the_router_sets_reaches_the_driver_as_set(name: str, value: Any
     if name == "video":  # a job's params: the driver decodes them typed, never re-parses
         assert msgspec.convert(body, p.GenerateParams) == params
         return
-    assert p.parse_generate(body, LIMITS, blobs=2) == params
+    assert pv.parse_generate(body, LIMITS, blobs=2) == params
 
 
 def test_fields_left_at_their_defaults_are_absent_on_the_wire() -> None:
@@ -88,7 +89,7 @@ def test_all_fields_at_once_round_trip() -> None:
     given.update(n=1, seed=[4], output_format="webp")
     del given["video"]
     params = p.GenerateParams(prompt="x", **given)
-    assert p.parse_generate(_sent(params), LIMITS, blobs=2) == params
+    assert pv.parse_generate(_sent(params), LIMITS, blobs=2) == params
 
 
 def test_a_client_may_send_a_knob_as_null() -> None:
@@ -97,4 +98,4 @@ def test_a_client_may_send_a_knob_as_null() -> None:
         "prompt": "x",
         "step_cache": {"type": "taylorseer", "interval": None, "threshold": None},
     }
-    assert p.parse_generate(body, LIMITS).step_cache == p.StepCache(type="taylorseer")
+    assert pv.parse_generate(body, LIMITS).step_cache == p.StepCache(type="taylorseer")

@@ -26,7 +26,13 @@ def _worker_modules(loaded: set[str]) -> set[str]:
 
 @pytest.mark.parametrize(
     "module",
-    ["dpserve.protocol", "dpserve.layout", "dpserve.client", "dpserve.cli", "dpserve.local"],
+    [
+        "dpserve.contract.protocol",
+        "dpserve.contract.layout",
+        "dpserve.client",
+        "dpserve.cli",
+        "dpserve.local",
+    ],
 )
 def test_light_modules_do_not_import_torch(module: str) -> None:
     loaded = _modules_after_import(module)
@@ -40,7 +46,7 @@ def test_the_shared_options_are_stdlib_only(module: str) -> None:
     # those, only the layout arithmetic (stdlib too).
     loaded = _modules_after_import(module)
     ours = _modules_of("dpserve", loaded) - _modules_of("dpserve.config", loaded)
-    assert ours <= {"dpserve", "dpserve.layout"}
+    assert ours <= {"dpserve", "dpserve.contract", "dpserve.contract.layout"}
     assert {m.split(".")[0] for m in loaded} & {
         "torch",
         "diffusers",
@@ -54,11 +60,23 @@ def test_the_shared_options_are_stdlib_only(module: str) -> None:
     } == set()
 
 
-def test_the_model_info_contract_belongs_to_neither_side() -> None:
-    # Driver and router both build on dpserve.model_info: it imports neither.
-    loaded = _modules_after_import("dpserve.model_info")
-    assert not _worker_modules(loaded) and not any(m.startswith("dpserve.router") for m in loaded)
-    assert {m.split(".")[0] for m in loaded} & {"torch", "fastapi", "starlette", "zmq"} == set()
+CONTRACT = ("protocol", "validation", "model_info", "realtime", "video", "control_state", "cost")
+CONTRACT += ("layout", "ids")
+PLUMBING = ("transport", "curve", "ports", "bind", "proc", "untrusted")
+
+
+@pytest.mark.parametrize(
+    "module",
+    [f"dpserve.contract.{m}" for m in CONTRACT] + [f"dpserve.plumbing.{m}" for m in PLUMBING],
+)
+def test_the_contract_and_the_plumbing_belong_to_neither_side(module: str) -> None:
+    # Driver, router and operator build on them: they import none of those, nor what only
+    # one side has (torch on the worker, FastAPI on the router, kopf on the operator).
+    loaded = _modules_after_import(module)
+    sides = {"dpserve.worker", "dpserve.router", "dpserve.operator", "dpserve.cli"}
+    assert not {m for m in loaded if any(m == s or m.startswith(s + ".") for s in sides)}
+    heavy = {"torch", "diffusers", "fastapi", "starlette", "kopf", "kubernetes", "pydantic"}
+    assert {m.split(".")[0] for m in loaded} & heavy == set()
 
 
 @pytest.mark.parametrize(

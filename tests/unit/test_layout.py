@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dpserve.layout import (
+from dpserve.contract.layout import (
     AXES,
     Axis,
     LayoutError,
@@ -162,7 +162,7 @@ def test_the_axes_are_those_the_worker_implements() -> None:
 def test_an_older_replicas_pp_axis_is_ignored_by_the_contract() -> None:
     import msgspec
 
-    from dpserve.model_info import GangShape
+    from dpserve.contract.model_info import GangShape
 
     reported = {"tp": 1, "sp": 2, "ulysses": 2, "ring": 1, "pp": 1, "cfg": 2}  # an older replica
     gang = msgspec.structs.asdict(msgspec.convert(reported, GangShape))

@@ -1,4 +1,4 @@
-"""The model's description is a typed contract (dpserve/model_info.py): what the driver
+"""The model's description is a typed contract (dpserve/contract/model_info.py): what the driver
 builds is what the router decodes, a renamed or missing field is an error naming it,
 and both sides check requests with the same limits."""
 
@@ -15,8 +15,9 @@ import msgspec
 import pytest
 import zmq.asyncio
 
-from dpserve import protocol as p
-from dpserve.model_info import (
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract.model_info import (
     CompileInfo,
     GangShape,
     ModelInfo,
@@ -156,13 +157,13 @@ def test_the_limits_from_one_description_are_the_same_on_both_sides() -> None:
         assert router_side == replica_side
         assert replica_side.sequence_split == 2 and replica_side.max_side == 1024
         assert replica_side.min_side == replica_side.size_factor == 16
-        assert replica_side.max_steps == 50 and replica_side.max_n == p.Limits.max_n
+        assert replica_side.max_steps == 50 and replica_side.max_n == pv.Limits.max_n
     video = _facts(WORKER).limits()
     assert (video.max_frames, video.frame_factor, video.default_frames) == (81, 4, 49)
     assert video.default_fps == VIDEO.default_fps
     assert facts.limits().max_frames == 0  # an image model makes no videos
     empty = SimpleNamespace(serving=lambda: [])
-    assert deps.limits(cast(ReplicaPool, empty)) == p.Limits()  # none has said yet
+    assert deps.limits(cast(ReplicaPool, empty)) == pv.Limits()  # none has said yet
 
 
 def test_a_replica_whose_model_info_does_not_decode_is_reported_not_served(

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.layout import ParallelConfig, rank_info
-from dpserve.protocol import Limits, RequestError, parse_generate
+from dpserve.contract.layout import ParallelConfig, rank_info
+from dpserve.contract.protocol import (
+    RequestError,
+)
+from dpserve.contract.validation import (
+    Limits,
+    parse_generate,
+)
 from dpserve.worker.splittable import layout_problem
 
 torch = pytest.importorskip("torch")

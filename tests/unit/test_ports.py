@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from dpserve.ports import free_port, free_ports
+from dpserve.plumbing.ports import free_port, free_ports
 
 
 def _ephemeral_low() -> int:

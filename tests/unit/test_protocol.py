@@ -8,9 +8,10 @@ import random
 import msgspec
 import pytest
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 
-LIMITS = p.Limits(size_factor=16, min_side=16, max_side=1024, max_steps=50)
+LIMITS = pv.Limits(size_factor=16, min_side=16, max_side=1024, max_steps=50)
 
 
 def test_round_trip_keeps_header_body_and_blobs() -> None:
@@ -42,11 +43,11 @@ def test_error_round_trip() -> None:
 
 
 def test_valid_request_with_defaults_and_seed_expansion() -> None:
-    params = p.parse_generate({"prompt": "a cat", "n": 3, "seed": 10, "size": "64x32"}, LIMITS)
+    params = pv.parse_generate({"prompt": "a cat", "n": 3, "seed": 10, "size": "64x32"}, LIMITS)
     assert params.seed == [10, 11, 12]
     assert (params.width, params.height) == (64, 32)
     assert params.num_inference_steps is None and params.output_format == "png"
-    listed = p.parse_generate({"prompt": "a", "n": 2, "seed": [4, 4]}, LIMITS)
+    listed = pv.parse_generate({"prompt": "a", "n": 2, "seed": [4, 4]}, LIMITS)
     assert listed.seed == [4, 4]
 
 
@@ -76,7 +77,7 @@ def test_valid_request_with_defaults_and_seed_expansion() -> None:
 )
 def test_each_bad_field_is_named(body: dict[str, object], fields: set[str]) -> None:
     with pytest.raises(p.RequestError) as err:
-        p.parse_generate(body, LIMITS)
+        pv.parse_generate(body, LIMITS)
     assert err.value.code == p.INVALID_REQUEST
     assert {f.field for f in err.value.fields} == fields
     for name in fields:
@@ -85,14 +86,14 @@ def test_each_bad_field_is_named(body: dict[str, object], fields: set[str]) -> N
 
 def test_non_object_body_is_refused() -> None:
     with pytest.raises(p.RequestError):
-        p.parse_generate([1, 2], LIMITS)
+        pv.parse_generate([1, 2], LIMITS)
 
 
 def test_unknown_control_op_is_refused() -> None:
     with pytest.raises(p.RequestError) as err:
-        p.parse_control(p.ControlRequest(op="format_disk"))
+        pv.parse_control(p.ControlRequest(op="format_disk"))
     assert err.value.code == p.UNSUPPORTED
-    assert p.parse_control(p.ControlRequest(op="set_lora")).op == "set_lora"
+    assert pv.parse_control(p.ControlRequest(op="set_lora")).op == "set_lora"
     assert p.MUTATING_OPS.isdisjoint(p.READ_ONLY_OPS)
 
 
@@ -135,7 +136,7 @@ def test_fuzz_truncated_and_mutated_frames_never_crash_the_decoder() -> None:
             continue
         if isinstance(body, dict):
             with contextlib.suppress(p.RequestError):
-                p.parse_generate(body.get("body"), LIMITS)
+                pv.parse_generate(body.get("body"), LIMITS)
 
 
 # ---------------------------------------------------------------- deadlines and cancel

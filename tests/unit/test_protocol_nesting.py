@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 
 DEEP = b"\x91" * 100_000 + b"\xc0"
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.contract import validation as pv
 from dpserve.router.policies import hrw_order, hrw_owner
 from dpserve.router.realtime_ws import frame_message
 from dpserve.router.sessions import Frame, make_session_id, session_owner
 
-LIMITS = p.Limits(size_factor=16, min_side=16, max_side=512, max_steps=50)
+LIMITS = pv.Limits(size_factor=16, min_side=16, max_side=512, max_steps=50)
 
 
 def _fields(exc: pytest.ExceptionInfo[p.RequestError]) -> set[str]:

@@ -11,7 +11,7 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.routing import Mount, WebSocketRoute
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.access import (
     ADMIN,
     INFERENCE,

@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.connection import ReplicaConnection
 from tests.workers import free_port
 

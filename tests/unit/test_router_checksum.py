@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import httpx
 import zmq.asyncio
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.policies import FanoutAnswer
 from dpserve.router.pool import PoolSettings, ReplicaPool

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import zmq.asyncio
 
-from dpserve import protocol as p
-from dpserve.control_state import ControlState
+from dpserve.contract import protocol as p
+from dpserve.contract.control_state import ControlState
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.desired import DesiredState, MemoryStore
 from dpserve.router.pool import PoolSettings, ReplicaPool

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.forms import EDIT_TYPES, typed_value
 from dpserve.router.schemas import FormTypes, form_types
 from dpserve.router.video_api import FORM_TYPES as VIDEO_TYPES

@@ -24,7 +24,8 @@ import pytest
 import zmq.asyncio
 from fastapi import FastAPI
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.router import peers, schemas
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.forms import IMAGE_FIELDS, MASK_FIELD
@@ -381,7 +382,7 @@ def test_edit_refusals_say_what_to_fix() -> None:
                 (_form(), {"photo": ("a.png", PNG, "image/png")}, 400, "photo is not a known"),
                 (
                     _form(),
-                    {"image": ("big.png", b"x" * (p.MAX_EDIT_IMAGE_BYTES + 1), "image/png")},
+                    {"image": ("big.png", b"x" * (pv.MAX_EDIT_IMAGE_BYTES + 1), "image/png")},
                     400,
                     "'big.png' is",
                 ),
@@ -391,7 +392,7 @@ def test_edit_refusals_say_what_to_fix() -> None:
                 assert answer.status_code == status, (data, answer.text)
                 assert message in answer.json()["error"]["message"], answer.text
             many = [
-                ("image[]", (f"{i}.png", PNG, "image/png")) for i in range(p.MAX_EDIT_IMAGES + 1)
+                ("image[]", (f"{i}.png", PNG, "image/png")) for i in range(pv.MAX_EDIT_IMAGES + 1)
             ]
             answer = await http.post(EDITS, data=_form(), files=many)
             assert answer.status_code == 400 and "at most 16 images" in answer.text
@@ -425,7 +426,7 @@ def test_the_edit_form_schema_names_what_the_parser_takes() -> None:
     schema = create_app(RouterSettings()).openapi()
     form = schema["paths"][EDITS]["post"]["requestBody"]["content"]["multipart/form-data"]
     declared = set(form["schema"]["properties"])
-    accepted = set(p.GENERATE_FIELDS) | OPENAI_ONLY | EDIT_ONLY | peers.ACCEPTED | {"strength"}
+    accepted = set(pv.GENERATE_FIELDS) | OPENAI_ONLY | EDIT_ONLY | peers.ACCEPTED | {"strength"}
     assert declared == accepted | set(IMAGE_FIELDS) | {MASK_FIELD}
     assert sorted(declared) == request_fields()["edits"]
     assert form["schema"]["properties"]["image[]"]["anyOf"][0]["items"]["format"] == "binary"

@@ -27,7 +27,7 @@ from openai.types import ImagesResponse, Model
 from PIL import Image
 from websockets.asyncio.client import connect
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.openai_api import ERROR_CODES
 from dpserve.router.playground import PATHS as PLAYGROUND_PATHS

@@ -6,7 +6,9 @@ from collections import Counter
 
 import pytest
 
-from dpserve.protocol import ErrorBody
+from dpserve.contract.protocol import (
+    ErrorBody,
+)
 from dpserve.router.policies import (
     UNCALIBRATED_SECONDS_PER_UNIT,
     Estimate,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router import peers
 from dpserve.router.openai_api import request_fields
 from tests.unit.test_router_images import BODY, EDITS, GEN, PNG, _router, _run

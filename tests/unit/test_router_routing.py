@@ -21,7 +21,7 @@ import pytest
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.policies import POLICIES, PolicyName
 from dpserve.router.pool import PoolSettings, ReplicaPool

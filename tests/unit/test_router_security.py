@@ -23,9 +23,11 @@ import pytest
 import zmq.asyncio
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
-from dpserve import protocol as p
-from dpserve import realtime as rt
 from dpserve.cli import _router_settings, build_parser
+from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
+from dpserve.contract import validation as pv
+from dpserve.plumbing.untrusted import too_deep
 from dpserve.router import peers, schemas
 from dpserve.router.access import ADMIN, INFERENCE, OPEN, Levels
 from dpserve.router.app import RouterSettings, create_app
@@ -33,7 +35,6 @@ from dpserve.router.auth import Keys, load_key_file
 from dpserve.router.openai_api import OPENAI_ONLY, request_fields
 from dpserve.router.pool import PoolSettings
 from dpserve.router.routes import flat
-from dpserve.untrusted import too_deep
 from tests.stub_replica import StubReplica
 
 T = TypeVar("T")
@@ -428,7 +429,7 @@ def test_openapi_declares_every_body_and_the_key() -> None:
     paths = schema["paths"]
     generation = paths["/v1/images/generations"]["post"]
     body = generation["requestBody"]["content"]["application/json"]["schema"]
-    assert set(body["properties"]) == set(p.GENERATE_FIELDS) | OPENAI_ONLY | peers.ACCEPTED
+    assert set(body["properties"]) == set(pv.GENERATE_FIELDS) | OPENAI_ONLY | peers.ACCEPTED
     assert sorted(body["properties"]) == request_fields()["generations"]
     assert body["required"] == ["prompt"] and body["additionalProperties"] is False
     for path in ("/v1/set_lora", "/update_weights_from_disk", "/release_memory_occupation"):
@@ -462,7 +463,7 @@ def test_a_crash_is_a_json_500_that_says_nothing_of_it() -> None:
 
 def test_serves_banner_says_where_keys_go_and_never_shows_one() -> None:
     from dpserve.banner import ModelFacts, Ready, banner
-    from dpserve.model_info import decode
+    from dpserve.contract.model_info import decode
     from tests.stub_replica import model_info
 
     image = ModelFacts.of(decode({**model_info(), "realtime": "unsupported"}))

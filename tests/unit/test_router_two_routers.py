@@ -21,7 +21,7 @@ import httpx
 import msgspec
 import zmq.asyncio
 
-from dpserve.control_state import ControlState, StateDoc
+from dpserve.contract.control_state import ControlState, StateDoc
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.desired import DesiredState, MemoryStore
 from dpserve.router.pool import PoolSettings, ReplicaPool

@@ -23,15 +23,16 @@ import zmq.asyncio
 from fastapi import FastAPI
 from PIL import Image
 
-from dpserve import protocol as p
-from dpserve import video
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract import video
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.pool import PoolSettings
 from tests.polling import until
 from tests.stub_replica import JPEG, MP4, StubReplica, run_in_context
 
 FAST = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.5, control_timeout_s=5)
-LIMITS = p.Limits(max_frames=33, frame_factor=4, default_frames=17, default_fps=8)
+LIMITS = pv.Limits(max_frames=33, frame_factor=4, default_frames=17, default_fps=8)
 BODY = {"prompt": "a red kite", "size": "64x64", "num_frames": 9, "num_inference_steps": 2}
 STEP_S = 0.02
 SLOW = {**BODY, "num_inference_steps": 100}  # 2 s of steps: not done while a test looks

@@ -15,7 +15,7 @@ import zmq.asyncio
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpserve import video
+from dpserve.contract import video
 from tests.polling import until
 from tests.stub_replica import MP4, StubReplica, run_in_context
 from tests.unit.test_router_videos import BODY, SLOW, create, routers, stubs, until_status

@@ -12,11 +12,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.plumbing.curve import WireKey
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.connection import ReplicaConnection, ReplicaLost
 from dpserve.router.pool import PoolSettings
-from dpserve.wire import WireKey
 from tests.stub_replica import StubReplica
 from tests.workers import free_port
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dpserve import protocol as p
 from dpserve.cli import _router_settings, _serve_settings, build_parser
+from dpserve.contract import protocol as p
+from dpserve.contract.model_info import decode
 from dpserve.local import default_model
-from dpserve.model_info import decode
 from dpserve.router.served_model import check_model, check_name, served_name
 from tests.stub_replica import model_info
 

@@ -7,8 +7,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from dpserve import protocol as p
 from dpserve.config.worker import StepCacheKind, compile_size
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.worker import compile as comp
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features
@@ -19,13 +20,13 @@ BOTH = StepCaches(("first_block_cache", "taylorseer"))
 
 
 def _parse(step_cache: Any) -> p.StepCache | None:
-    return p.parse_generate({"prompt": "x", "step_cache": step_cache}, p.Limits()).step_cache
+    return pv.parse_generate({"prompt": "x", "step_cache": step_cache}, pv.Limits()).step_cache
 
 
 def test_the_config_spells_the_protocols_kinds() -> None:
     from typing import get_args
 
-    assert set(get_args(StepCacheKind)) == set(p.STEP_CACHE_KNOBS)
+    assert set(get_args(StepCacheKind)) == set(pv.STEP_CACHE_KNOBS)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.worker.denoiser import DenoiserPatch, Halted, StopGate
 
 

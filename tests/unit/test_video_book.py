@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dpserve import protocol as p
-from dpserve import video as v
+from dpserve.contract import protocol as p
+from dpserve.contract import video as v
 from dpserve.worker.video_jobs import VideoBook
 
 JOB = v.make_job_id("tcp://10.0.0.1:5555", "0123456789abcdef")

@@ -10,9 +10,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from dpserve import protocol as p
-from dpserve.cost import cfg_branches, cost_units, latent_frames
-from dpserve.model_info import decode
+from dpserve.contract import protocol as p
+from dpserve.contract.cost import cfg_branches, cost_units, latent_frames
+from dpserve.contract.model_info import decode
 from dpserve.worker.batch import Batching, batchable, compatible
 from dpserve.worker.commands import GangCommand, Generation
 

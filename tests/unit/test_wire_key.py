@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from dpserve.wire import WireKey, WireKeyError
+from dpserve.plumbing.curve import WireKey, WireKeyError
 
 
 def test_a_written_key_loads_back_and_only_its_owner_reads_it(tmp_path: Path) -> None:

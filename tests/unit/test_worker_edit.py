@@ -8,7 +8,8 @@ import io
 import pytest
 from PIL import Image
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
 from dpserve.worker.edit import EditSupport, check_edit, decode_image, fitted_size, upload_size
 from dpserve.worker.encode import encode_image
 from dpserve.worker.preview import preview_steps
@@ -37,7 +38,7 @@ def test_uploads_are_checked_from_their_headers_naming_the_field() -> None:
     assert "not a readable image" in str(bad)
     huge = _refusal(p.EditInput(images=[0]), [_png((5000, 4000), "L")])  # KiBs, 20 Mpx
     assert [f.field for f in huge.fields] == ["image[0]"] and "at most 4096x4096" in str(huge)
-    big = _refusal(p.EditInput(images=[0]), [b"\0" * (p.MAX_EDIT_IMAGE_BYTES + 1)])
+    big = _refusal(p.EditInput(images=[0]), [b"\0" * (pv.MAX_EDIT_IMAGE_BYTES + 1)])
     assert "at most 8 MiB" in str(big)
     mask = _refusal(p.EditInput(images=[0], mask=1), [_png((64, 64)), _png((32, 64), "L")])
     assert [f.field for f in mask.fields] == ["mask"] and "size of the first image" in str(mask)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.protocol import RequestError
+from dpserve.contract.protocol import (
+    RequestError,
+)
 from dpserve.worker.paths import REFUSED, AllowedPaths, pickle_problem
 
 

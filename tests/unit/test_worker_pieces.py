@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from dpserve.protocol import ErrorBody, GenerateParams, RequestError
+from dpserve.contract.protocol import (
+    ErrorBody,
+    GenerateParams,
+    RequestError,
+)
 
 torch = pytest.importorskip("torch")
 

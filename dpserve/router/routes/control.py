@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router import schemas
 from dpserve.router.access import admin
 from dpserve.router.bodies import parse_object, read_body

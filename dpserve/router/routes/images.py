@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
 from dpserve.router import deps, jobs, schemas
 from dpserve.router.access import inference, public
 from dpserve.router.bodies import BadBody, parse_object, read_body

@@ -11,9 +11,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from dpserve import protocol as p
-from dpserve.layout import ParallelConfig, describe
-from dpserve.model_info import ModelInfo
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract.layout import ParallelConfig, describe
+from dpserve.contract.model_info import ModelInfo
 from dpserve.router import deps
 from dpserve.router.access import admin, inference
 from dpserve.router.deps import PoolDep, SettingsDep
@@ -93,7 +94,7 @@ def router_features(settings: RouterSettings) -> dict[str, Any]:
         "cancellation": True,
         "request_ids": True,
         "max_upload_bytes": settings.max_upload_bytes,
-        "max_partial_images": p.MAX_PARTIAL_IMAGES,
+        "max_partial_images": pv.MAX_PARTIAL_IMAGES,
         "response_formats": ["b64_json", "url"] if settings.output_dir else ["b64_json"],
         # Every field each image route takes (what the model takes: ``features``).
         "request_fields": request_fields(),

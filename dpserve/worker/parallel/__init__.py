@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dpserve.layout import ParallelConfig, RankInfo
+from dpserve.contract.layout import ParallelConfig, RankInfo
 from dpserve.worker.parallel.attention import SequenceGroups
 from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
 from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut, SequenceSplit

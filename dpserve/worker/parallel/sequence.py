@@ -18,7 +18,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dpserve.protocol import INVALID_REQUEST, RequestError
+from dpserve.contract.protocol import (
+    INVALID_REQUEST,
+    RequestError,
+)
 from dpserve.worker.parallel.attention import SequenceGroups
 from dpserve.worker.parallel.tensor import gather_cat
 

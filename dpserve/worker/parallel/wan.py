@@ -22,7 +22,10 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from dpserve.protocol import INVALID_REQUEST, RequestError
+from dpserve.contract.protocol import (
+    INVALID_REQUEST,
+    RequestError,
+)
 from dpserve.worker.parallel.attention import SequenceGroups, parallel_attention
 from dpserve.worker.parallel.sequence import AttentionScope, Piece, SplitAttention
 

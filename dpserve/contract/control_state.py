@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import msgspec
 
-from dpserve.protocol import (
+from dpserve.contract.protocol import (
     INVALID_REQUEST,
     SYNC_STATE,
     UNAVAILABLE,

@@ -7,7 +7,7 @@ names): ``init`` opens a session (or ``resume`` attaches to one by id),
 server answers ``init_ack``, then ``frame`` messages whose ``content`` is the
 encoded image as msgpack binary, or ``error``.
 
-Router → owner: one ZMQ message kind, :data:`dpserve.protocol.SESSION`, whose
+Router → owner: one ZMQ message kind, :data:`dpserve.contract.protocol.SESSION`, whose
 body says the action. A frame travels as its own ZMQ frame, never inside the
 header. Parsing is pure and names every bad field, like ``parse_generate``.
 """
@@ -20,18 +20,20 @@ from typing import Any, Final
 
 import msgspec
 
-from dpserve.protocol import (
+from dpserve.contract.protocol import (
     INVALID_REQUEST,
+    RequestError,
+)
+from dpserve.contract.validation import (
     MAX_PROMPT_CHARS,
     MAX_SEED,
     OUTPUT_FORMATS,
     FieldChecker,
     Limits,
-    RequestError,
     invalid_fields,
     parse_size,
 )
-from dpserve.untrusted import MAX_DEPTH, too_deep
+from dpserve.plumbing.untrusted import MAX_DEPTH, too_deep
 
 # Actions of a SESSION message.
 OPEN: Final = "open"

@@ -21,7 +21,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from dpserve.protocol import Limits
+from dpserve.contract.validation import (
+    Limits,
+)
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -31,7 +33,8 @@ class ModelInfoError(ValueError):
 
 
 class GangShape(msgspec.Struct, frozen=True, kw_only=True):
-    """One replica's parallel degrees (dpserve.layout; a deployment's dp is its replicas)."""
+    """One replica's parallel degrees (dpserve.contract.layout); a deployment's dp is its
+    replicas."""
 
     tp: Positive
     sp: Positive
@@ -62,7 +65,7 @@ class FlowShift(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class VideoFeatures(msgspec.Struct, frozen=True, kw_only=True):
-    """A video model's frames (dpserve.video): counts are ``frame_factor * k + 1``."""
+    """A video model's frames (dpserve.contract.video): counts are ``frame_factor * k + 1``."""
 
     max_frames: Positive
     frame_factor: Positive
@@ -110,7 +113,7 @@ class ReplicaFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What a replica knows about itself once it has booted."""
 
     replica: int
-    layout: str  # dpserve.layout.describe of its gang
+    layout: str  # dpserve.contract.layout.describe of its gang
     parallel: GangShape
     gang_size: Positive
     threads_per_rank: Positive

@@ -25,8 +25,6 @@ as a :class:`VideoResult` with the mp4 and thumbnail blobs, and its progress as
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 import secrets
 from collections.abc import Mapping
@@ -35,7 +33,9 @@ from typing import Any, Final
 
 import msgspec
 
-from dpserve import protocol as p
+from dpserve.contract import protocol as p
+from dpserve.contract import validation as pv
+from dpserve.contract.ids import decode_owner, encode_owner
 
 # VideoRequest.action
 SUBMIT: Final = "submit"
@@ -77,8 +77,7 @@ class JobOwner:
 
 def make_job_id(owner_endpoint: str, boot_id: str) -> str:
     """``video_<128 random bits>.<owner endpoint, base64url>.<owner boot id, 8 hex>``."""
-    encoded = base64.urlsafe_b64encode(owner_endpoint.encode()).decode().rstrip("=")
-    return f"{_PREFIX}{secrets.token_hex(16)}.{encoded}.{boot_id[:8]}"
+    return f"{_PREFIX}{secrets.token_hex(16)}.{encode_owner(owner_endpoint)}.{boot_id[:8]}"
 
 
 def job_owner(job_id: str) -> JobOwner | None:
@@ -86,11 +85,8 @@ def job_owner(job_id: str) -> JobOwner | None:
     if len(job_id) > 300 or not _JOB_ID.match(job_id):
         return None
     _, encoded, boot = job_id.split(".")
-    try:
-        endpoint = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        return None
-    return JobOwner(endpoint, boot) if endpoint.startswith("tcp://") else None
+    endpoint = decode_owner(encoded)
+    return JobOwner(endpoint, boot) if endpoint is not None else None
 
 
 # ---------------------------------------------------------------- wire bodies
@@ -205,7 +201,7 @@ _VIDEO_FIELDS: Final = frozenset(
 
 
 def parse_video(
-    body: Any, limits: p.Limits, ignore: frozenset[str] = frozenset(), blobs: int = 0
+    body: Any, limits: pv.Limits, ignore: frozenset[str] = frozenset(), blobs: int = 0
 ) -> p.GenerateParams:
     """Validate a video job's body; raise ``RequestError`` naming every bad field.
 
@@ -217,20 +213,20 @@ def parse_video(
     """
     if not isinstance(body, Mapping):
         raise p.RequestError(p.INVALID_REQUEST, "the request body must be an object")
-    check = p.FieldChecker(body)
+    check = pv.FieldChecker(body)
     for key in sorted(str(k) for k in body if k not in _VIDEO_FIELDS | ignore):
         check.bad(key, "is not a known field")
     prompt = check.text("prompt", required=True)
     negative = check.text("negative_prompt", required=False)
-    width, height = p.parse_size(check, limits)
+    width, height = pv.parse_size(check, limits)
     steps = check.integer("num_inference_steps", 1, limits.max_steps)
     guidance = check.number("guidance_scale", 0.0, limits.max_scale)
     fps = check.integer("fps", 1, MAX_FPS)
     seconds = _seconds(check)
     frames = check.integer("num_frames", 1, 100_000)  # the model's bounds: resolve_frames
-    seed = check.integer("seed", 0, p.MAX_SEED)
+    seed = check.integer("seed", 0, pv.MAX_SEED)
     if check.errors:
-        raise p.invalid_fields(check.errors)
+        raise pv.invalid_fields(check.errors)
     assert prompt is not None
     spec = p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps)
     if limits.max_frames:
@@ -248,7 +244,7 @@ def parse_video(
     )
 
 
-def _seconds(check: p.FieldChecker) -> float | None:
+def _seconds(check: pv.FieldChecker) -> float | None:
     """OpenAI sends ``seconds`` as a string ("4"); a number is taken too."""
     raw = check.body.get("seconds")
     if raw is None:
@@ -263,7 +259,7 @@ def _seconds(check: p.FieldChecker) -> float | None:
     return value
 
 
-def resolve_frames(spec: p.VideoSpec, limits: p.Limits) -> p.VideoSpec:
+def resolve_frames(spec: p.VideoSpec, limits: pv.Limits) -> p.VideoSpec:
     """The frames, rate and length a job gets on a model with these limits.
 
     ``num_frames`` wins over ``seconds``; ``seconds`` rounds to the nearest frame
@@ -280,11 +276,11 @@ def resolve_frames(spec: p.VideoSpec, limits: p.Limits) -> p.VideoSpec:
     if spec.num_frames is not None:
         frames = spec.num_frames
         if frames % factor != 1 % factor or not 1 <= frames <= top:
-            raise p.invalid_fields([p.FieldError("num_frames", f"is {frames}, but {what}")])
+            raise pv.invalid_fields([p.FieldError("num_frames", f"is {frames}, but {what}")])
     elif spec.seconds is not None:
         frames = round(spec.seconds * fps / factor) * factor + 1
         if frames > top:
-            raise p.invalid_fields([p.FieldError("seconds", f"is {spec.seconds:g}, but {what}")])
+            raise pv.invalid_fields([p.FieldError("seconds", f"is {spec.seconds:g}, but {what}")])
     else:
         frames = min(limits.default_frames, top)
     return p.VideoSpec(num_frames=frames, seconds=round((frames - 1) / fps, 3), fps=fps)

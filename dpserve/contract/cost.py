@@ -21,7 +21,7 @@ rest (text encoding, latents) was within noise of zero at 64², so it is not
 modelled, and the VAE decode (about one step's image work) is left to calibration
 (docs/router.md, "Routing policies").
 
-Stdlib, msgspec and :mod:`dpserve.protocol` only: the router imports this, and no torch.
+Stdlib, msgspec and :mod:`dpserve.contract.protocol` only: the router imports this, and no torch.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import threading
 
 import msgspec
 
-from dpserve.protocol import CostReport, GenerateParams
+from dpserve.contract.protocol import (
+    CostReport,
+    GenerateParams,
+)
 
 
 def cfg_branches(params: GenerateParams, report: CostReport) -> int:

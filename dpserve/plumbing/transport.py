@@ -6,8 +6,11 @@ from typing import Any, Final, TypeVar
 
 import zmq
 
-from dpserve.protocol import MAX_REPLY_FRAME_BYTES, MAX_REQUEST_FRAME_BYTES
-from dpserve.wire import WireKey, secure_client, secure_server
+from dpserve.contract.protocol import (
+    MAX_REPLY_FRAME_BYTES,
+    MAX_REQUEST_FRAME_BYTES,
+)
+from dpserve.plumbing.curve import WireKey, secure_client, secure_server
 
 # Pending frames are dropped this long after close: a reply to a peer that went
 # away must never keep a process from exiting.
