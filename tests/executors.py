@@ -27,8 +27,8 @@ def one_rank_executors(
     import torch
     import torch.distributed as dist
 
+    from dpserve.worker.boot import build_executor as _build_executor
     from dpserve.worker.comm import init_gang
-    from dpserve.worker.rank import _build_executor
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     threads = torch.get_num_threads()

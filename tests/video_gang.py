@@ -1,5 +1,5 @@
 """Runs video generations on a real gang of rank processes, each with the worker's own
-executor (``rank._build_executor``: process groups, encoder relay, CFG split, stop
+executor (``boot.build_executor``: process groups, encoder relay, CFG split, stop
 gate) after the worker's warm-up, without the gang loop or the ingress; the output
 rank's replies and progress come back as wire frames, and from every rank how many
 transformer passes it computed."""
@@ -51,8 +51,9 @@ def _rank(
     import torch.distributed as dist
 
     from dpserve.config.worker import WorkerConfig
+    from dpserve.worker.boot import build_executor as _build_executor
+    from dpserve.worker.boot import warmup as _warmup
     from dpserve.worker.comm import init_gang
-    from dpserve.worker.rank import _build_executor, _warmup
 
     config = WorkerConfig(model=Path(model), port=1, device="cpu", **layout)
     device = torch.device("cpu")

@@ -29,7 +29,7 @@ BASE = dict(prompt="a red fox", width=64, height=64, num_inference_steps=3, seed
 @pytest.fixture(scope="module")
 def executors(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A compiled executor (warmed at 64x64 by rank.py's warm-up) and an eager one."""
-    from dpserve.worker.rank import _warmup
+    from dpserve.worker.boot import warmup as _warmup
 
     eager_cfg = WorkerConfig(model=tiny_model, port=free_port(), device="cpu")
     compiled_cfg = WorkerConfig(

@@ -105,8 +105,8 @@ def test_the_service_default_applies_unless_a_request_turns_it_off(executors: An
 def test_layouts_and_compile_refuse_a_service_default_at_start(executors: Any) -> None:
     import dataclasses
 
+    from dpserve.worker.boot import accel as _accel
     from dpserve.worker.parallel import ParallelUnsupported
-    from dpserve.worker.rank import _accel
 
     plain, _, config = executors
     tp = dataclasses.replace(config, tp=2, step_cache="taylorseer")

@@ -27,10 +27,11 @@ from tests.workers import free_port
 torch = pytest.importorskip("torch")
 av = pytest.importorskip("av")
 
+from dpserve.worker.boot import accel as _accel  # noqa: E402
+from dpserve.worker.boot import warmup as _warmup  # noqa: E402
 from dpserve.worker.executor import Executor  # noqa: E402
 from dpserve.worker.features import video_support  # noqa: E402
 from dpserve.worker.parallel import ParallelUnsupported  # noqa: E402
-from dpserve.worker.rank import _accel, _warmup  # noqa: E402
 
 BASE: dict[str, Any] = dict(prompt="a cat", width=64, height=48, num_inference_steps=4, seed=[3])
 

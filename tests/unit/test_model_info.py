@@ -43,7 +43,7 @@ FAST = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.5, control_timeout_s=
 
 
 def _facts(features: Features, **changes: Any) -> ReplicaFacts:
-    """A replica's boot facts as rank._build_executor makes them."""
+    """A replica's boot facts as boot.build_executor makes them."""
     fields: dict[str, Any] = {
         "replica": 3,
         "layout": "tp1-sp2(u2r1)-pp1-cfg1-dp1",
@@ -150,7 +150,7 @@ def test_a_newer_peers_extra_field_is_ignored() -> None:
 def test_the_limits_from_one_description_are_the_same_on_both_sides() -> None:
     for features in (WORKER, Features(EditSupport(False, False, 0), 0)):
         facts = _facts(features)
-        replica_side = facts.limits()  # what rank._open_ingress gives the ingress
+        replica_side = facts.limits()  # what boot.open_ingress gives the ingress
         info = decode(_over_the_wire(_answer(facts)))
         pool = SimpleNamespace(serving=lambda info=info: [SimpleNamespace(info=info)])
         router_side = deps.limits(cast(ReplicaPool, pool))
