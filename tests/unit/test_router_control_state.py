@@ -168,9 +168,9 @@ def test_invalid_ops_are_refused_by_the_router_before_any_replica_sees_them() ->
     run_in_context(scenario)
 
 
-@pytest.mark.e2e  # 40,000 ops over real sockets: about a minute
+@pytest.mark.e2e  # 4,000 ops over real sockets: seconds
 def test_catch_up_is_one_call_whatever_the_history() -> None:
-    """20,000 release/resume pairs, then a restarted replica is brought back in one call,
+    """2,000 release/resume pairs, then a restarted replica is brought back in one call,
     in about the time a fresh one takes; the stored state stays one small document."""
 
     async def scenario(ctx: zmq.asyncio.Context) -> None:
@@ -178,10 +178,10 @@ def test_catch_up_is_one_call_whatever_the_history() -> None:
         store = MemoryStore()
         async with _router(stubs, store) as router:
             assert (await router.control("set_lora", LORA)).status == 200
-            for _ in range(20_000):
+            for _ in range(2_000):
                 await router.control("release_memory_occupation", {})
                 await router.control("resume_memory_occupation", {})
-            assert store.doc is not None and store.doc.version == 40_001
+            assert store.doc is not None and store.doc.version == 4_001
             assert len(p.encode(p.RESULT, "x", store.doc.to_builtins())[0]) < 1024
             stubs[1].reboot()
             calls = len(stubs[1].calls)
