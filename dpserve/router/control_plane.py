@@ -138,6 +138,8 @@ class ControlPlane:
             return replica.last_error or replica.status
         if replica.sync_error:
             return replica.sync_error
+        if replica.info_error:  # it answers, but describes its model in a shape we cannot read
+            return replica.info_error
         if doc is not None and not self.accepts(replica.held.state if replica.held else None):
             return f"catching up to control state version {doc.version}"
         return "starting"

@@ -136,15 +136,17 @@ class Health:
         try:
             reply = await replica.conn.request(p.CONTROL, request, self.timeout_s)
             result: p.ControlResult = reply.body_as(p.ControlResult)
-            return decode_model_info(result.result)
+            info = decode_model_info(result.result)
         except ModelInfoError as exc:
-            if replica.last_error != str(exc):  # once, not at every ping
+            if replica.info_error != str(exc):  # once, not at every ping
                 log.error("replica %s cannot serve: %s", replica.name, exc)
-            replica.last_error = str(exc)
+            replica.last_error = replica.info_error = str(exc)
             return None
         except (ReplicaLost, TimeoutError, p.RequestError) as exc:
             replica.last_error = f"model_info failed: {exc}"
             return None
+        replica.info_error = None
+        return info
 
     async def boot_id(self, replica: Replica) -> str | None:
         """The replica's boot id, asked now rather than at its next ping (which records

@@ -6,7 +6,7 @@ write their own fields and read the others'. Who writes what:
 - :class:`~dpserve.router.membership.Membership` makes it (``endpoint``, ``conn``);
 - :class:`~dpserve.router.health.Health` writes what its pings report (from
   ``replica_id`` to ``others_units``, ``answering``, ``missed_pings``,
-  ``last_error``, ``info``);
+  ``last_error``, ``info``, ``info_error``);
 - :class:`~dpserve.router.control_plane.ControlPlane` writes what it holds after a
   control op (``held``, ``sync_error``) and derives ``serving`` from the rest;
 - :class:`~dpserve.router.admission.Admission` writes this router's work there
@@ -46,6 +46,7 @@ class Replica:
     last_error: str | None = None
     last_seen: float = 0.0
     info: ModelInfo | None = None
+    info_error: str | None = None  # why its model_info could not be read, if it could not
     sessions: int = 0  # realtime sessions it holds, as of its last ping
     max_sessions: int = 0
     session_bytes: int = 0

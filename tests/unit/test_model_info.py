@@ -188,7 +188,13 @@ def test_a_replica_whose_model_info_does_not_decode_is_reported_not_served(
                     assert (await http.get("/ready")).status_code == 503
                     models = (await http.get("/v1/models")).json()
                     assert models["data"][0]["features"] is None
-                    await asyncio.sleep(0.3)  # more pings: the error is logged once
+                    [shown] = (await http.get("/health/replicas")).json()["replicas"]
+                    assert shown["state"] != "serving"
+                    assert "$.features.max_n" in shown["last_error"]
+                    asked = stub.calls.count("model_info")
+                    while stub.calls.count("model_info") < asked + 3:  # the error, logged once
+                        assert time.monotonic() < deadline + 10, "no more pings came"
+                        await asyncio.sleep(0.02)
         finally:
             await stub.close()
             ctx.term()
