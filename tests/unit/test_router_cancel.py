@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from dpserve.contract import protocol as p
 from dpserve.router.connection import ReplicaConnection
+from tests.unit.test_router_wire import sent_ping
 from tests.workers import free_port
 
 
@@ -26,7 +27,11 @@ async def _exchange() -> None:
     driver.bind(endpoint)
     conn = ReplicaConnection(ctx, endpoint)
     try:
-        await asyncio.sleep(0.2)  # connected (the socket only queues on a live connection)
+        # Connected: the socket only queues on a live connection.
+        pinging = await sent_ping(conn)
+        identity, ping = await _received(driver)
+        await driver.send_multipart([identity, *p.encode(p.RESULT, ping.id, {})])
+        await asyncio.wait_for(pinging, 5)
         # Given up on at its timeout: the request had 1.5 s, and is then cancelled.
         with pytest.raises(TimeoutError):
             await conn.request(p.GENERATE, {"prompt": "x"}, 0.2, request_id="r1", deadline_s=1.5)

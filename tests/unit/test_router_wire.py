@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import time
 
 import httpx
 import pytest
@@ -72,6 +73,19 @@ def test_a_secured_replica_serves_only_a_router_with_the_key(
     asyncio.run(scenario())
 
 
+async def sent_ping(conn: ReplicaConnection, timeout_s: float = 10) -> asyncio.Task[p.Message]:
+    """A PING the connection has sent, waiting for its reply: until the connection is
+    up, a send fails at once (``not connected``), so it is tried again until one goes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        asking = asyncio.create_task(conn.request(p.PING, None, 10))
+        await asyncio.sleep(0.05)  # the task's send ran: failed, or waits for the reply
+        if not asking.done():
+            return asking
+        assert isinstance(asking.exception(), ReplicaLost)  # not connected yet
+        assert time.monotonic() < deadline, f"{conn.endpoint} never connected"
+
+
 def test_an_oversized_reply_fails_the_request_not_the_router() -> None:
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
@@ -81,8 +95,7 @@ def test_an_oversized_reply_fails_the_request_not_the_router() -> None:
         driver.bind(endpoint)
         conn = ReplicaConnection(ctx, endpoint)
         try:
-            await asyncio.sleep(0.2)  # connected
-            asking = asyncio.create_task(conn.request(p.PING, None, 10))
+            asking = await sent_ping(conn)
             identity, *frames = await asyncio.wait_for(driver.recv_multipart(), 5)
             sent = p.decode(frames)
             huge = b"\0" * (p.MAX_REPLY_FRAME_BYTES + 4096)
@@ -90,12 +103,7 @@ def test_an_oversized_reply_fails_the_request_not_the_router() -> None:
             with pytest.raises(ReplicaLost, match="disconnected"):
                 await asyncio.wait_for(asking, 5)  # at the drop, not at the 10 s timeout
             # It reconnects, and a reply within the cap is taken.
-            for _ in range(100):
-                asking = asyncio.create_task(conn.request(p.PING, None, 10))
-                await asyncio.sleep(0.1)
-                if not asking.done():
-                    break
-                assert isinstance(asking.exception(), ReplicaLost)  # not connected yet
+            asking = await sent_ping(conn)
             identity, *frames = await asyncio.wait_for(driver.recv_multipart(), 5)
             await driver.send_multipart([identity, *p.encode(p.RESULT, p.decode(frames).id, {})])
             assert (await asyncio.wait_for(asking, 5)).kind == p.RESULT
