@@ -116,7 +116,7 @@ def build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Exe
             f"{type(pipe).__name__}'s does not: use --cfg 1 and more replicas"
         )
     # Requests without true CFG: split over the CFG ranks' sequence too, or run twice.
-    # (Never a compiled or step-cached call: executor._wrap.)
+    # (Never a compiled or step-cached call: DenoiserStack.forward_for.)
     lent = parallel.lending if compiler is None else None
     layout = cfg.parallel
     ops.info = ReplicaFacts(

@@ -3,11 +3,12 @@
 The compiled function is the denoiser class's own ``forward`` (``dynamic=False``:
 one graph per input shape), called in place of the module's forward inside the
 per-request denoiser patch, so the patch's CFG exchange, stop gate and progress
-ticks stay outside the graph. Warm-up (worker/rank.py) runs one generation at
-each ``--compile-size``, compiling its graph; then the compiler is sealed and
-serving runs under ``torch.compiler.set_stance("eager_on_recompile")``: a call
-whose shapes a warmed graph fits uses it, any other (another size, a batch or
-``n`` > 1, a changed adapter) runs eager, never compiling while a request waits.
+ticks stay outside the graph (the layers' order: ``denoiser_stack.py``). Warm-up
+(worker/boot.py) runs one generation at each ``--compile-size``, compiling its
+graph; then the compiler is sealed and serving runs under
+``torch.compiler.set_stance("eager_on_recompile")``: a call whose shapes a warmed
+graph fits uses it, any other (another size, a batch or ``n`` > 1, a changed
+adapter) runs eager, never compiling while a request waits.
 
 Refused with tensor or sequence parallel (their exchanges run inside the
 forward) and with step caches (their hooks change the traced blocks, so no warmed

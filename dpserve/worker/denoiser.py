@@ -1,6 +1,7 @@
 """Per-request instrumentation of the pipeline's denoiser: progress ticks, the stop
 gate, CFG-parallel, and the model-parallel wrapper (``ModelParallel.wrap``: the
-sequence split under sp).
+sequence split under sp). ``denoiser_stack.py`` assembles them with the compiler and
+the step cache, and states their order.
 
 CFG-parallel relies on one convention of diffusers pipelines with true CFG (Flux,
 Qwen-Image, ...): each step calls the denoiser twice in a row, the first call

@@ -31,7 +31,7 @@ from dpserve.contract.protocol import (
     encode,
     encode_error,
 )
-from dpserve.worker import call_settings, step_cache, video_call
+from dpserve.worker import call_settings, video_call
 from dpserve.worker.batch import split
 from dpserve.worker.batch_call import batch_kwargs
 from dpserve.worker.comm import GangComm
@@ -39,7 +39,8 @@ from dpserve.worker.commands import GangStatus, Generation
 from dpserve.worker.compile import Compiler
 from dpserve.worker.control import ControlOps, GangDiverged, PeerFailed
 from dpserve.worker.cost_shape import cost_shape
-from dpserve.worker.denoiser import DenoiserPatch, Forward, HaltCheck, Halted, StopGate
+from dpserve.worker.denoiser import HaltCheck, Halted, StopGate
+from dpserve.worker.denoiser_stack import DenoiserStack
 from dpserve.worker.edit import edit_call
 from dpserve.worker.encode import encode_image
 from dpserve.worker.features import Features, features_of
@@ -92,13 +93,16 @@ class Executor:
     compiler: Compiler | None = None  # --compile
     max_frames: int = WorkerConfig.max_frames  # --max-frames (a video model's)
     _gate: StopGate | None = field(default=None, init=False, repr=False)  # while generating
-    _cached: bool = field(default=False, init=False, repr=False)  # the running call's
 
     def __post_init__(self) -> None:
-        self.patch = DenoiserPatch(
-            self.comm.info.cfg_rank, self.comm.cfg_group, self._progress, self._wrap
+        self.stack = DenoiserStack(
+            self.comm.info.cfg_rank,
+            self.comm.cfg_group,
+            self._progress,
+            self.parallel.wrap if self.parallel is not None else None,
+            self.compiler,
         )
-        self.split_ok = self.patch.can_split(denoiser_of(self.pipe))
+        self.split_ok = self.stack.can_split(denoiser_of(self.pipe))
         self.by_guidance = guides_by_scale(self.pipe)  # its guidance_scale is CFG (Wan)
         self.status.control = self.ops.held().to_builtins()
         self.sessions = SessionHost(
@@ -128,16 +132,6 @@ class Executor:
     def _progress(self) -> None:
         self.status.progress_at = time.monotonic()
 
-    def _wrap(self, forward: Forward, lend: bool) -> Forward:
-        """The denoiser's forward for one call: compiled (--compile), then split by the
-        layout. A compiled or cached call is never lent to a sequence split of the CFG
-        ranks: the split's exchanges would run inside the graph, and ranks holding
-        different slices could decide differently whether to skip (step_cache.py)."""
-        if self.compiler is not None:
-            forward = self.compiler.compiled(forward)
-        lend = lend and self.compiler is None and not self._cached
-        return forward if self.parallel is None else self.parallel.wrap(forward, lend)
-
     # ------------------------------------------------------------ generation
 
     def run_pipe(self, pipe: Pipeline, kwargs: dict[str, Any], params: GenerateParams) -> Any:
@@ -147,19 +141,9 @@ class Executor:
         split = self.split_ok and cfg_requested(params, self.call_defaults, self.by_guidance)
         cache = self.step_caches.resolve(params.step_cache)
         denoiser = denoiser_of(pipe)
-        stance = self.compiler.stance() if self.compiler else contextlib.nullcontext()
         reset_peak_memory(self.device)
-        self._cached = cache is not None
-        try:
-            with (
-                torch.inference_mode(),
-                stance,
-                step_cache.applied(denoiser, cache),
-                self.patch.applied(denoiser, split, self._gate),
-            ):
-                return pipe_output(pipe(**kwargs))
-        finally:
-            self._cached = False
+        with self.stack.applied(denoiser, split, cache, self._gate):
+            return pipe_output(pipe(**kwargs))
 
     def generate(
         self,

@@ -12,7 +12,8 @@ caching"; bench/step_cache.py measures them):
   input is predicted by a first-order Taylor expansion over the steps.
 
 Hooks are attached before the call and removed after it, so every call starts
-with fresh state and nothing carries over to the next request. The hooks keep
+with fresh state and nothing carries over to the next request (where they sit
+among the denoiser's other layers: ``denoiser_stack.py``). The hooks keep
 their state per ``cache_context`` ("cond", "uncond"). Under CFG-parallel each
 rank runs every call of its own branch inside that branch's context (the denoiser
 patch enters the original context), so each rank decides exactly as one process

@@ -3,7 +3,8 @@
 ``ModelParallel`` is the one owner of a rank's split: it checks that the model
 can be split as the layout asks, shards the transformer when it is loaded (at
 start-up and after a weight update), re-attaches the tensor-parallel exchanges
-after an adapter change, and wraps the transformer's forward for each request.
+after an adapter change, and wraps the transformer's forward for each request
+(below the CFG split and above the compiled forward: ``worker/denoiser_stack.py``).
 A CFG gang also lends its CFG ranks to the sequence split of a request without
 true CFG (there is no second branch to run). Outside a split call attention is
 diffusers' own, so CFG-split requests stay bitwise equal to one rank; a single
