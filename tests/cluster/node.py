@@ -215,6 +215,17 @@ class RealNode:
             lambda: f"{ip}/32" in _nat_services(),
         )
 
+    def wait_routed(self, service_ip: str, timeout_s: float = 30) -> None:
+        """Until kube-proxy has a NAT rule for ``service_ip`` (it writes one only once the
+        Service has ready endpoints). Before that, a request to the IP leaves through the
+        default route, and this sandbox's egress proxy answers any port-80 request with
+        an empty 404: a wrong answer, not an error a caller would retry."""
+        self._until(
+            timeout_s,
+            f"kube-proxy's rule for {service_ip}",
+            lambda: f"{service_ip}/32" in _nat_services(),
+        )
+
     def _spawn(self, name: str, args: list[str]) -> None:
         self.daemons[name] = Daemon(
             name,

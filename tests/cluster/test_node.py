@@ -265,24 +265,12 @@ def test_host_and_pods_reach_a_pod_through_its_service(cluster: RealCluster) -> 
     _apply(cluster, web, service)
     _wait(cluster, "web", _ready)
     ip = _get(cluster, "service", "web")["spec"]["clusterIP"]
-    deadline = time.monotonic() + 20  # kube-proxy applies the new endpoint at once, or soon
-    while True:
-        try:
-            response = httpx.get(f"http://{ip}/", timeout=2)
-            break
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    cluster.node.wait_routed(ip)
+    response = httpx.get(f"http://{ip}/", timeout=5)
     assert response.text == "hello-from-web\n"
-    # The pod reaches itself through its own Service (hairpin, masquerade). Retried like
-    # the host's request: once in a few runs the first try right after Ready got nothing.
+    # The pod reaches itself through its own Service (hairpin, masquerade).
     fetch = ("exec", "web", "--", "timeout", "5", "wget", "-q", "-O-", f"http://{ip}/")
-    for _ in range(5):
-        got = cluster.kubectl(*fetch, check=False)
-        if got.stdout == "hello-from-web\n":
-            break
-        time.sleep(1)
+    got = cluster.kubectl(*fetch, check=False)
     assert got.stdout == "hello-from-web\n", got.stderr
 
 

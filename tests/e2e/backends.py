@@ -147,6 +147,7 @@ class NodeBackend(_Common):
     def router_url(self, namespace: str, name: str) -> str:
         service = self.get(namespace, "service", name)
         ip, port = service["spec"]["clusterIP"], service["spec"]["ports"][0]["port"]
+        self.cluster.node.wait_routed(ip)
         return f"http://{ip}:{port}"
 
     def close(self) -> None:
