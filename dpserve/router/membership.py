@@ -1,8 +1,9 @@
 """Who is in the pool: discovery's endpoints as connected replicas, leaving ones drained.
 
 :class:`Membership` owns the map of replicas and their connections: it makes and
-closes them, and sends on them for code outside the pool's parts that asks a replica
-something other than a generation or a session (video jobs: :meth:`request`). A
+closes them, and sends on them for code outside the pool's parts (generations and
+their cancels, realtime sessions, video jobs: :meth:`request`, :meth:`cancel`,
+:meth:`cancel_any`). A
 replica discovery drops leaves rotation at once but keeps its connection until what
 it runs has answered (a scale-down or a rollout drains), or until discovery brings
 it back.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq.asyncio
@@ -93,9 +94,31 @@ class Membership:
         body: Any,
         timeout_s: float,
         blobs: list[bytes] | None = None,
+        *,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        on_partial: Callable[[p.Message], None] | None = None,
     ) -> p.Message:
-        """One request to ``replica`` and its reply (raises what its connection raises)."""
-        return await replica.conn.request(kind, body, timeout_s, blobs)
+        """One request to ``replica`` and its reply (raises what its connection raises);
+        the keywords are :meth:`ReplicaConnection.request`'s."""
+        return await replica.conn.request(
+            kind,
+            body,
+            timeout_s,
+            blobs,
+            request_id=request_id,
+            deadline_s=deadline_s,
+            on_partial=on_partial,
+        )
+
+    def cancel(self, replica: Replica, request_id: str) -> None:
+        """Tell ``replica`` nobody waits for ``request_id`` any more (never answered)."""
+        replica.conn.cancel(request_id)
+
+    async def cancel_any(self, replica: Replica, request_id: str, timeout_s: float) -> str:
+        """Cancel ``request_id`` on ``replica`` whoever sent it; where it was found
+        (``p.CANCEL_*``)."""
+        return (await replica.conn.cancel_any(request_id, timeout_s)).found
 
     def tasks(self) -> list[asyncio.Task[None]]:
         """The drains under way (cancelling one closes its connection)."""

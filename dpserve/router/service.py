@@ -102,7 +102,7 @@ class RouterService:
                 # The call's first step (it sends the request) was scheduled before
                 # this task could resume, so the cancel follows the request.
                 if not call.done():
-                    replica.conn.cancel(request_id)
+                    self.pool.membership.cancel(replica, request_id)
                 raise
             except p.RequestError as exc:
                 if exc.code not in _RETRIABLE:
@@ -130,7 +130,8 @@ class RouterService:
         replica = slot.replica
         try:
             left = deadline - time.monotonic()
-            reply = await replica.conn.request(
+            reply = await self.pool.membership.request(
+                replica,
                 p.GENERATE,
                 params,
                 max(0.0, left) + REPLY_GRACE_S,
@@ -167,7 +168,7 @@ class RouterService:
 
         async def ask(replica: Replica) -> str:
             try:
-                return (await replica.conn.cancel_any(request_id, timeout_s)).found
+                return await self.pool.membership.cancel_any(replica, request_id, timeout_s)
             except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
                 log.warning("cancel of %s not answered by %s: %s", request_id, replica.name, exc)
                 return p.CANCEL_NOT_FOUND

@@ -142,7 +142,9 @@ class SessionRouter:
             action=rt.CLOSE, session_id=session.session_id, epoch=session.epoch
         )
         try:
-            reply = await replica.conn.request(p.SESSION, request, _CLOSE_TIMEOUT_S)
+            reply = await self.pool.membership.request(
+                replica, p.SESSION, request, _CLOSE_TIMEOUT_S
+            )
             info: rt.SessionInfo = reply.body_as(rt.SessionInfo)
         except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
             log.warning("releasing session %s failed: %s", session.session_id, exc)
@@ -185,7 +187,9 @@ class SessionRouter:
         # The call finishes even if its caller is cancelled (a client that left):
         # the replica then holds what it did, and close releases it.
         call = asyncio.ensure_future(
-            replica.conn.request(p.SESSION, request, self.pool.settings.request_timeout_s, blobs)
+            self.pool.membership.request(
+                replica, p.SESSION, request, self.pool.settings.request_timeout_s, blobs
+            )
         )
         call.add_done_callback(lambda done: done.cancelled() or done.exception())
         return await asyncio.shield(call)

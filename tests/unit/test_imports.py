@@ -104,3 +104,25 @@ def test_worker_does_not_import_fastapi() -> None:
 def test_worker_supervisor_does_not_import_torch() -> None:
     # The supervisor only watches its ranks; torch lives in the rank processes.
     assert "torch" not in _modules_after_import("dpserve.worker.gang")
+
+
+# The pool's parts that own a replica's connection (dpserve/router/pool.py); everything
+# else sends through pool.membership.
+CONNECTION_OWNERS = ("membership.py", "health.py", "control_plane.py")
+
+
+def test_only_the_pool_parts_touch_a_replica_connection() -> None:
+    import ast
+    from pathlib import Path
+
+    import dpserve.router
+
+    root = Path(dpserve.router.__file__).parent
+    reached = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name not in CONNECTION_OWNERS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "conn"
+    ]
+    assert reached == []
