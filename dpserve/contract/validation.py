@@ -12,10 +12,11 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgspec
 
+from dpserve.contract.fields import FieldSpec, names
 from dpserve.contract.protocol import (
     CONTROL_OPS,
     INVALID_REQUEST,
@@ -213,28 +214,81 @@ def _parse_seeds(check: FieldChecker, n: int) -> list[int] | None:
     return seeds if isinstance(seed, list) else [(seed + i) % (MAX_SEED + 1) for i in range(n)]
 
 
-GENERATE_FIELDS: Final = frozenset(
-    {
-        "prompt",
-        "negative_prompt",
-        "n",
-        "width",
-        "height",
+# A generation's fields, in the order /openapi.json shows them; the router adds the ones
+# it reads itself (dpserve/router/fields.py). The checks are parse_generate's.
+PROMPT: Final = FieldSpec("prompt", str, required=True, max_length=MAX_PROMPT_CHARS)
+NEGATIVE_PROMPT: Final = FieldSpec("negative_prompt", str | None, max_length=MAX_PROMPT_CHARS)
+WIDTH: Final = FieldSpec("width", int | None, description="instead of size, with height")
+HEIGHT: Final = FieldSpec("height", int | None)
+STEPS: Final = FieldSpec("num_inference_steps", int | None, ge=1, le=Limits.max_steps)
+GUIDANCE: Final = FieldSpec("guidance_scale", float | None, ge=0, le=Limits.max_scale)
+GENERATE_SPECS: Final = (
+    PROMPT,
+    NEGATIVE_PROMPT,
+    FieldSpec("n", int, 1, ge=1, le=Limits.max_n, description="images in this request"),
+    FieldSpec(
         "size",
-        "num_inference_steps",
-        "guidance_scale",
-        "true_cfg_scale",
+        str | None,
+        description='"WIDTHxHEIGHT" (multiples of the model\'s size factor) or "auto"',
+    ),
+    WIDTH,
+    HEIGHT,
+    STEPS,
+    GUIDANCE,
+    FieldSpec("true_cfg_scale", float | None, ge=0, le=Limits.max_scale),
+    FieldSpec(
         "seed",
-        "output_format",
+        int | list[int] | None,
+        description="one seed (image i gets seed + i) or one per image",
+        ge=0,
+        le=MAX_SEED,
+    ),
+    FieldSpec("output_format", Literal[OUTPUT_FORMATS], OUTPUT_FORMATS[0]),
+    FieldSpec(
         "output_compression",
+        int | None,
+        ge=0,
+        le=100,
+        description="jpeg/webp quality (0-100); not for png",
+    ),
+    FieldSpec(
         "partial_images",
+        int,
+        0,
+        ge=0,
+        le=MAX_PARTIAL_IMAGES,
+        description="previews per image, with stream",
+    ),
+    FieldSpec(
         "step_cache",
+        str | dict[str, str | float | None] | None,
+        description='a step cache for this request: "first_block_cache" or "taylorseer" '
+        '(its default knob), {"type": "first_block_cache", "threshold": 0.08}, '
+        '{"type": "taylorseer", "interval": 3}, or "none" (off, whatever the service\'s '
+        "default); which ones a service offers: GET /v1/models features.step_caches",
+    ),
+    FieldSpec(
         "max_sequence_length",
+        int | None,
+        ge=1,
+        le=MAX_SEQUENCE_LENGTH,
+        description="text tokens the prompt is padded or cut to; at most "
+        "features.max_sequence_length.max (null there: the model takes none)",
+    ),
+    FieldSpec(
         "flow_shift",
-        "vae_use_tiling",
-        "vae_use_slicing",
-    }
+        float | None,
+        ge=FLOW_SHIFT_RANGE[0],
+        le=FLOW_SHIFT_RANGE[1],
+        description="the flow-matching schedule's shift s (sigma -> s*sigma/(1+(s-1)*sigma)), "
+        "instead of the scheduler's own; where features.flow_shift is not null",
+    ),
+    FieldSpec("vae_use_tiling", bool, False, description="decode in tiles (less memory)"),
+    FieldSpec(
+        "vae_use_slicing", bool, False, description="decode one image at a time (less memory)"
+    ),
 )
+GENERATE_FIELDS: Final = names(GENERATE_SPECS)
 
 
 def parse_generate(

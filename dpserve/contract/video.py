@@ -35,6 +35,7 @@ import msgspec
 
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
+from dpserve.contract.fields import FieldSpec, names
 from dpserve.contract.ids import decode_owner, encode_owner
 
 # VideoRequest.action
@@ -183,21 +184,31 @@ class VideoResult(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------- request rules
 
 
-_VIDEO_FIELDS: Final = frozenset(
-    {
-        "prompt",
-        "negative_prompt",
+# A video job's fields, in the order /openapi.json shows them; the router adds the ones
+# it reads itself (dpserve/router/fields.py). The checks are parse_video's.
+VIDEO_SPECS: Final = (
+    pv.PROMPT,
+    pv.NEGATIVE_PROMPT,
+    FieldSpec(
         "seconds",
-        "size",
-        "width",
-        "height",
-        "fps",
+        str | None,
+        description='length, as OpenAI sends it ("4"); rounds to frames the model makes',
+    ),
+    FieldSpec("size", str | None, description='"WIDTHxHEIGHT" (multiples of the size factor)'),
+    pv.WIDTH,
+    pv.HEIGHT,
+    FieldSpec("fps", int | None, ge=1, le=MAX_FPS, description="default: the model's"),
+    FieldSpec(
         "num_frames",
-        "seed",
-        "num_inference_steps",
-        "guidance_scale",
-    }
+        int | None,
+        ge=1,
+        description="instead of seconds: frame_factor*k+1 (GET /v1/models features)",
+    ),
+    FieldSpec("seed", int | None, ge=0, le=pv.MAX_SEED, description="default: a random one"),
+    pv.STEPS,
+    pv.GUIDANCE,
 )
+VIDEO_FIELDS: Final = names(VIDEO_SPECS)
 
 
 def parse_video(
@@ -214,7 +225,7 @@ def parse_video(
     if not isinstance(body, Mapping):
         raise p.RequestError(p.INVALID_REQUEST, "the request body must be an object")
     check = pv.FieldChecker(body)
-    for key in sorted(str(k) for k in body if k not in _VIDEO_FIELDS | ignore):
+    for key in sorted(str(k) for k in body if k not in VIDEO_FIELDS | ignore):
         check.bad(key, "is not a known field")
     prompt = check.text("prompt", required=True)
     negative = check.text("negative_prompt", required=False)

@@ -13,27 +13,14 @@ import msgspec
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract.model_info import Features
-from dpserve.router import peers
+from dpserve.router import fields, peers
 from dpserve.router.served_model import MODEL_NOT_FOUND, check_model
 
 RESPONSE_FORMATS: Final = ("b64_json", "url")
-# OpenAI fields the router handles itself before the generation's own parse: the
-# model's name, the answer's shape, and the choices below.
-OPENAI_ONLY: Final = frozenset(
-    {
-        "model",
-        "response_format",
-        "stream",
-        "user",
-        "quality",
-        "style",
-        "background",
-        "moderation",
-        "safety_identifier",
-    }
-)
-# An edit's form also takes this OpenAI field.
-EDIT_ONLY: Final = frozenset({"input_fidelity"})
+# The fields of each image route the router handles itself (the model's name, the
+# answer's shape, the choices below, the peers' names, an edit's uploads): the
+# generation's parser leaves them alone.
+_ROUTER_ONLY: Final = {route: fields.router_only(route) for route in fields.IMAGES}
 # OpenAI's choices among renderings: the values this server honours (what every image
 # here is). Any other value would change the image, so it is refused, naming the field
 # and what to send instead, never ignored. moderation changes no pixel (this server
@@ -65,17 +52,6 @@ NO_USAGE: Final = {
     "total_tokens": 0,
 }
 BACKGROUND: Final = "opaque"  # every image this server makes
-# An edit's own fields: the uploads (forms.py) and how far the result may go.
-EDIT_FIELDS: Final = frozenset({"image", "image[]", "mask", "strength"})
-
-
-def request_fields() -> dict[str, list[str]]:
-    """Every field each image route takes, as /v1/models advertises them."""
-    shared = pv.GENERATE_FIELDS | OPENAI_ONLY | peers.ACCEPTED
-    return {
-        "generations": sorted(shared),
-        "edits": sorted(shared | EDIT_ONLY | EDIT_FIELDS),
-    }
 
 
 @dataclass(frozen=True)
@@ -93,12 +69,13 @@ def parse_image_request(
     can_url: bool,
     features: Features | None = None,
     blobs: int | None = None,
-    ignore: frozenset[str] = frozenset(),
+    route: str = fields.GENERATIONS,
     served: str | None = None,
 ) -> ImageRequest:
     """The validated request; every bad field is named.
 
-    ``blobs``: an edit, whose body names its uploads in ``edit``. ``features``: the
+    ``blobs``: an edit, whose body names its uploads in ``edit``; ``route``: which
+    image route it came by (dpserve/router/fields.py). ``features``: the
     replicas' (model_info); previews past what they can make are capped there (OpenAI
     allows fewer previews than asked), and only a stream gets previews at all.
     ``served``: the served model's name (None: not known yet); a request naming
@@ -133,7 +110,7 @@ def parse_image_request(
     body, peer_problems = peers.translate(body)
     problems += peer_problems
     try:
-        params = pv.parse_generate(body, limits, ignore=OPENAI_ONLY | ignore, blobs=blobs)
+        params = pv.parse_generate(body, limits, ignore=_ROUTER_ONLY[route], blobs=blobs)
     except p.RequestError as exc:
         if not exc.fields:
             raise

@@ -32,7 +32,6 @@ CACHE_SWITCHES: Final[Mapping[str, str]] = {
     "enable_cache_dit": "first_block_cache",
 }
 GENERATOR_DEVICE: Final = "cpu"  # where this server draws every seed's noise
-ACCEPTED: Final = frozenset({*CACHE_SWITCHES, "output_quality", "generator_device"})
 # Keyword bags a peer passes into its pipeline call. This server passes none: each
 # setting it honours is a typed field, checked against what the model takes.
 _KEYWORD_BAGS: Final = ("diffusers_kwargs", "extra_params")
@@ -40,7 +39,10 @@ _NAMED_FIELDS: Final = (
     "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, "
     "max_sequence_length, flow_shift, vae_use_tiling, vae_use_slicing, step_cache"
 )
-_PEER_FIELDS: Final = ACCEPTED | {*_KEYWORD_BAGS, "lora"}
+# What translate reads (the fields the image routes take are dpserve/router/fields.py's).
+_PEER_FIELDS: Final = frozenset(
+    {*CACHE_SWITCHES, "output_quality", "generator_device", *_KEYWORD_BAGS, "lora"}
+)
 _LORA: Final = (
     "per-request LoRA is not served yet: load the adapter for the whole service with "
     "POST /v1/set_lora (its lora_nickname and lora_path), then send requests without lora"

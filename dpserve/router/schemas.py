@@ -2,12 +2,12 @@
 
 FastAPI validates nothing with these models (no 422s): the routes keep their own
 parsing (``parse_image_request``, the edit form's, the control state's checks), which
-names every bad field in a 400. The forms read their fields' types from them
-(``form_types``: which text fields are numbers or switches), so a form field's type
-is spelled here only. Each model mirrors what its parser accepts: unknown fields are a
-400 for generation and edits and ignored by control ops, as declared
-(tests/unit/test_router_security.py and tests/unit/test_router_images.py compare the
-fields).
+names every bad field in a 400. The image and video request models are built from the
+fields' tables (:func:`request_model`, dpserve/router/fields.py), the same rows the
+parsers take their known fields from, so a model declares what its parser accepts:
+unknown fields are a 400 for generation, edits and videos, and ignored by control ops,
+as declared. The forms read their fields' types from them (``form_types``: which text
+fields are numbers or switches).
 """
 
 from __future__ import annotations
@@ -17,122 +17,52 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from dpserve.contract import validation as pv
-from dpserve.router import peers
+from dpserve.router import fields
 
 Names = str | list[str]
 Target = Literal["all", "transformer"]  # dpserve.contract.control_state.LORA_TARGETS
 
 
-class _ImageFields(BaseModel):
-    """The fields generations and edits share: OpenAI's, and SGLang's extras."""
-
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, named
-
-    prompt: str = Field(max_length=pv.MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, max_length=pv.MAX_PROMPT_CHARS)
-    n: int = Field(1, ge=1, le=pv.Limits.max_n, description="images in this request")
-    size: str | None = Field(
-        None, description='"WIDTHxHEIGHT" (multiples of the model\'s size factor) or "auto"'
-    )
-    width: int | None = Field(None, description="instead of size, with height")
-    height: int | None = None
-    num_inference_steps: int | None = Field(None, ge=1, le=pv.Limits.max_steps)
-    guidance_scale: float | None = Field(None, ge=0, le=pv.Limits.max_scale)
-    true_cfg_scale: float | None = Field(None, ge=0, le=pv.Limits.max_scale)
-    output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: int | None = Field(
-        None, ge=0, le=100, description="jpeg/webp quality (0-100); not for png"
-    )
-    response_format: Literal["b64_json", "url"] = Field(
-        "b64_json", description="url needs the router's --output-dir; not with stream"
-    )
-    stream: bool = Field(False, description="answer Server-Sent Events (OpenAI's image events)")
-    partial_images: int = Field(
-        0, ge=0, le=pv.MAX_PARTIAL_IMAGES, description="previews per image, with stream"
-    )
-    step_cache: str | dict[str, str | float | None] | None = Field(
-        None,
-        description='a step cache for this request: "first_block_cache" or "taylorseer" '
-        '(its default knob), {"type": "first_block_cache", "threshold": 0.08}, '
-        '{"type": "taylorseer", "interval": 3}, or "none" (off, whatever the service\'s '
-        "default); which ones a service offers: GET /v1/models features.step_caches",
-    )
-    max_sequence_length: int | None = Field(
-        None,
-        ge=1,
-        le=pv.MAX_SEQUENCE_LENGTH,
-        description="text tokens the prompt is padded or cut to; at most "
-        "features.max_sequence_length.max (null there: the model takes none)",
-    )
-    flow_shift: float | None = Field(
-        None,
-        ge=pv.FLOW_SHIFT_RANGE[0],
-        le=pv.FLOW_SHIFT_RANGE[1],
-        description="the flow-matching schedule's shift s (sigma -> s*sigma/(1+(s-1)*sigma)), "
-        "instead of the scheduler's own; where features.flow_shift is not null",
-    )
-    vae_use_tiling: bool = Field(False, description="decode in tiles (less memory)")
-    vae_use_slicing: bool = Field(False, description="decode one image at a time (less memory)")
-    # SGLang's names (docs/router.md, "Fields from other servers").
-    enable_teacache: bool | None = Field(
-        None, description='SGLang\'s: true is step_cache "first_block_cache", false "none"'
-    )
-    enable_cache_dit: bool | None = Field(
-        None, description='SGLang\'s: true is step_cache "first_block_cache", false "none"'
-    )
-    output_quality: Literal["maximum", "high", "default", "medium", "low"] | None = Field(
-        None,
-        description="SGLang's: output_compression "
-        + ", ".join(f"{k} {v}" for k, v in peers.OUTPUT_QUALITIES.items())
-        + " (jpeg/webp; a png has none)",
-    )
-    generator_device: Literal["cpu"] | None = Field(
-        None, description="SGLang's: noise is always drawn on the CPU here"
-    )
-    model: str | None = Field(
-        None, description="the served model's name (GET /v1/models); another is a 404"
-    )
-    user: str | None = None
-    quality: Literal["auto"] | None = Field(None, description="no tiers: only auto")
-    style: None = Field(None, description="DALL-E 3's; refused: describe the style in the prompt")
-    background: Literal["auto", "opaque"] | None = Field(
-        None, description="images are opaque; transparent is refused"
-    )
-    moderation: Literal["auto", "low"] | None = Field(None, description="nothing is filtered")
-    safety_identifier: str | None = None
+def request_model(name: str, doc: str, route: str) -> type[BaseModel]:
+    """The model of ``route``'s request body, one field per row of its table
+    (dpserve/router/fields.py); an unknown field is declared a 400, as the parser answers."""
+    defined: dict[str, Any] = {}
+    for spec in fields.route_fields(route):
+        # A name that is no identifier (image[]) is the alias of one.
+        attr = spec.name if spec.name.isidentifier() else spec.name.replace("[]", "_list")
+        field = Field(
+            ... if spec.required else spec.default,
+            alias=None if attr == spec.name else spec.name,
+            description=spec.description,
+            ge=spec.ge,
+            gt=spec.gt,
+            le=spec.le,
+            max_length=spec.max_length,
+        )
+        defined[attr] = (spec.type, field)
+    config = ConfigDict(extra="forbid")
+    model: type[BaseModel] = create_model(name, __config__=config, __doc__=doc, **defined)
+    return model
 
 
-class ImageGenerationRequest(_ImageFields):
-    """OpenAI's images API with SGLang's extra fields."""
-
-    seed: int | list[int] | None = Field(
-        None, description="one seed (image i gets seed + i) or one per image", ge=0, le=pv.MAX_SEED
-    )
-
-
-class ImageEditForm(_ImageFields):
+ImageGenerationRequest: Final = request_model(
+    "ImageGenerationRequest", "OpenAI's images API with SGLang's extra fields.", fields.GENERATIONS
+)
+ImageEditForm: Final = request_model(
+    "ImageEditForm",
     """OpenAI's edit form (multipart/form-data) with SGLang's extra fields; numbers are
-    form text. ``image`` or ``image[]`` (the openai client's name for a list): one or
-    more image files; ``mask`` repaints where it is white (its size is the image's)."""
-
-    image: list[bytes] | None = Field(None, description=f"1-{pv.MAX_EDIT_IMAGES} image files")
-    image_list: list[bytes] | None = Field(None, alias="image[]", description="same as image")
-    mask: bytes | None = None
-    strength: float | None = Field(None, gt=0, le=1, description="how far from the input")
-    seed: int | None = Field(None, ge=0, le=pv.MAX_SEED, description="image i gets seed + i")
-    input_fidelity: None = Field(None, description="refused: strength says how far to go")
-
-
-class ImageVariationForm(ImageEditForm):
+form text. ``image`` or ``image[]`` (the openai client's name for a list): one or
+more image files; ``mask`` repaints where it is white (its size is the image's).""",
+    fields.EDITS,
+)
+ImageVariationForm: Final = request_model(
+    "ImageVariationForm",
     """OpenAI's variation form: an image-to-image edit of one ``image`` without a prompt
-    (or a mask; either is a 400 pointing to /v1/images/edits)."""
-
-    prompt: None = Field(None, description="refused: with a prompt it is an edit")  # type: ignore[assignment]
-    image_list: None = Field(None, alias="image[]", description="one image: send it as image")
-    mask: None = Field(None, description="refused: inpainting is an edit")
+(or a mask; either is a 400 pointing to /v1/images/edits).""",
+    fields.VARIATIONS,
+)
 
 
 # ---------------------------------------------------------------- answers

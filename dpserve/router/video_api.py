@@ -21,6 +21,7 @@ from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video
 from dpserve.contract.model_info import Features
+from dpserve.router import fields
 from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
 from dpserve.router.forms import FORM_TYPE, form_items, is_form, typed_value
 from dpserve.router.schemas import form_types
@@ -28,8 +29,8 @@ from dpserve.router.served_model import check_model
 from dpserve.router.video_schemas import VideoCreateForm
 
 REFERENCE: Final = "input_reference"
-# OpenAI fields checked before the job's own parse (the served model's name).
-IGNORED: Final = frozenset({"model"})
+# Fields read before the job's own parse (the served model's name, the first frame).
+IGNORED: Final = fields.router_only(fields.VIDEOS)
 # Form fields are text: these become numbers before the body is checked.
 FORM_TYPES: Final = form_types(VideoCreateForm)
 _IMAGE_KINDS: Final = "PNG, JPEG, WebP, GIF or BMP"

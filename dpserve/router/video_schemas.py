@@ -2,57 +2,29 @@
 
 FastAPI validates nothing with them, as with dpserve/router/schemas.py: the routes
 parse with ``video_api`` and ``video.parse_video``, which name every bad field in a
-400; the job's form reads its fields' types from ``VideoCreateForm``.
+400. The create bodies come from the fields' tables (dpserve/router/fields.py), as
+the image bodies do; the job's form reads its fields' types from ``VideoCreateForm``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from dpserve.contract import validation as pv
-from dpserve.contract import video
-from dpserve.router.schemas import ErrorResponse
+from dpserve.router import fields
+from dpserve.router.schemas import ErrorResponse, request_model
 
-
-class _VideoFields(BaseModel):
-    """OpenAI's video fields, and this service's extras."""
-
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, named
-
-    prompt: str = Field(max_length=pv.MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, max_length=pv.MAX_PROMPT_CHARS)
-    seconds: str | None = Field(
-        None, description='length, as OpenAI sends it ("4"); rounds to frames the model makes'
-    )
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" (multiples of the size factor)')
-    width: int | None = Field(None, description="instead of size, with height")
-    height: int | None = None
-    fps: int | None = Field(None, ge=1, le=video.MAX_FPS, description="default: the model's")
-    num_frames: int | None = Field(
-        None, ge=1, description="instead of seconds: frame_factor*k+1 (GET /v1/models features)"
-    )
-    seed: int | None = Field(None, ge=0, le=pv.MAX_SEED, description="default: a random one")
-    num_inference_steps: int | None = Field(None, ge=1, le=pv.Limits.max_steps)
-    guidance_scale: float | None = Field(None, ge=0, le=pv.Limits.max_scale)
-    model: str | None = Field(
-        None, description="the served model's name (GET /v1/models); another is a 404"
-    )
-
-
-class VideoCreateRequest(_VideoFields):
-    """A video job as JSON; an image to start from is an inline data URL."""
-
-    input_reference: dict[str, str] | None = Field(
-        None, description='{"image_url": "data:image/png;base64,..."}: the first frame'
-    )
-
-
-class VideoCreateForm(_VideoFields):
-    """A video job as multipart/form-data (the openai client's form); numbers are text."""
-
-    input_reference: bytes | None = Field(None, description="an image file: the first frame")
+VideoCreateRequest: Final = request_model(
+    "VideoCreateRequest",
+    "A video job as JSON; an image to start from is an inline data URL.",
+    fields.VIDEOS,
+)
+VideoCreateForm: Final = request_model(
+    "VideoCreateForm",
+    "A video job as multipart/form-data (the openai client's form); numbers are text.",
+    fields.VIDEO_FORM,
+)
 
 
 class VideoError(BaseModel):

@@ -61,7 +61,7 @@ def test_the_shared_options_are_stdlib_only(module: str) -> None:
 
 
 CONTRACT = ("protocol", "validation", "model_info", "realtime", "video", "control_state", "cost")
-CONTRACT += ("layout", "ids")
+CONTRACT += ("layout", "ids", "fields")
 PLUMBING = ("transport", "curve", "ports", "bind", "proc", "untrusted")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from dpserve.contract import protocol as p
 from dpserve.router import peers
-from dpserve.router.openai_api import request_fields
+from dpserve.router.fields import request_fields
 from tests.unit.test_router_images import BODY, EDITS, GEN, PNG, _router, _run
 
 FBC = p.StepCache(type="first_block_cache")

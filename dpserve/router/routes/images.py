@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 
 from dpserve.contract import protocol as p
-from dpserve.router import deps, jobs, schemas
+from dpserve.router import deps, fields, jobs, schemas
 from dpserve.router.access import inference, public
 from dpserve.router.bodies import BadBody, parse_object, read_body
 from dpserve.router.deps import (
@@ -24,7 +24,6 @@ from dpserve.router.deps import (
 )
 from dpserve.router.forms import EditForm, parse_form
 from dpserve.router.openai_api import (
-    EDIT_ONLY,
     ImageRequest,
     check_edit_supported,
     image_response,
@@ -120,7 +119,7 @@ async def _edit(
     check_edit_supported(features, form.mask is not None)
     blobs = form.blobs()
     limits = deps.limits(pool)
-    asked = parse_image_request(body, limits, store is not None, features, len(blobs), EDIT_ONLY)
+    asked = parse_image_request(body, limits, store is not None, features, len(blobs), fields.EDITS)
     job = jobs.start(registry, service, rid, asked.params, blobs)
     return await _answer(request, job, asked, EDIT, store)
 

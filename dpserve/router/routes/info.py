@@ -18,7 +18,7 @@ from dpserve.contract.model_info import ModelInfo
 from dpserve.router import deps
 from dpserve.router.access import admin, inference
 from dpserve.router.deps import PoolDep, SettingsDep
-from dpserve.router.openai_api import request_fields
+from dpserve.router.fields import request_fields
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.schemas import ErrorResponse
 from dpserve.router.served_model import UNKNOWN, model_not_found
