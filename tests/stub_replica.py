@@ -134,6 +134,9 @@ class StubReplica:
     video_max_queue: int = 8  # unfinished jobs it holds, then overloaded
     video_submits: list[tuple[v.VideoRequest, int]] = field(default_factory=list)  # and blobs
     video_cancelled: list[str] = field(default_factory=list)  # unfinished jobs deleted
+    # Set: a video delete waits for it before it is done and answered (pings still are).
+    delete_gate: asyncio.Event | None = None
+    deletes_waiting: int = 0
     draining: bool = False  # see drain()
     # The next this-many state-changing ops find another router's op (an adapter
     # ``foreign-<version>``) landed here just before them.
@@ -221,6 +224,11 @@ class StubReplica:
             if message.kind == p.CANCEL:
                 await self._cancel(identity, message)
                 continue
+            if self.delete_gate is not None and _is_delete(message):
+                task = asyncio.create_task(self._gated(identity, message, self.delete_gate))
+                self._generating.add(task)
+                task.add_done_callback(self._generating.discard)
+                continue
             try:
                 reply = self._video(message) if message.kind == p.VIDEO else self._answer(message)
             except p.RequestError as exc:
@@ -230,6 +238,18 @@ class StubReplica:
     def _done(self, key: tuple[bytes, str], _: object = None) -> None:
         self._work.pop(key, None)
         self._units.pop(key, None)
+
+    async def _gated(self, identity: bytes, message: p.Message, gate: asyncio.Event) -> None:
+        self.deletes_waiting += 1
+        try:
+            await gate.wait()
+        finally:
+            self.deletes_waiting -= 1
+        try:
+            reply = self._video(message)
+        except p.RequestError as exc:
+            reply = p.encode_error(message.id, exc)
+        await self.sock.send_multipart([identity, *reply])
 
     async def _late(self, identity: bytes, message: p.Message) -> None:
         await asyncio.sleep(self.late_ping_s)
@@ -463,6 +483,10 @@ class StubReplica:
             job.inference_time_s = steps * self.step_s
             self._runs.pop(job.id, None)
             self._units.pop((_JOB, job.id), None)
+
+
+def _is_delete(message: p.Message) -> bool:
+    return message.kind == p.VIDEO and message.body_as(v.VideoRequest).action == v.DELETE
 
 
 def direct_state(op: str, args: dict[str, Any], base: StateDoc) -> StateDoc:

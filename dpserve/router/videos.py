@@ -237,12 +237,6 @@ class VideoJobs:
         self._watches[watch.job_id] = watch
         watch.task = asyncio.create_task(self._follow(watch), name=f"video {watch.job_id}")
 
-    def stop_watching(self, job_id: str) -> None:
-        """Stop following a job (it was deleted); its slot is freed as its task ends."""
-        watch = self._watches.pop(job_id, None)
-        if watch is not None and watch.task is not None:
-            watch.task.cancel()
-
     async def _follow(self, watch: _Watch) -> None:
         try:
             while True:
@@ -449,12 +443,24 @@ class VideoJobs:
         return list(newest.values())
 
     async def delete(self, job_id: str) -> video.VideoJob:
-        """Delete every copy (a running one stops at its next step); its newest record."""
+        """Delete every copy (a running one stops at its next step); its newest record.
+
+        Its watch ends now (nothing runs it again), but its slot is released only once
+        the replicas have answered: until its replica has deleted it, the job is
+        there, queued or running, and its work counts there."""
         owner = _owner(job_id)
-        watch = self._watches.get(job_id)
-        self.stop_watching(job_id)
+        watch = self._watches.pop(job_id, None)
+        slot = None
+        if watch is not None:
+            slot, watch.slot = watch.slot, None
+            if watch.task is not None:
+                watch.task.cancel()
         replicas = [r for r in self.pool.members() if r.answering]
-        found = await asyncio.gather(*(self._held(r, _delete(job_id)) for r in replicas))
+        try:
+            found = await asyncio.gather(*(self._held(r, _delete(job_id)) for r in replicas))
+        finally:
+            if slot is not None:
+                self.pool.admission.release(slot)
         held = _newest(list(found))
         if held is not None:
             return held.job

@@ -187,6 +187,33 @@ def test_delete_cancels_a_running_job_and_frees_its_slot() -> None:
     run_in_context(scenario)
 
 
+def test_a_deleted_job_keeps_its_slot_until_its_replica_answers_the_delete() -> None:
+    """The job runs at its replica until that replica has deleted it: until then its
+    slot counts there (in flight, its estimated work), as the replica's next ping would."""
+
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        async with stubs(ctx) as [stub], routers([stub]) as [(app, http)]:
+            job = await create(http, SLOW)
+            await until_status(http, job["id"], "in_progress")
+            replica = app.state.running.pool.members()[0]
+            in_flight = f'dpserve_replica_in_flight{{replica="{replica.endpoint}"}}'
+            assert replica.inflight == 1
+            stub.delete_gate = asyncio.Event()
+            deleting = asyncio.create_task(http.delete(f"/v1/videos/{job['id']}"))
+            await until(lambda: stub.deletes_waiting == 1)  # the replica holds it, unanswered
+            assert replica.inflight == 1 and replica.ledger.units > 0
+            assert f"{in_flight} 1.0" in (await http.get("/metrics")).text
+            stub.delete_gate.set()
+            assert (await deleting).status_code == 200
+            assert stub.video_cancelled == [job["id"]]
+            jobs = app.state.running.videos
+            await until(lambda: jobs.watched == 0 and replica.inflight == 0)
+            assert replica.ledger.units == 0
+            assert f"{in_flight} 0.0" in (await http.get("/metrics")).text
+
+    run_in_context(scenario)
+
+
 def test_list_pages_in_either_order() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         async with stubs(ctx, 2) as replicas, routers(replicas) as [(_, http)]:
