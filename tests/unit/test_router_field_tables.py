@@ -22,6 +22,7 @@ from dpserve.router import fields
 from dpserve.router.app import RouterSettings, create_app
 from tests.stub_replica import run_in_context
 from tests.unit.test_router_images import BODY, EDITS, GEN, PNG, _router, _run
+from tests.unit.test_router_videos import BODY as VIDEO_BODY
 from tests.unit.test_router_videos import routers, stubs
 
 VARIATIONS, VIDEOS = "/v1/images/variations", "/v1/videos"
@@ -161,22 +162,45 @@ def _past_bounds(prop: dict[str, Any]) -> list[Any]:
     return out
 
 
-def test_the_parser_refuses_what_lies_past_the_declared_bounds() -> None:
-    schema = create_app(RouterSettings()).openapi()["paths"][GEN]["post"]["requestBody"]
+def _bound_cases(path: str) -> list[tuple[str, Any]]:
+    """Each field of the route's JSON body with a value just past a bound it declares."""
+    schema = create_app(RouterSettings()).openapi()["paths"][path]["post"]["requestBody"]
     props = schema["content"][JSON]["schema"]["properties"]
-    cases = [(name, value) for name, prop in props.items() for value in _past_bounds(prop)]
+    return [(name, value) for name, prop in props.items() for value in _past_bounds(prop)]
+
+
+async def _refused_one_by_one(
+    http: httpx.AsyncClient, path: str, body: dict[str, Any], cases: list[tuple[str, Any]]
+) -> None:
+    for name, value in cases:
+        answer = await http.post(path, json={**body, name: value})
+        assert answer.status_code == 400, (name, value, answer.text)
+        named = [f["field"] for f in answer.json()["error"]["fields"]]
+        assert named == [name], (name, value, named)
+
+
+def test_the_parser_refuses_what_lies_past_the_declared_bounds() -> None:
+    cases = _bound_cases(GEN)
     assert {"n", "seed", "num_inference_steps", "flow_shift", "prompt"} <= {n for n, _ in cases}
 
     async def scenario() -> None:
         async with _router() as (http, stub):
-            for name, value in cases:
-                answer = await http.post(GEN, json={**BODY, name: value})
-                assert answer.status_code == 400, (name, value, answer.text)
-                named = [f["field"] for f in answer.json()["error"]["fields"]]
-                assert named == [name], (name, value, named)
+            await _refused_one_by_one(http, GEN, BODY, cases)
             assert stub.received == []
 
     _run(scenario)
+
+
+def test_the_video_parser_refuses_what_lies_past_the_declared_bounds() -> None:
+    cases = _bound_cases(VIDEOS)
+    assert {"fps", "num_frames", "seed", "guidance_scale", "prompt"} <= {n for n, _ in cases}
+
+    async def scenario(ctx: Any) -> None:
+        async with stubs(ctx) as [stub], routers([stub]) as [(_, http)]:
+            await _refused_one_by_one(http, VIDEOS, VIDEO_BODY, cases)
+            assert stub.video_submits == []
+
+    run_in_context(scenario)
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
