@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from dpserve.contract import protocol as p
 from dpserve.contract import realtime as rt
@@ -122,11 +124,11 @@ class Admission:
         return p.encode(p.RESULT, message.id, body, blobs)
 
     def _generate(self, message: p.Message) -> p.GenerateParams:
-        """A generation checked whole before it queues: fields, uploads, and what the
-        model serves. An edit without a size takes its first image's (fitted)."""
-        body: Any = message.body_as(dict)
+        """A generation checked whole before it queues, decoded and checked once:
+        fields, uploads, and what the model serves. An edit without a size takes its
+        first image's (fitted)."""
         blobs = message.blobs
-        params = pv.parse_generate(body, self.limits, blobs=len(blobs))
+        params = pv.parse_generate(message.body_as(dict), self.limits, blobs=len(blobs))
         features = self.features
         if features is not None and params.partial_images > features.partial_images:
             limit = features.partial_images
@@ -144,11 +146,8 @@ class Admission:
         size = check_edit(params.edit, blobs, features.edit if features is not None else None)
         if params.width is None and params.height is None:
             width, height = fitted_size(size, self.limits.size_factor, self.limits.max_side)
-            # Parsed again so the fitted size meets every bound a given one does.
-            body = {k: v for k, v in body.items() if k != "size"}
-            params = pv.parse_generate(
-                {**body, "width": width, "height": height}, self.limits, blobs=len(blobs)
-            )
+            pv.check_size(width, height, self.limits)  # every bound a given size meets
+            params = msgspec.structs.replace(params, width=width, height=height)
         return params
 
     def _session(self, message: p.Message) -> GangCommand:
@@ -156,7 +155,7 @@ class Admission:
         if request.first_frame is not None and not 0 <= request.first_frame < len(message.blobs):
             raise p.RequestError(p.INVALID_REQUEST, "first_frame names a blob the message lacks")
         if request.params is not None:
-            _check_session_params(request.params, self.limits)
+            rt.check_session(request.params, self.limits)
         if request.action == rt.OPEN and self.status.sessions >= self.max_sessions:
             # Refused here, without waiting behind the gang's queue; the gang's own
             # table still decides when this view is stale.
@@ -204,24 +203,3 @@ class Admission:
 
 
 _IMAGE_MODEL = "this model makes images, not videos: use /v1/images/generations"
-
-
-def _check_session_params(params: rt.SessionParams, limits: pv.Limits) -> None:
-    """The bounds a generation request gets, applied to what a session renders."""
-    body = {
-        "prompt": params.prompt,
-        "negative_prompt": params.negative_prompt,
-        "width": params.width,
-        "height": params.height,
-        "num_inference_steps": params.num_inference_steps,
-        "guidance_scale": params.guidance_scale,
-        "true_cfg_scale": params.true_cfg_scale,
-        "seed": params.seed,
-        "output_format": params.output_format,
-    }
-    pv.parse_generate({k: v for k, v in body.items() if v is not None}, limits)
-    if not 1 <= params.frame_steps <= limits.max_steps or not 0 < params.strength <= 1:
-        raise p.RequestError(
-            p.INVALID_REQUEST,
-            f"frame_steps must be 1..{limits.max_steps} and strength in (0, 1]",
-        )

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video as v
@@ -100,26 +102,16 @@ class VideoDesk:
         job leaves out gets the model's default here (what the pipeline makes when given
         none, as the cost model reads it), so its record says from the start what it
         renders."""
-        spec = asked.video
-        assert spec is not None
         shape = self.status.calibration.report()
-        fields = {
-            "prompt": asked.prompt,
-            "negative_prompt": asked.negative_prompt,
-            "width": asked.width or shape.default_width,
-            "height": asked.height or shape.default_height,
-            "num_inference_steps": asked.num_inference_steps,
-            "guidance_scale": asked.guidance_scale,
-            "seed": asked.seed[0] if asked.seed else None,
-            "num_frames": spec.num_frames,
-            "seconds": spec.seconds if spec.num_frames is None else None,
-            "fps": spec.fps,
-        }
-        body = {k: value for k, value in fields.items() if value is not None}
-        reference = asked.edit is not None
-        if reference and not blobs:
+        if asked.edit is not None and not blobs:
             raise _invalid("input_reference names a blob the message lacks")
-        params = v.parse_video(body, self.limits, blobs=1 if reference else 0)
+        sized = msgspec.structs.replace(
+            asked,
+            width=asked.width or shape.default_width,
+            height=asked.height or shape.default_height,
+        )
+        params = v.check_job(sized, self.limits)
+        reference = params.edit is not None
         video = self.features.video if self.features is not None else None
         if reference:
             upload_size(blobs[0], "input_reference")
