@@ -15,12 +15,12 @@ lives in a router, so any router finds it (docs/video.md):
   again elsewhere with the same id, seed and creation time.
 
 On the wire a job is one message kind, ``protocol.VIDEO``, whose body is a
-:class:`VideoRequest`; every action is answered at once by the driver's ingress
-thread, never behind the gang's queue. ``submit`` checks the job whole and queues
-it (a 4xx comes back before the client's POST is answered); the job then runs as
-a generation whose ``params.video`` is set, and the output rank hands its frames
-as a :class:`VideoResult` with the mp4 and thumbnail blobs, and its progress as
-``PARTIAL`` :class:`VideoProgress` replies, to the replica's job book.
+:class:`VideoRequest`; every action is answered at once by the driver's socket
+thread, never behind the gang's queue. ``submit`` checks the job whole
+(:func:`check_job`) and queues it (a 4xx comes back before the client's POST is
+answered); the job then runs as a generation whose ``params.video`` is set, and the
+output rank's answer (a :class:`VideoResult` with the mp4 and thumbnail, its progress
+as :class:`VideoProgress`) goes to the replica's job book as values, never frames.
 """
 
 from __future__ import annotations

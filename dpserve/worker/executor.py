@@ -317,7 +317,7 @@ class Executor:
         host, sid = self.sessions, request.session_id
         try:
             if request.action == rt.OPEN:
-                assert request.params is not None  # checked by the ingress
+                assert request.params is not None  # checked by the driver's admission
                 first = blobs[request.first_frame] if request.first_frame is not None else None
                 rendered = host.open(sid, request.params, first, output_rank)
                 return self._frame(request_id, sid, rendered)
