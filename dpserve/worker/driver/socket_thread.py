@@ -53,7 +53,7 @@ class SocketThread:
                 f"replica {replica}'s driver on {self.endpoint}",
                 "anyone who can reach its port can run generations and control ops",
             )
-        self._thread = threading.Thread(target=self._run, name="dpserve-ingress", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="dpserve-driver-socket", daemon=True)
         self._handle: Handler = lambda identity, message: None
         self._turn: Turn = lambda now: None
 
