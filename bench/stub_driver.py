@@ -83,7 +83,7 @@ def _model_info(replica: int) -> mi.ModelInfo:
 
 async def serve(port: int, replica: int, key: WireKey | None = None) -> None:
     ctx = zmq.asyncio.Context()
-    # Held for the process's life, as a driver's ingress holds its own.
+    # Held for the process's life, as a driver's socket thread holds its own.
     _gate = Gatekeeper(ctx, key) if key is not None else None
     sock = bind_router(ctx, f"tcp://127.0.0.1:{port}", key=key)
     png, boot, served = _png(), uuid.uuid4().hex, 0

@@ -81,7 +81,7 @@ class Calibration:
     middle); after that each sample moves the estimate in log space by ``alpha`` of
     its distance, that distance clipped to ``max_ratio`` either way (one stall moves
     it by at most ``max_ratio ** alpha``; a lasting change is followed within a few
-    samples). Thread-safe: the gang loop observes, the ingress thread reports.
+    samples). Thread-safe: the gang loop observes, the driver's socket thread reports.
     """
 
     def __init__(

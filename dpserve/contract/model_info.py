@@ -10,7 +10,7 @@ never a default standing in for it. Fields a newer peer adds are ignored, as the
 message header's are.
 
 The bounds a request is checked against come from here once (:meth:`ReplicaFacts.limits`):
-the replica's ingress and the router's routes check with the same :class:`Limits`.
+the replica's driver and the router's routes check with the same :class:`Limits`.
 """
 
 from __future__ import annotations

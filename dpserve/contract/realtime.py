@@ -30,6 +30,9 @@ from dpserve.contract.validation import (
     OUTPUT_FORMATS,
     FieldChecker,
     Limits,
+    check_format,
+    check_seeds,
+    check_sides,
     invalid_fields,
     parse_size,
 )
@@ -118,6 +121,27 @@ def session_request(body: Any) -> SessionRequest:
     if body.prompt is not None and len(body.prompt) > MAX_PROMPT_CHARS:
         raise RequestError(INVALID_REQUEST, f"prompt must be at most {MAX_PROMPT_CHARS} characters")
     return body
+
+
+def check_session(params: SessionParams, limits: Limits) -> None:
+    """A session's params as they reach a replica (typed), checked with ``limits``: the
+    bounds a generation request gets, every bad field named in one error; then its
+    frames' own."""
+    check = FieldChecker()
+    check.bounded_text("prompt", params.prompt, required=True)
+    check.bounded_text("negative_prompt", params.negative_prompt, required=False)
+    check_sides(check, params.width, params.height, limits)
+    check.count("num_inference_steps", params.num_inference_steps, 1, limits.max_steps)
+    check.amount("guidance_scale", params.guidance_scale, 0.0, limits.max_scale)
+    check.amount("true_cfg_scale", params.true_cfg_scale, 0.0, limits.max_scale)
+    check_seeds(check, [params.seed])
+    check_format(check, params.output_format)
+    check.raise_errors()
+    if not 1 <= params.frame_steps <= limits.max_steps or not 0 < params.strength <= 1:
+        raise RequestError(
+            INVALID_REQUEST,
+            f"frame_steps must be 1..{limits.max_steps} and strength in (0, 1]",
+        )
 
 
 # ---------------------------------------------------------------- client messages

@@ -82,28 +82,34 @@ _SIZE_RE: Final = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
 class FieldChecker:
-    """Collects every bad field of a request, so one reply names them all."""
+    """Collects every bad field of a request, so one reply names them all.
 
-    def __init__(self, body: Mapping[str, Any]) -> None:
-        self.body = body
+    Two layers: the readers (``text``, ``integer``, ``number``, ``side``) take a field
+    of a decoded ``body`` and check its type, then its bounds with the bound checks
+    (``bounded_text``, ``count``, ``amount``, ``side_of``), which take a typed value.
+    A request that arrives typed (a video job's or a session's params) is checked
+    with the bound checks alone, so each bound is one implementation.
+    """
+
+    def __init__(self, body: Mapping[str, Any] | None = None) -> None:
+        self.body: Mapping[str, Any] = body if body is not None else {}
         self.errors: list[FieldError] = []
 
     def bad(self, field: str, message: str) -> None:
         self.errors.append(FieldError(field, message))
 
+    def raise_errors(self) -> None:
+        if self.errors:
+            raise invalid_fields(self.errors)
+
+    # ------------------------------------------------------------ readers of a body
+
     def text(self, field: str, *, required: bool) -> str | None:
         value = self.body.get(field)
-        if value is None:
-            if required:
-                self.bad(field, "is required")
-            return None
-        if not isinstance(value, str):
+        if value is not None and not isinstance(value, str):
             self.bad(field, f"must be a string, got {type(value).__name__}")
             return None
-        if len(value) > MAX_PROMPT_CHARS:
-            self.bad(field, f"must be at most {MAX_PROMPT_CHARS} characters")
-            return None
-        return value
+        return self.bounded_text(field, value, required=required)
 
     def integer(self, field: str, low: int, high: int) -> int | None:
         value = self.body.get(field)
@@ -112,10 +118,7 @@ class FieldChecker:
         if isinstance(value, bool) or not isinstance(value, int):
             self.bad(field, f"must be an integer, got {type(value).__name__}")
             return None
-        if not low <= value <= high:
-            self.bad(field, f"must be between {low} and {high}, got {value}")
-            return None
-        return value
+        return self.count(field, value, low, high)
 
     def number(self, field: str, low: float, high: float) -> float | None:
         value = self.body.get(field)
@@ -124,10 +127,7 @@ class FieldChecker:
         if isinstance(value, bool) or not isinstance(value, int | float):
             self.bad(field, f"must be a number, got {type(value).__name__}")
             return None
-        if not low <= float(value) <= high:
-            self.bad(field, f"must be between {low:g} and {high:g}, got {value}")
-            return None
-        return float(value)
+        return self.amount(field, value, low, high)
 
     def boolean(self, field: str) -> bool | None:
         value = self.body.get(field)
@@ -138,6 +138,41 @@ class FieldChecker:
 
     def side(self, field: str, limits: Limits) -> int | None:
         value = self.integer(field, limits.min_side, limits.max_side)
+        return self.side_of(field, value, limits, bounded=True)
+
+    # ------------------------------------------------------------ bounds of a typed value
+
+    def bounded_text(self, field: str, value: str | None, *, required: bool) -> str | None:
+        if value is None:
+            if required:
+                self.bad(field, "is required")
+            return None
+        if len(value) > MAX_PROMPT_CHARS:
+            self.bad(field, f"must be at most {MAX_PROMPT_CHARS} characters")
+            return None
+        return value
+
+    def count(self, field: str, value: int | None, low: int, high: int) -> int | None:
+        if value is not None and not low <= value <= high:
+            self.bad(field, f"must be between {low} and {high}, got {value}")
+            return None
+        return value
+
+    def amount(self, field: str, value: float | None, low: float, high: float) -> float | None:
+        if value is None:
+            return None
+        if not low <= float(value) <= high:
+            self.bad(field, f"must be between {low:g} and {high:g}, got {value}")
+            return None
+        return float(value)
+
+    def side_of(
+        self, field: str, value: int | None, limits: Limits, *, bounded: bool = False
+    ) -> int | None:
+        """A width or height: within the limits (``bounded``: checked already) and a
+        multiple of the model's size factor."""
+        if not bounded:
+            value = self.count(field, value, limits.min_side, limits.max_side)
         if value is not None and value % limits.size_factor:
             self.bad(field, f"must be a multiple of {limits.size_factor}, got {value}")
             return None
@@ -163,6 +198,23 @@ def parse_size(check: FieldChecker, limits: Limits) -> tuple[int | None, int | N
     check.errors += [FieldError("size", f"{e.field} {e.message}") for e in sized.errors]
     _check_tokens(check, width, height, limits, "size")
     return width, height
+
+
+def check_sides(
+    check: FieldChecker, width: int | None, height: int | None, limits: Limits
+) -> tuple[int | None, int | None]:
+    """A typed width and height: the bounds ``parse_size`` gives the fields."""
+    width, height = check.side_of("width", width, limits), check.side_of("height", height, limits)
+    _check_tokens(check, width, height, limits, "width")
+    return width, height
+
+
+def check_size(width: int, height: int, limits: Limits) -> None:
+    """A size the replica chose (an edit's, from its first image) meets every bound a
+    given one does; raise naming each side that does not."""
+    check = FieldChecker()
+    check_sides(check, width, height, limits)
+    check.raise_errors()
 
 
 def _check_tokens(
@@ -204,14 +256,29 @@ def _parse_seeds(check: FieldChecker, n: int) -> list[int] | None:
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         check.bad("seed", "must be an integer or a non-empty list of integers")
         return None
-    if any(not 0 <= s <= MAX_SEED for s in seeds):
-        check.bad("seed", f"must be between 0 and {MAX_SEED}")
+    if not check_seeds(check, seeds):
         return None
     if isinstance(seed, list) and len(seeds) != n:
         check.bad("seed", f"a list of seeds needs one per image: got {len(seeds)} for n={n}")
         return None
     # One int seeds image i with seed + i, so n images of one request differ.
     return seeds if isinstance(seed, list) else [(seed + i) % (MAX_SEED + 1) for i in range(n)]
+
+
+def check_seeds(check: FieldChecker, seeds: Sequence[int]) -> bool:
+    """Typed seeds within their range (else the field is named)."""
+    if any(not 0 <= s <= MAX_SEED for s in seeds):
+        check.bad("seed", f"must be between 0 and {MAX_SEED}")
+        return False
+    return True
+
+
+def check_format(check: FieldChecker, fmt: Any) -> bool:
+    """An output format this service encodes (else the field is named)."""
+    if fmt not in OUTPUT_FORMATS:
+        check.bad("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {fmt!r}")
+        return False
+    return True
 
 
 # A generation's fields, in the order /openapi.json shows them; the router adds the ones
@@ -317,8 +384,7 @@ def parse_generate(
     true_cfg = check.number("true_cfg_scale", 0.0, limits.max_scale)
     seeds = _parse_seeds(check, n or 1)
     fmt = body.get("output_format", "png")
-    if fmt not in OUTPUT_FORMATS:
-        check.bad("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {fmt!r}")
+    check_format(check, fmt)
     compression = check.integer("output_compression", 0, 100)
     if compression is not None and fmt in OUTPUT_FORMATS and fmt not in COMPRESSIBLE_FORMATS:
         check.bad("output_compression", f"applies to jpeg and webp only, not {fmt}")

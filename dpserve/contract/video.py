@@ -15,12 +15,12 @@ lives in a router, so any router finds it (docs/video.md):
   again elsewhere with the same id, seed and creation time.
 
 On the wire a job is one message kind, ``protocol.VIDEO``, whose body is a
-:class:`VideoRequest`; every action is answered at once by the driver's ingress
-thread, never behind the gang's queue. ``submit`` checks the job whole and queues
-it (a 4xx comes back before the client's POST is answered); the job then runs as
-a generation whose ``params.video`` is set, and the output rank hands its frames
-as a :class:`VideoResult` with the mp4 and thumbnail blobs, and its progress as
-``PARTIAL`` :class:`VideoProgress` replies, to the replica's job book.
+:class:`VideoRequest`; every action is answered at once by the driver's socket
+thread, never behind the gang's queue. ``submit`` checks the job whole
+(:func:`check_job`) and queues it (a 4xx comes back before the client's POST is
+answered); the job then runs as a generation whose ``params.video`` is set, and the
+output rank's answer (a :class:`VideoResult` with the mp4 and thumbnail, its progress
+as :class:`VideoProgress`) goes to the replica's job book as values, never frames.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ MEDIA_TYPES: Final[Mapping[str, str]] = {VIDEO_VARIANT: "video/mp4", THUMBNAIL: 
 
 MAX_FPS: Final = 60
 MAX_SECONDS: Final = 600.0
+_MAX_FRAMES_ASKED: Final = 100_000  # before the model's own bounds (resolve_frames)
 _JOB_ID: Final = re.compile(r"^video_[0-9a-f]{32}\.[A-Za-z0-9_-]{1,200}\.[0-9a-f]{8}$")
 _PREFIX: Final = "video_"
 
@@ -220,7 +221,7 @@ def parse_video(
     ``blobs`` is 1 when an ``input_reference`` image came with it (it becomes the
     generation's ``edit`` input). Frame counts are checked against ``limits`` only
     where the limits know the model (``max_frames`` > 0); the replica checks them
-    again, with its own, before it accepts the job.
+    again, with its own, before it accepts the job (:func:`check_job`).
     """
     if not isinstance(body, Mapping):
         raise p.RequestError(p.INVALID_REQUEST, "the request body must be an object")
@@ -233,16 +234,13 @@ def parse_video(
     steps = check.integer("num_inference_steps", 1, limits.max_steps)
     guidance = check.number("guidance_scale", 0.0, limits.max_scale)
     fps = check.integer("fps", 1, MAX_FPS)
-    seconds = _seconds(check)
-    frames = check.integer("num_frames", 1, 100_000)  # the model's bounds: resolve_frames
+    seconds = _seconds(check, check.body.get("seconds"))
+    frames = check.integer("num_frames", 1, _MAX_FRAMES_ASKED)
     seed = check.integer("seed", 0, pv.MAX_SEED)
-    if check.errors:
-        raise pv.invalid_fields(check.errors)
+    check.raise_errors()
     assert prompt is not None
     spec = p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps)
-    if limits.max_frames:
-        spec = resolve_frames(spec, limits)
-    return p.GenerateParams(
+    asked = p.GenerateParams(
         prompt=prompt,
         negative_prompt=negative,
         width=width,
@@ -253,11 +251,50 @@ def parse_video(
         edit=p.EditInput(images=[0]) if blobs else None,
         video=spec,
     )
+    return _resolved(asked, limits)
 
 
-def _seconds(check: pv.FieldChecker) -> float | None:
+def check_job(params: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
+    """A job's params as a router sent them (typed), checked with ``limits`` by the
+    bounds :func:`parse_video` gives a body, every bad field named in one error: the
+    fields a video job takes (an input_reference as ``edit``), its frames resolved."""
+    spec = params.video
+    assert spec is not None
+    check = pv.FieldChecker()
+    prompt = check.bounded_text("prompt", params.prompt, required=True)
+    negative = check.bounded_text("negative_prompt", params.negative_prompt, required=False)
+    width, height = pv.check_sides(check, params.width, params.height, limits)
+    steps = check.count("num_inference_steps", params.num_inference_steps, 1, limits.max_steps)
+    guidance = check.amount("guidance_scale", params.guidance_scale, 0.0, limits.max_scale)
+    fps = check.count("fps", spec.fps, 1, MAX_FPS)
+    seconds = _seconds(check, spec.seconds if spec.num_frames is None else None)
+    frames = check.count("num_frames", spec.num_frames, 1, _MAX_FRAMES_ASKED)
+    seed = check.count("seed", params.seed[0] if params.seed else None, 0, pv.MAX_SEED)
+    check.raise_errors()
+    assert prompt is not None
+    asked = p.GenerateParams(
+        prompt=prompt,
+        negative_prompt=negative,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seed=None if seed is None else [seed],
+        edit=p.EditInput(images=[0]) if params.edit is not None else None,
+        video=p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps),
+    )
+    return _resolved(asked, limits)
+
+
+def _resolved(asked: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
+    """Its frames fixed where the limits know the model."""
+    if not limits.max_frames or asked.video is None:
+        return asked
+    return msgspec.structs.replace(asked, video=resolve_frames(asked.video, limits))
+
+
+def _seconds(check: pv.FieldChecker, raw: Any) -> float | None:
     """OpenAI sends ``seconds`` as a string ("4"); a number is taken too."""
-    raw = check.body.get("seconds")
     if raw is None:
         return None
     try:

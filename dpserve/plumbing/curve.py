@@ -6,7 +6,7 @@ own: a client must hold the secret key to complete the handshake, so knowing the
 public key (or the address) is not enough. Clients (the router, ``dpserve probe``,
 ``ReplicaClient``) use the same pair as their own keys and as the server's key.
 A peer without CURVE, or with another key, never gets a message through: libzmq
-drops it during the handshake, before the ingress sees a byte.
+drops it during the handshake, before the driver sees a byte.
 
 The key file holds the z85 secret key (40 ASCII characters); the public key is
 derived from it. No torch here: the CLI, the router and the operator import it.

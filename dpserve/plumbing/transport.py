@@ -40,7 +40,7 @@ def bind_router(
     settle: bool = False,
     key: WireKey | None = None,
 ) -> Any:
-    """The driver's ingress: a ROUTER bound on ``endpoint`` (``tcp://ADDR:PORT``).
+    """The driver's socket: a ROUTER bound on ``endpoint`` (``tcp://ADDR:PORT``).
 
     A taken port is an error, unless ``settle``: then the socket binds a free port
     on the same address, and whoever asked reads the real one (``bound_endpoint``).

@@ -2,7 +2,7 @@
 its text fields turned into the typed body the generation parser checks.
 
 The router never decodes an image (it has no Pillow): it checks counts and byte
-sizes, and the replica's ingress checks the pixels and the mask's size before the
+sizes, and the replica's driver checks the pixels and the mask's size before the
 request queues, answering 400s that name the upload.
 """
 

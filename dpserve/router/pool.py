@@ -55,7 +55,7 @@ class PoolSettings:
     request_timeout_s: float = option("request_timeout")
     ping_interval_s: float = 1.0
     ping_timeout_s: float = 2.0
-    # Pings are answered by the driver's ingress thread even mid-generation, so this
+    # Pings are answered by the driver's socket thread even mid-generation, so this
     # many missed in a row means a stopped or hung process: it leaves rotation and
     # its in-flight requests are failed then (and retried elsewhere), not at the
     # request timeout. Fewer is more likely the router's own lag.

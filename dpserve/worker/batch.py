@@ -9,7 +9,7 @@ Edits (their uploads are per request), requests asking for previews (sent per
 request, mid-call) and videos (a job's progress is its own, and one video is already
 many frames' work) never share a call.
 
-The driver's queue (worker/ingress.py) takes its first work and then, in queue
+The driver's queue (worker/driver/work_queue.py) takes its first work and then, in queue
 order, the compatible generations whose images still fit ``max_images``, passing
 over the others (they keep their places) and stopping at a control op or a session
 command: those change the state the batch would run in. Every turn starts with the

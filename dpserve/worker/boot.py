@@ -1,5 +1,5 @@
 """A rank's boot: the libraries, the model with its parallel split, step caches and
-compiler, the warm-up, and (on the driver) the ingress. ``rank.py`` calls these in order,
+compiler, the warm-up, and (on the driver rank) the driver. ``rank.py`` calls these in order,
 then runs the gang loop."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dpserve.worker.startup import StartupLog
 
 if TYPE_CHECKING:
     from dpserve.worker.compile import Compiler
+    from dpserve.worker.driver import Driver
     from dpserve.worker.executor import Executor
-    from dpserve.worker.ingress import Ingress
     from dpserve.worker.parallel.encoders import EncoderRelay
     from dpserve.worker.step_cache import StepCaches
 
@@ -251,16 +251,16 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
     executor.status.calibration.forget()
 
 
-def open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
+def open_driver(cfg: WorkerConfig, executor: Executor) -> Driver:
     from dpserve.plumbing.curve import WireKey
     from dpserve.worker.batch import Batching
-    from dpserve.worker.ingress import Ingress
+    from dpserve.worker.driver import Driver
     from dpserve.worker.video_jobs import VideoBook
 
     facts = executor.ops.info
     assert facts is not None  # set by build_executor
     limits = facts.limits()  # the router checks with the same (dpserve.contract.model_info)
-    ingress = Ingress(
+    driver = Driver(
         cfg.endpoint,
         cfg.replica,
         limits,
@@ -278,20 +278,20 @@ def open_ingress(cfg: WorkerConfig, executor: Executor) -> Ingress:
         else None,
     )
     executor.status.max_batch = cfg.max_batch
-    if not ingress.endpoint.endswith(f":{cfg.port}"):
+    if not driver.endpoint.endswith(f":{cfg.port}"):
         taken = "replica %d: port %d is taken; bound %s instead"
-        log.warning(taken, cfg.replica, cfg.port, ingress.endpoint)
-    ingress.start()
+        log.warning(taken, cfg.replica, cfg.port, driver.endpoint)
+    driver.start()
     if cfg.endpoint_file is not None:
-        _write_atomically(cfg.endpoint_file, ingress.endpoint + "\n")
+        _write_atomically(cfg.endpoint_file, driver.endpoint + "\n")
     log.info(
         "replica %d ready: %s on %s (gang of %d)",
         cfg.replica,
         describe(cfg.parallel),
-        ingress.endpoint,
+        driver.endpoint,
         cfg.gang_size,
     )
-    return ingress
+    return driver
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -2,7 +2,7 @@
 the text length, the scheduler's shift, and how the VAE decodes.
 
 What a replica offers is read from its pipeline once (``offer``), shown in
-model_info's features and checked by the ingress before a request queues, so a
+model_info's features and checked by the driver's admission before a request queues, so a
 request never asks for something the call would silently skip:
 
 - ``max_sequence_length``: the pipeline's argument of that name (Flux, Wan,
@@ -102,7 +102,7 @@ class CallSettings:
         scheduler = pipe.scheduler if params.flow_shift is not None else None
         try:
             if scheduler is not None:
-                assert self.shift_key is not None  # checked by the ingress
+                assert self.shift_key is not None  # checked by the driver's admission
                 pipe.scheduler = shifted(scheduler, self.shift_key, params.flow_shift)
             if params.vae_use_tiling:
                 vae.use_tiling = True

@@ -52,7 +52,7 @@ def decode_command(payload: bytes) -> GangCommand:
 
 @dataclass
 class GangStatus:
-    """Written by the gang loop, read by the driver's ingress thread to answer pings.
+    """Written by the gang loop, read by the driver's socket thread to answer pings.
 
     Plain attribute writes are atomic under the GIL, which is all the sharing needs;
     the calibration and the busy window hold locks of their own.

@@ -1,7 +1,7 @@
 """Edits: uploaded images (and a mask) through the model's image-to-image, inpainting
 or edit pipeline, built over the loaded modules.
 
-Two halves. The ingress thread checks every upload from its header alone (bytes,
+Two halves. The driver's socket thread checks every upload from its header alone (bytes,
 format, pixels, the mask's size) and what the model can take, so a bad edit is
 refused before it queues. The gang then decodes the files and builds the pipeline
 to call: the loaded one when it is an edit model (its ``__call__`` takes ``image``,
@@ -37,7 +37,7 @@ from dpserve.contract.validation import (
     MAX_EDIT_PIXELS,
 )
 
-if TYPE_CHECKING:  # the ingress thread checks uploads without loading torch
+if TYPE_CHECKING:  # the driver's socket thread checks uploads without loading torch
     from dpserve.worker.pipeline import Pipeline
 
 # Edit models whose ``image`` argument takes several reference images (a list);

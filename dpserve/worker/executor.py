@@ -7,7 +7,7 @@ import hashlib
 import logging
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from dpserve.worker.pipeline import (
     size_factor,
 )
 from dpserve.worker.preview import Emit, Previews, can_preview, output_size
+from dpserve.worker.reply import Reply
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
 from dpserve.worker.splittable import text_split
 from dpserve.worker.step_cache import StepCaches
@@ -152,11 +153,14 @@ class Executor:
         queue_s: float,
         halt: HaltCheck | None = None,
         blobs: Sequence[bytes] = (),
-        emit: Emit | None = None,
+        emit: Callable[[list[bytes]], None] | None = None,
     ) -> list[bytes]:
-        """One request on its own (a batch of one): see :meth:`generate_batch`."""
+        """One request on its own (a batch of one), its answers as wire frames (empty
+        on a rank that is not the output rank): see :meth:`generate_batch`."""
         batch = [Generation(id=request_id, params=params)]
-        return self.generate_batch(batch, [queue_s], halt, blobs, emit)[0]
+        interim = None if emit is None else (lambda reply: emit(reply.frames()))
+        [reply] = self.generate_batch(batch, [queue_s], halt, blobs, interim)
+        return reply.frames() if reply is not None else []
 
     def generate_batch(
         self,
@@ -165,18 +169,18 @@ class Executor:
         halt: HaltCheck | None = None,
         blobs: Sequence[bytes] = (),
         emit: Emit | None = None,
-    ) -> list[list[bytes]]:
+    ) -> list[Reply | None]:
         """Every rank runs one pipeline call for the batch's compatible requests
         (worker/batch.py); the output rank splits its images back and returns each
-        request's reply, in batch order (the other ranks return empty ones).
+        request's reply, in batch order (the other ranks return None for each).
 
         ``halt`` is the driver's: at each denoising step it says whether the batch
         was cancelled or passed its deadline (every request of it), and the whole
-        gang drops it there. ``blobs`` are an edit's uploads and ``emit`` sends the
-        driver's interim replies (previews, a video's progress): both only in a batch
-        of one request. ``queue_s`` is each request's time in the queue; a reply's
-        inference time is the batch's. A video is always a batch of its own, and its
-        reply holds the mp4 (worker/video_call.py).
+        gang drops it there. ``blobs`` are an edit's uploads and ``emit`` hands the
+        interim replies (previews, a video's progress) to the driver's output path:
+        both only in a batch of one request. ``queue_s`` is each request's time in
+        the queue; a reply's inference time is the batch's. A video is always a batch
+        of its own, and its reply holds the mp4 (worker/video_call.py).
         """
         start = time.perf_counter()
         output_rank = self.comm.info.is_output_rank
@@ -199,19 +203,19 @@ class Executor:
         except Halted as exc:
             if output_rank:
                 log.info("generation %s: %s", _ids(batch), exc)
-            return [encode_error(g.id, exc) for g in batch]
+            return [Reply.error(g.id, exc) for g in batch]
         except RequestError as exc:
-            return [encode_error(g.id, exc) for g in batch]
+            return [Reply.error(g.id, exc) for g in batch]
         except Exception as exc:
             log.exception("generation %s failed", _ids(batch))
             failed = RequestError(INTERNAL, f"generation failed: {exc}")
-            return [encode_error(g.id, failed) for g in batch]
+            return [Reply.error(g.id, failed) for g in batch]
         finally:
             self._gate = None
         inference_s = time.perf_counter() - start
         peak_mb = self._gang_peak_mb()
         if not output_rank:
-            return [[] for _ in batch]
+            return [None for _ in batch]
         # The router's cost model learns this replica's seconds per unit (dpserve.contract.cost).
         units = sum(self.status.calibration.units(p) for p in params)
         self.status.calibration.observe(units, inference_s)
@@ -269,7 +273,7 @@ class Executor:
         queue_s: float,
         inference_s: float,
         peak_mb: float,
-    ) -> list[bytes]:
+    ) -> Reply:
         """One request's reply: its own images, seeds and queue time."""
         params = generation.params
         assert params.seed is not None
@@ -296,7 +300,7 @@ class Executor:
             peak_memory_mb=peak_mb,
             encode_time_s=encode_s,
         )
-        return encode(RESULT, generation.id, result, files)
+        return Reply(RESULT, generation.id, result, tuple(files))
 
     def _gang_peak_mb(self) -> float:
         """The largest peak memory of any rank of the gang during the last call."""
@@ -313,7 +317,7 @@ class Executor:
         host, sid = self.sessions, request.session_id
         try:
             if request.action == rt.OPEN:
-                assert request.params is not None  # checked by the ingress
+                assert request.params is not None  # checked by the driver's admission
                 first = blobs[request.first_frame] if request.first_frame is not None else None
                 rendered = host.open(sid, request.params, first, output_rank)
                 return self._frame(request_id, sid, rendered)

@@ -1,5 +1,5 @@
 """What the loaded model serves beyond plain generation, as ``model_info`` reports it
-and the ingress checks requests against."""
+and the driver checks requests against."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Autoscalers read it from the router's metrics (``dpserve_replica_busy_fraction``):
 unlike a queue length it says how close to full a replica runs before anything
-waits. Written by the gang loop, read by the ingress thread (pings): one lock.
+waits. Written by the gang loop, read by the driver's socket thread (pings): one lock.
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ from dpserve.contract.protocol import (
     PARTIAL,
     GenerateParams,
     PartialImage,
-    encode,
 )
 from dpserve.worker.encode import encode_image
 from dpserve.worker.pipeline import Pipeline
+from dpserve.worker.reply import Reply
 
-Emit = Callable[[list[bytes]], None]  # sends one reply's frames to the request's client
+Emit = Callable[[Reply], None]  # hands one interim answer to the driver's output path
 
 
 def preview_steps(steps: int, count: int) -> list[int]:
@@ -137,4 +137,4 @@ class Previews:
                 height=image.height,
             )
             blob = encode_image(image, fmt, compression)
-            self.emit(encode(PARTIAL, self.request_id, body, [blob]))
+            self.emit(Reply(PARTIAL, self.request_id, body, (blob,)))

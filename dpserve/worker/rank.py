@@ -1,8 +1,9 @@
 """One rank of a replica's gang: join the group, load the model, warm up, serve.
 
-The driver (first rank) owns the ingress and relays one command per loop turn to
-the whole gang with a broadcast over the gang's CPU group (a batch of generations
-is one command: worker/batch.py); every rank executes it; only the driver replies.
+The driver (first rank) owns the driver's parts (worker/driver/) and relays one
+command per loop turn, from its scheduler, to the whole gang with a broadcast over
+the gang's CPU group (a batch of generations is one command: worker/batch.py); every
+rank executes it; only the driver answers, through its output path.
 When idle the driver relays a tick, so a dead rank shows within one tick interval
 and idle collectives never time out (a stopped one does not, a broadcast waits for
 no receiver: the supervisor's heartbeats find it).
@@ -32,8 +33,11 @@ from dpserve.worker.heartbeat import Heartbeats
 from dpserve.worker.startup import StartupLog, folder_size
 
 if TYPE_CHECKING:
+    from dpserve.worker.driver import Driver
+    from dpserve.worker.driver.outbox import Outbox
+    from dpserve.worker.driver.work_queue import Work
     from dpserve.worker.executor import Executor
-    from dpserve.worker.ingress import Ingress, Work
+    from dpserve.worker.reply import Reply
 
 log = logging.getLogger("dpserve.worker")
 
@@ -127,20 +131,20 @@ def _serve(args: RankArgs, drain_asked: threading.Event) -> int:
         return 2
     with startup.phase("warm-up"):
         boot.warmup(executor, cfg, startup)
-    ingress = boot.open_ingress(cfg, executor) if comm.info.is_driver else None
-    startup.say("%s", startup.summary())  # after the ingress's "replica r ready: … on …"
+    driver = boot.open_driver(cfg, executor) if comm.info.is_driver else None
+    startup.say("%s", startup.summary())  # after the driver's "replica r ready: … on …"
     try:
-        _loop(comm, executor, ingress, cfg, drain_asked)
+        _loop(comm, executor, driver, cfg, drain_asked)
     finally:
-        if ingress is not None:
-            ingress.close()
+        if driver is not None:
+            driver.close()
     torch.distributed.destroy_process_group()
     log.info("rank %d stopped", args.rank)
     return 0
 
 
 def _next_command(
-    ingress: Ingress, executor: Executor, cfg: WorkerConfig, drain_asked: threading.Event
+    driver: Driver, executor: Executor, cfg: WorkerConfig, drain_asked: threading.Event
 ) -> tuple[GangCommand, list[Work]]:
     """The driver's choice for this turn: an expiry, queued work (a batch), a tick, or
     STOP once drained; with the queued work it runs (none for the driver's own)."""
@@ -150,36 +154,38 @@ def _next_command(
         log.info("session %s idle for %gs: released", expired[0], cfg.session_idle_timeout_s)
         close = rt.SessionRequest(action=rt.CLOSE, session_id=expired[0])
         return GangCommand(kind=p.SESSION, id="expiry", session=close), []
-    if drain_asked.is_set() and not ingress.draining.is_set():
-        log.info("draining: no new requests, finishing %d queued", ingress.work.qsize())
-        ingress.draining.set()
+    scheduler = driver.scheduler
+    if drain_asked.is_set() and not driver.draining.is_set():
+        log.info("draining: no new requests, finishing %d queued", scheduler.work.qsize())
+        driver.draining.set()
     # Short waits up to one tick, so a drain request is noticed promptly.
     deadline = time.monotonic() + cfg.tick_s
-    batch = ingress.next_work(timeout=0)
+    batch = scheduler.next_batch(timeout=0)
     while not batch and not drain_asked.is_set() and time.monotonic() < deadline:
-        batch = ingress.next_work(timeout=0.25)
+        batch = scheduler.next_batch(timeout=0.25)
     if len(batch) > 1:  # compatible generations: one command, one pipeline call
         generations = [g for work in batch for g in work.command.batch]
         return GangCommand(kind=p.GENERATE, id=batch[0].command.id, batch=generations), batch
     if batch:
         return batch[0].command, batch
-    return GangCommand(kind=STOP if ingress.draining.is_set() else TICK), []
+    return GangCommand(kind=STOP if driver.draining.is_set() else TICK), []
 
 
 def _loop(
     comm: Any,
     executor: Executor,
-    ingress: Ingress | None,
+    driver: Driver | None,
     cfg: WorkerConfig,
     drain_asked: threading.Event,
 ) -> None:
+    """Every rank's loop; ``driver`` is the driver rank's own (None on the others)."""
     status = executor.status
     while True:
         status.progress_at = time.monotonic()
         works: list[Work] = []  # the driver's: the queued work this turn runs
         payload = None
-        if ingress is not None:
-            command, works = _next_command(ingress, executor, cfg, drain_asked)
+        if driver is not None:
+            command, works = _next_command(driver, executor, cfg, drain_asked)
             payload = _encode(command)
         command = decode_command(comm.broadcast_bytes(payload))
         if command.kind == STOP:
@@ -187,14 +193,14 @@ def _loop(
         if command.kind == TICK:
             continue
         status.busy = True
+        replies: list[Reply | None] | list[list[bytes]]
         if command.batch:
-            # The driver's ingress says, at each denoising step, whether the work goes on.
-            halt = ingress.halt if ingress is not None else None
+            # The driver's scheduler says, at each denoising step, whether the work goes on.
+            halt = driver.scheduler.halt if driver is not None else None
+            emit = _emitter(driver.outbox, works) if driver is not None else None
             now = time.monotonic()
             queue_s = [now - work.received_at for work in works] or [0.0] * len(command.batch)
-            replies = executor.generate_batch(
-                command.batch, queue_s, halt, command.blobs, _emitter(ingress, works)
-            )
+            replies = executor.generate_batch(command.batch, queue_s, halt, command.blobs, emit)
         elif command.session is not None:
             replies = [executor.session(command.id, command.session, command.blobs)]
         else:
@@ -202,19 +208,19 @@ def _loop(
             replies = [executor.control(command.id, command.control, cfg.replica)]
         status.busy = False
         # The driver's own commands (expiries) get no reply and are no served requests.
-        status.served += len(works) if ingress is not None else 1
-        if ingress is not None:
-            ingress.finished(replies if works else [])
+        status.served += len(works) if driver is not None else 1
+        if driver is not None:
+            driver.scheduler.finished(replies if works else [])
 
 
-def _emitter(ingress: Ingress | None, works: list[Work]) -> Callable[[list[bytes]], None] | None:
-    """The driver's way to send a request's interim replies (previews) as they come;
-    only a batch of one request has any (worker/batch.py).
+def _emitter(outbox: Outbox, works: list[Work]) -> Callable[[Reply], None] | None:
+    """The driver's way to deliver a request's interim replies (previews, a video's
+    progress) as they come; only a batch of one request has any (worker/batch.py).
 
-    Called on this, the gang loop's, thread: ``Ingress.reply`` hands the frames to
-    the ingress thread, which alone touches the socket.
+    Called on this, the gang loop's, thread: the output path hands a client's frames
+    to the socket thread, which alone touches the socket.
     """
-    if ingress is None or len(works) != 1:
+    if len(works) != 1:
         return None
-    identity = works[0].identity
-    return lambda frames: ingress.reply(identity, frames)
+    to = works[0].to
+    return lambda reply: outbox.answer(to, reply)

@@ -23,6 +23,7 @@ from dpserve.worker.encode import encode_image
 from dpserve.worker.features import VideoSupport
 from dpserve.worker.pipeline import Pipeline, pipeline_kwargs
 from dpserve.worker.preview import Emit
+from dpserve.worker.reply import Reply
 from dpserve.worker.video_encode import encode_mp4, encode_thumbnail, to_uint8
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class StepProgress:
     def __call__(self, pipe: Pipeline, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         steps = int(getattr(pipe, "num_timesteps", 0) or self.steps)
         body = v.VideoProgress(step=i + 1, steps=steps)
-        self.emit(p.encode(p.PARTIAL, self.request_id, body))
+        self.emit(Reply(p.PARTIAL, self.request_id, body))
         return {}
 
 
@@ -107,7 +108,7 @@ def video_reply(
     replica: int,
     times: tuple[float, float],
     peak_mb: float,
-) -> list[bytes]:
+) -> Reply:
     """The output rank's answer: a ``VideoResult`` with the mp4 and the thumbnail;
     ``frames`` is the pipeline's (one video, float in [0, 1]); ``times`` the queue's
     and the pipeline's seconds. A failed encoding is the job's error, not the gang's."""
@@ -119,7 +120,7 @@ def video_reply(
         mp4, thumbnail = encode_mp4(pixels, params.video.fps), encode_thumbnail(pixels)
     except Exception as exc:
         log.exception("video %s: encoding failed", request_id)
-        return p.encode_error(request_id, p.RequestError(p.INTERNAL, f"encoding failed: {exc}"))
+        return Reply.error(request_id, p.RequestError(p.INTERNAL, f"encoding failed: {exc}"))
     count, height, width, _ = pixels.shape
     result = v.VideoResult(
         replica=replica,
@@ -133,4 +134,4 @@ def video_reply(
         encode_time_s=time.perf_counter() - started,
         peak_memory_mb=peak_mb,
     )
-    return p.encode(p.RESULT, request_id, result, [mp4, thumbnail])
+    return Reply(p.RESULT, request_id, result, (mp4, thumbnail))

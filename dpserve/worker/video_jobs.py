@@ -1,8 +1,9 @@
 """The replica's video job book: each job's record, and the finished files on disk.
 
 The driver owns it (dpserve/contract/video.py says why jobs live on their replica). The
-ingress thread reads it and submits, deletes and lists; the gang loop's thread
-reports through it (started, progress, the output rank's answer). One lock covers
+socket thread reads it and submits, deletes and lists (worker/driver/video_desk.py); the
+gang loop's thread reports through it (started, progress, the output rank's answer,
+handed over as values by the output path: worker/driver/outbox.py). One lock covers
 the records; files are written before a record says ``completed``, so a reader
 never sees a completed job without its file.
 
@@ -33,6 +34,7 @@ import msgspec
 
 from dpserve.contract import protocol as p
 from dpserve.contract import video as v
+from dpserve.worker.reply import Reply
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class VideoBook:
         self._gone: OrderedDict[str, str] = OrderedDict()  # id -> why it is not held
         self._pruned_at = 0.0
 
-    # ------------------------------------------------------------ ingress thread
+    # ------------------------------------------------------------ socket thread
 
     def submit(
         self,
@@ -87,7 +89,7 @@ class VideoBook:
         estimated_s: float | None = None,
         max_run_s: float | None = None,
     ) -> v.VideoJob:
-        """Record a job the ingress queued; ``params`` resolved (size, frames, seed);
+        """Record a job the driver queues; ``params`` resolved (size, frames, seed);
         ``estimated_s`` the router's estimate of its run time, ``max_run_s`` the run
         time after which :meth:`overdue` stops it."""
         spec = params.video
@@ -151,7 +153,7 @@ class VideoBook:
         return v.VideoContent(id=job_id, variant=variant, media_type=v.MEDIA_TYPES[variant]), data
 
     def delete(self, job_id: str) -> v.VideoJob:
-        """Forget the job and remove its files; the record as it was. The ingress
+        """Forget the job and remove its files; the record as it was. The driver
         has taken it from the queue or told the gang to stop it first."""
         with self._lock:
             entry = self._entry(job_id)
@@ -196,27 +198,21 @@ class VideoBook:
                 entry.job.status = v.IN_PROGRESS
                 entry.started_at = self.clock()
 
-    def answer(self, frames: Sequence[bytes]) -> None:
-        """The gang's (or the ingress's) reply to a job's generation, as it would go to
-        a client: progress, the finished video, or why it stopped. A reply to a
-        deleted job is dropped."""
-        try:
-            message = p.decode(frames)
-        except p.ProtocolError as exc:  # never from this process's own encoder
-            log.error("dropping an unreadable answer to a video job: %s", exc)
-            return
-        job_id = message.id
-        try:
-            if message.kind == p.PARTIAL:
-                self._progress(job_id, message.body_as(v.VideoProgress))
-            elif message.kind == p.RESULT:
-                result: v.VideoResult = message.body_as(v.VideoResult)
-                self._completed(job_id, result, message.blobs)
-            else:
-                self._failed(job_id, p.decode_error(message))
-        except p.ProtocolError as exc:
-            log.error("video job %s: unreadable answer from the gang: %s", job_id, exc)
-            self._failed(job_id, p.RequestError(p.INTERNAL, f"unreadable answer: {exc}"))
+    def answer(self, reply: Reply) -> None:
+        """The gang's (or the driver's) answer to a job's generation, as values:
+        progress, the finished video, or why it stopped. An answer to a deleted job
+        is dropped."""
+        job_id = reply.request_id
+        if reply.kind == p.PARTIAL and isinstance(reply.body, v.VideoProgress):
+            self._progress(job_id, reply.body)
+        elif reply.kind == p.RESULT and isinstance(reply.body, v.VideoResult):
+            self._completed(job_id, reply.body, reply.blobs)
+        elif reply.kind == p.ERROR and isinstance(reply.body, p.RequestError):
+            self._failed(job_id, reply.body)
+        else:  # never from this process's own executor
+            what = f"{reply.kind} {type(reply.body).__name__}"
+            log.error("video job %s: an answer it cannot take: %s", job_id, what)
+            self._failed(job_id, p.RequestError(p.INTERNAL, f"unreadable answer: {what}"))
 
     def _progress(self, job_id: str, step: v.VideoProgress) -> None:
         with self._lock:

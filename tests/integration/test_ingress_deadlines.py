@@ -10,12 +10,12 @@ import pytest
 
 from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.contract import protocol as p
-from dpserve.worker.ingress import Ingress
+from dpserve.worker.driver import Driver
 
 BODY = {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}
 
 
-def _client(ingress: Ingress) -> ReplicaClient:
+def _client(ingress: Driver) -> ReplicaClient:
     return ReplicaClient(ingress.endpoint, timeout_s=5)
 
 
@@ -25,10 +25,10 @@ def _cancel(client: ReplicaClient, request_id: str) -> None:
     )
 
 
-def _queued(ingress: Ingress, n: int) -> None:
+def _queued(ingress: Driver, n: int) -> None:
     deadline = time.monotonic() + 5
-    while ingress.work.qsize() != n:
-        assert time.monotonic() < deadline, f"queue holds {ingress.work.qsize()}, not {n}"
+    while ingress.scheduler.work.qsize() != n:
+        assert time.monotonic() < deadline, f"queue holds {ingress.scheduler.work.qsize()}, not {n}"
         time.sleep(0.01)
 
 
@@ -37,7 +37,7 @@ def _code(message: p.Message) -> str:
     return p.decode_error(message).code
 
 
-def test_queued_work_past_its_deadline_is_answered_without_the_gang(ingress: Ingress) -> None:
+def test_queued_work_past_its_deadline_is_answered_without_the_gang(ingress: Driver) -> None:
     with _client(ingress) as client:
         sent = time.monotonic()
         client.send_raw(p.encode(p.GENERATE, "late", BODY, timeout_ms=300))
@@ -51,12 +51,12 @@ def test_queued_work_past_its_deadline_is_answered_without_the_gang(ingress: Ing
         assert (second.id, _code(second)) == ("late", p.DEADLINE_EXCEEDED)
         assert 0.3 <= waited < 1.0  # one poll interval (0.1 s) past the deadline, load aside
         assert "before it started" in str(p.decode_error(second))
-    [work] = ingress.next_work(timeout=0)
+    [work] = ingress.scheduler.next_batch(timeout=0)
     assert work.command.id == "calm" and work.deadline is None
-    assert ingress.work.qsize() == 0
+    assert ingress.scheduler.work.qsize() == 0
 
 
-def test_a_cancel_takes_only_its_own_clients_queued_request(ingress: Ingress) -> None:
+def test_a_cancel_takes_only_its_own_clients_queued_request(ingress: Driver) -> None:
     with _client(ingress) as mine, _client(ingress) as other:
         mine.send_raw(p.encode(p.GENERATE, "r1", BODY))
         mine.send_raw(p.encode(p.GENERATE, "r2", BODY))
@@ -70,38 +70,40 @@ def test_a_cancel_takes_only_its_own_clients_queued_request(ingress: Ingress) ->
             mine.recv(timeout_s=0.3)
         with pytest.raises(ReplicaTimeout):
             other.recv(timeout_s=0.1)
-    left = [work for _ in range(2) for work in ingress.next_work(timeout=0)]
+    left = [work for _ in range(2) for work in ingress.scheduler.next_batch(timeout=0)]
     # Mine r2 and the other's r1 (two connections: in either order).
     assert sorted(w.command.id for w in left) == ["r1", "r2"]
 
 
-def test_the_running_generation_learns_it_was_cancelled_or_is_late(ingress: Ingress) -> None:
+def test_the_running_generation_learns_it_was_cancelled_or_is_late(ingress: Driver) -> None:
     with _client(ingress) as client:
         client.send_raw(p.encode(p.GENERATE, "run", BODY, timeout_ms=60_000))
-        [work] = ingress.next_work(timeout=5)
+        [work] = ingress.scheduler.next_batch(timeout=5)
         assert work.command.id == "run"
-        assert ingress.halt() is None
+        assert ingress.scheduler.halt() is None
         _cancel(client, "run")
         deadline = time.monotonic() + 5
-        while (halt := ingress.halt()) is None:
+        while (halt := ingress.scheduler.halt()) is None:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert halt.code == p.CANCELLED and halt.status == 499
-        ingress.finished()
-        assert ingress.halt() is None  # a late cancel concerns nothing now
+        ingress.scheduler.finished()
+        assert ingress.scheduler.halt() is None  # a late cancel concerns nothing now
 
         client.send_raw(p.encode(p.GENERATE, "slow", BODY, timeout_ms=200))
-        assert len(ingress.next_work(timeout=5)) == 1 and ingress.halt() is None
+        assert (
+            len(ingress.scheduler.next_batch(timeout=5)) == 1 and ingress.scheduler.halt() is None
+        )
         time.sleep(0.25)
-        late = ingress.halt()
+        late = ingress.scheduler.halt()
         assert late is not None and late.code == p.DEADLINE_EXCEEDED
         assert "while it ran" in str(late)
-        ingress.finished()
+        ingress.scheduler.finished()
         with pytest.raises(ReplicaTimeout):  # the gang answers a running one, not the ingress
             client.recv(timeout_s=0.2)
 
 
-def test_deadlines_and_cancels_leave_sessions_and_control_ops_alone(ingress: Ingress) -> None:
+def test_deadlines_and_cancels_leave_sessions_and_control_ops_alone(ingress: Driver) -> None:
     with _client(ingress) as client:
         control = p.ControlRequest(op="list_loras")
         client.send_raw(p.encode(p.CONTROL, "ctl", control, timeout_ms=0))
@@ -109,15 +111,15 @@ def test_deadlines_and_cancels_leave_sessions_and_control_ops_alone(ingress: Ing
         _cancel(client, "ctl")
         with pytest.raises(ReplicaTimeout):
             client.recv(timeout_s=0.3)
-        [work] = ingress.next_work(timeout=0)
+        [work] = ingress.scheduler.next_batch(timeout=0)
         assert work.command.id == "ctl" and work.deadline is None
         _cancel(client, "ctl")
         time.sleep(0.1)
-        assert ingress.halt() is None
-        ingress.finished()
+        assert ingress.scheduler.halt() is None
+        ingress.scheduler.finished()
 
 
-def test_malformed_cancels_are_answered_like_any_malformed_message(ingress: Ingress) -> None:
+def test_malformed_cancels_are_answered_like_any_malformed_message(ingress: Driver) -> None:
     enc = msgspec.msgpack.encode
     cases = {
         "empty": p.encode(p.CANCEL, "empty", {})[0],
@@ -134,4 +136,4 @@ def test_malformed_cancels_are_answered_like_any_malformed_message(ingress: Ingr
         with pytest.raises(ReplicaTimeout):
             client.recv(timeout_s=0.3)
         assert client.ping().status == "ok"
-    assert ingress.work.qsize() == 0
+    assert ingress.scheduler.work.qsize() == 0

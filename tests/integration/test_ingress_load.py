@@ -10,20 +10,20 @@ import pytest
 from dpserve.client import ReplicaClient
 from dpserve.contract import protocol as p
 from dpserve.contract.cost import cost_units
-from dpserve.worker.ingress import Ingress
+from dpserve.worker.driver import Driver
 
 
-def _queue(ingress: Ingress, client: ReplicaClient, body: dict[str, object]) -> None:
+def _queue(ingress: Driver, client: ReplicaClient, body: dict[str, object]) -> None:
     """Queue a generation (nothing runs it: no gang), once the ingress holds it."""
-    queued = ingress.work.qsize()
+    queued = ingress.scheduler.work.qsize()
     client.send_raw(p.encode(p.GENERATE, f"r{queued}", body))
     deadline = time.monotonic() + 5
-    while ingress.work.qsize() == queued:
+    while ingress.scheduler.work.qsize() == queued:
         assert time.monotonic() < deadline, "the generation never queued"
         time.sleep(0.01)
 
 
-def test_pings_report_queued_units_calibration_busy_share_and_batch(ingress: Ingress) -> None:
+def test_pings_report_queued_units_calibration_busy_share_and_batch(ingress: Driver) -> None:
     shape = p.CostReport(default_width=512, default_height=512, default_steps=8)
     ingress.status.calibration.configure(shape)
     ingress.status.max_batch = 4

@@ -8,16 +8,16 @@ import pytest
 from dpserve.client import ReplicaClient
 from dpserve.contract import protocol as p
 from dpserve.contract import realtime as rt
-from dpserve.worker.ingress import Ingress
+from dpserve.worker.driver import Driver
 
 PARAMS = rt.SessionParams(prompt="a kite", width=64, height=64)
 
 
-def _client(ingress: Ingress) -> ReplicaClient:
+def _client(ingress: Driver) -> ReplicaClient:
     return ReplicaClient(ingress.endpoint, timeout_s=5)
 
 
-def test_a_full_replica_refuses_opens_at_once(ingress: Ingress) -> None:
+def test_a_full_replica_refuses_opens_at_once(ingress: Driver) -> None:
     ingress.status.sessions = 2
     with _client(ingress) as client:
         with pytest.raises(p.RequestError) as exc:
@@ -25,10 +25,10 @@ def test_a_full_replica_refuses_opens_at_once(ingress: Ingress) -> None:
         assert exc.value.code == p.OVERLOADED and "maximum of 2 sessions" in str(exc.value)
         ping = client.ping()
     assert (ping.sessions, ping.max_sessions) == (2, 2)
-    assert ingress.work.qsize() == 0  # refused without queueing
+    assert ingress.scheduler.work.qsize() == 0  # refused without queueing
 
 
-def test_a_draining_replica_ends_sessions_instead_of_asking_for_a_retry(ingress: Ingress) -> None:
+def test_a_draining_replica_ends_sessions_instead_of_asking_for_a_retry(ingress: Driver) -> None:
     ingress.draining.set()
     with _client(ingress) as client:
         with pytest.raises(p.RequestError) as exc:

@@ -18,9 +18,9 @@ from dpserve.config.worker import WorkerConfig
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.worker.commands import GangStatus
+from dpserve.worker.driver import Driver
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features
-from dpserve.worker.ingress import Ingress
 from dpserve.worker.step_cache import StepCaches
 from tests.executors import one_rank_executors, reply_to
 from tests.workers import free_port
@@ -135,7 +135,7 @@ def test_the_ingress_refuses_a_cache_the_replica_lacks_before_it_queues() -> Non
         step_caches=StepCaches((), refusal=refusal),
     )
     url = f"tcp://127.0.0.1:{free_port()}"
-    front = Ingress(url, 0, pv.Limits(), GangStatus(), 8, 120.0, 2, features=features)
+    front = Driver(url, 0, pv.Limits(), GangStatus(), 8, 120.0, 2, features=features)
     front.start()
     body = {"prompt": "x", "width": 64, "height": 64, "seed": 1}
     try:
@@ -144,11 +144,11 @@ def test_the_ingress_refuses_a_cache_the_replica_lacks_before_it_queues() -> Non
                 client.call(p.GENERATE, {**body, "step_cache": "first_block_cache"})
             assert err.value.code == p.UNSUPPORTED and refusal in str(err.value)
             assert err.value.fields == [p.FieldError("step_cache", "must be none or left out")]
-            assert front.work.qsize() == 0
+            assert front.scheduler.work.qsize() == 0
             client.send_raw(p.encode(p.GENERATE, "ok", {**body, "step_cache": "none"}))
             client.send_raw(p.encode(p.PING, "ping", {}))
             client.recv()  # the ping's answer: the generation before it was handled
-            assert front.work.qsize() == 1
+            assert front.scheduler.work.qsize() == 1
     finally:
         front.close()
 

@@ -19,9 +19,11 @@ from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video as v
 from dpserve.worker.commands import GangStatus
+from dpserve.worker.driver import Driver
+from dpserve.worker.driver.outbox import Jobs
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features, VideoSupport
-from dpserve.worker.ingress import JOB_IDENTITY, Ingress
+from dpserve.worker.reply import Reply
 from dpserve.worker.video_jobs import VideoBook
 from tests.workers import free_port
 
@@ -29,9 +31,9 @@ LIMITS = pv.Limits(size_factor=16, min_side=16, max_frames=17, frame_factor=4, d
 
 
 @pytest.fixture()
-def front(tmp_path: Path) -> Iterator[Ingress]:
+def front(tmp_path: Path) -> Iterator[Driver]:
     book = VideoBook(tmp_path, ttl_s=60.0, max_bytes=1 << 20, replica=1)
-    ingress = Ingress(f"tcp://127.0.0.1:{free_port()}", 1, LIMITS, GangStatus(), 2, 120.0, 2,
+    ingress = Driver(f"tcp://127.0.0.1:{free_port()}", 1, LIMITS, GangStatus(), 2, 120.0, 2,
                       videos=book)  # fmt: skip
     ingress.start()
     try:
@@ -72,24 +74,24 @@ def _png() -> bytes:
     return buf.getvalue()
 
 
-def test_submit_get_run_content_and_delete(front: Ingress) -> None:
+def test_submit_get_run_content_and_delete(front: Driver) -> None:
     job_id = v.make_job_id(front.endpoint, "0123456789abcdef")
     with ReplicaClient(front.endpoint, timeout_s=5) as client:
         job: v.VideoJob = _submit(client, job_id, seconds="1").body_as(v.VideoJob)
         assert (job.status, job.num_frames, job.fps, job.seed, job.created_at) == (
             v.QUEUED, 17, 16, 5, 99,
         )  # fmt: skip
-        assert front.work.qsize() == 1 and front.ping().queue_depth == 1
-        [work] = front.next_work(timeout=0)
-        assert work.identity == JOB_IDENTITY and work.command.batch[0].params.video is not None
+        assert front.scheduler.work.qsize() == 1 and front.admission.ping().queue_depth == 1
+        [work] = front.scheduler.next_batch(timeout=0)
+        assert isinstance(work.to, Jobs) and work.command.batch[0].params.video is not None
         assert _ask(client, v.GET, job_id).body_as(v.VideoJob).status == v.IN_PROGRESS
-        front.reply(work.identity, p.encode(p.PARTIAL, job_id, v.VideoProgress(step=1, steps=2)))
+        front.outbox.answer(work.to, Reply(p.PARTIAL, job_id, v.VideoProgress(step=1, steps=2)))
         assert _ask(client, v.GET, job_id).body_as(v.VideoJob).progress == 47
         assert _refused(lambda: _ask(client, v.CONTENT, job_id)).status == 409
         result = v.VideoResult(replica=1, width=64, height=48, num_frames=17, fps=16, seed=5,
                                queue_time_s=0, inference_time_s=1, encode_time_s=0,
                                peak_memory_mb=0)  # fmt: skip
-        front.finished([p.encode(p.RESULT, job_id, result, [b"MP4", b"JPG"])])
+        front.scheduler.finished([Reply(p.RESULT, job_id, result, (b"MP4", b"JPG"))])
         content = _ask(client, v.CONTENT, job_id, variant=v.THUMBNAIL)
         assert content.body_as(v.VideoContent).media_type == "image/jpeg"
         assert content.blobs == (b"JPG",)
@@ -99,20 +101,20 @@ def test_submit_get_run_content_and_delete(front: Ingress) -> None:
         assert _refused(lambda: _ask(client, v.GET, job_id)).code == p.NOT_FOUND
 
 
-def test_a_delete_stops_the_running_job_at_its_next_step(front: Ingress) -> None:
+def test_a_delete_stops_the_running_job_at_its_next_step(front: Driver) -> None:
     job_id = v.make_job_id(front.endpoint, "0123456789abcdef")
     with ReplicaClient(front.endpoint, timeout_s=5) as client:
         _submit(client, job_id)
-        front.next_work(timeout=0)
-        assert front.halt() is None
+        front.scheduler.next_batch(timeout=0)
+        assert front.scheduler.halt() is None
         assert _ask(client, v.DELETE, job_id).body_as(v.VideoJob).status == v.CANCELLED
-        stop = front.halt()  # the gang's next denoising step
+        stop = front.scheduler.halt()  # the gang's next denoising step
         assert stop is not None and stop.code == p.CANCELLED
-        front.finished([p.encode_error(job_id, stop)])  # answered to the book: dropped
+        front.scheduler.finished([Reply.error(job_id, stop)])  # answered to the book: dropped
 
 
 def test_a_job_without_a_size_gets_the_models_default_size_from_the_start(
-    front: Ingress,
+    front: Driver,
 ) -> None:
     """The size the pipeline makes when given none (the cost model's default), in the
     record from the submit on, and in what the gang is asked to make."""
@@ -121,7 +123,7 @@ def test_a_job_without_a_size_gets_the_models_default_size_from_the_start(
     with ReplicaClient(front.endpoint, timeout_s=5) as client:
         job = _submit(client, job_id, width=None, height=None).body_as(v.VideoJob)
         assert (job.width, job.height) == (96, 64)
-        [work] = front.next_work(timeout=0)
+        [work] = front.scheduler.next_batch(timeout=0)
         params = work.command.batch[0].params
         assert (params.width, params.height) == (96, 64)
         other = v.make_job_id(front.endpoint, "0123456789abcdef")
@@ -129,25 +131,25 @@ def test_a_job_without_a_size_gets_the_models_default_size_from_the_start(
         assert (half.width, half.height) == (64, 64)
 
 
-def test_a_job_that_runs_past_its_bound_is_stopped_and_says_why(front: Ingress) -> None:
+def test_a_job_that_runs_past_its_bound_is_stopped_and_says_why(front: Driver) -> None:
     job_id = v.make_job_id(front.endpoint, "0123456789abcdef")
     with ReplicaClient(front.endpoint, timeout_s=5) as client:
         _submit(client, job_id, max_run_s=0.3)
-        front.next_work(timeout=0)
-        assert front.halt() is None
+        front.scheduler.next_batch(timeout=0)
+        assert front.scheduler.halt() is None
         stop = None
         deadline = time.monotonic() + 10
         while stop is None and time.monotonic() < deadline:  # the gang's denoising steps
             time.sleep(0.05)
-            stop = front.halt()
+            stop = front.scheduler.halt()
         assert stop is not None and stop.code == p.CANCELLED
-        front.finished([p.encode_error(job_id, stop)])
+        front.scheduler.finished([Reply.error(job_id, stop)])
         job = _ask(client, v.GET, job_id).body_as(v.VideoJob)
         assert job.status == v.FAILED and job.error is not None
         assert job.error.code == p.DEADLINE_EXCEEDED and "bound of 0.3s" in job.error.message
 
 
-def test_bad_jobs_are_refused_before_they_queue(front: Ingress) -> None:
+def test_bad_jobs_are_refused_before_they_queue(front: Driver) -> None:
     job_id = v.make_job_id(front.endpoint, "0123456789abcdef")
     with ReplicaClient(front.endpoint, timeout_s=5) as client:
         too_long = _refused(lambda: _submit(client, job_id, num_frames=21))
@@ -162,7 +164,7 @@ def test_bad_jobs_are_refused_before_they_queue(front: Ingress) -> None:
         assert bad_id.status == 400
         unknown = _refused(lambda: _ask(client, "remix", job_id))
         assert unknown.status == 400 and "submit, get" in str(unknown)
-        assert front.work.qsize() == 0
+        assert front.scheduler.work.qsize() == 0
         for i in range(2):  # the queue holds 2
             other = v.make_job_id(front.endpoint, "0123456789abcdef")
             assert _submit(client, other).kind == p.RESULT, i
@@ -172,7 +174,7 @@ def test_bad_jobs_are_refused_before_they_queue(front: Ingress) -> None:
 
 
 def test_an_image_model_refuses_jobs_and_lists_none() -> None:
-    ingress = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, pv.Limits(), GangStatus(), 2, 120.0, 2)
+    ingress = Driver(f"tcp://127.0.0.1:{free_port()}", 0, pv.Limits(), GangStatus(), 2, 120.0, 2)
     ingress.start()
     try:
         job_id = v.make_job_id(ingress.endpoint, "0123456789abcdef")
@@ -190,7 +192,7 @@ def test_an_image_to_video_model_needs_its_image(tmp_path: Path) -> None:
                        text_to_video=False)  # fmt: skip
     features = Features(edit=EditSupport(False, False, 0), partial_images=0, video=i2v)
     book = VideoBook(tmp_path, ttl_s=60.0, max_bytes=1 << 20, replica=0)
-    ingress = Ingress(f"tcp://127.0.0.1:{free_port()}", 0, LIMITS, GangStatus(), 2, 120.0, 2,
+    ingress = Driver(f"tcp://127.0.0.1:{free_port()}", 0, LIMITS, GangStatus(), 2, 120.0, 2,
                       features=features, videos=book)  # fmt: skip
     ingress.start()
     try:
@@ -200,7 +202,7 @@ def test_an_image_to_video_model_needs_its_image(tmp_path: Path) -> None:
             assert refused.status == 400 and "from an image" in str(refused)
             job = _submit(client, job_id, blobs=[_png()]).body_as(v.VideoJob)
             assert job.status == v.QUEUED
-            [work] = ingress.next_work(timeout=0)
+            [work] = ingress.scheduler.next_batch(timeout=0)
             assert work.command.blobs == [_png()]  # the image goes to the gang with the job
     finally:
         ingress.close()

@@ -21,7 +21,7 @@ from dpserve.contract import validation as pv
 from dpserve.plumbing.curve import WireKey, secure_client
 from dpserve.plumbing.transport import bind_router, bound_endpoint, connect_dealer
 from dpserve.worker.commands import GangStatus
-from dpserve.worker.ingress import Ingress
+from dpserve.worker.driver import Driver
 from tests.workers import free_port
 
 
@@ -31,9 +31,9 @@ def key() -> WireKey:
 
 
 @pytest.fixture()
-def secured(key: WireKey) -> Iterator[Ingress]:
+def secured(key: WireKey) -> Iterator[Driver]:
     """A driver's ingress under ``key`` (no gang behind it)."""
-    front = Ingress(
+    front = Driver(
         f"tcp://127.0.0.1:{free_port()}", 0, pv.Limits(), GangStatus(), 8, 120.0, 2, key=key
     )
     front.start()
@@ -62,14 +62,14 @@ def _events(monitor: zmq.Socket[bytes], wait_s: float) -> set[int]:
     return seen
 
 
-def test_the_key_holder_is_served(secured: Ingress, key: WireKey) -> None:
+def test_the_key_holder_is_served(secured: Driver, key: WireKey) -> None:
     with ReplicaClient(secured.endpoint, timeout_s=5, key=key) as client:
         assert client.ping().status == "ok"
-    assert secured.gate is not None and secured.gate.admitted >= 1
+    assert secured.socket.gate is not None and secured.socket.gate.admitted >= 1
 
 
 @pytest.mark.parametrize("peer", ["plaintext", "other_key", "server_key_only"])
-def test_a_peer_without_the_key_gets_nothing(secured: Ingress, key: WireKey, peer: str) -> None:
+def test_a_peer_without_the_key_gets_nothing(secured: Driver, key: WireKey, peer: str) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = _raw_dealer(ctx, secured.endpoint)
     if peer == "other_key":
@@ -98,7 +98,7 @@ def test_a_peer_without_the_key_gets_nothing(secured: Ingress, key: WireKey, pee
         sock.close(linger=0)
         ctx.term()
     if peer == "server_key_only":  # the others fail the handshake before ZAP is asked
-        assert secured.gate is not None and secured.gate.denied >= 1
+        assert secured.socket.gate is not None and secured.socket.gate.denied >= 1
 
 
 def test_a_secured_socket_without_its_gatekeeper_admits_nobody(key: WireKey) -> None:
@@ -115,7 +115,7 @@ def test_a_secured_socket_without_its_gatekeeper_admits_nobody(key: WireKey) -> 
         ctx.term()
 
 
-def test_a_key_holder_gets_nothing_from_a_plaintext_driver(ingress: Ingress, key: WireKey) -> None:
+def test_a_key_holder_gets_nothing_from_a_plaintext_driver(ingress: Driver, key: WireKey) -> None:
     """The other way round: a keyed client never talks to an unkeyed driver (which
     might be anybody's), so a missing key on either side shows, not degrades."""
     with (
@@ -125,7 +125,7 @@ def test_a_key_holder_gets_nothing_from_a_plaintext_driver(ingress: Ingress, key
         client.ping()
 
 
-def test_an_oversized_frame_drops_only_its_sender(secured: Ingress, key: WireKey) -> None:
+def test_an_oversized_frame_drops_only_its_sender(secured: Driver, key: WireKey) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     big = connect_dealer(ctx, secured.endpoint, key=key)
     monitor = big.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -148,7 +148,7 @@ def test_an_oversized_frame_drops_only_its_sender(secured: Ingress, key: WireKey
 
 
 def test_a_driver_without_a_key_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    front = Ingress(f"tcp://127.0.0.1:{free_port()}", 3, pv.Limits(), GangStatus(), 8, 120.0, 2)
+    front = Driver(f"tcp://127.0.0.1:{free_port()}", 3, pv.Limits(), GangStatus(), 8, 120.0, 2)
     front.start()
     front.close()
     warned = [r for r in caplog.records if r.levelname == "WARNING"]

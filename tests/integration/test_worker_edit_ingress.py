@@ -13,9 +13,9 @@ from dpserve.client import ReplicaClient, ReplicaTimeout
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.worker.commands import GangStatus
+from dpserve.worker.driver import Driver
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features
-from dpserve.worker.ingress import Ingress
 from tests.workers import free_port
 
 BODY = {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}
@@ -23,13 +23,13 @@ NO_EDITS = Features(EditSupport(edits=False, inpainting=False, max_images=0), pa
 FLUX = Features(EditSupport(edits=True, inpainting=True, max_images=1), partial_images=3)
 
 
-def _front(features: Features) -> Ingress:
+def _front(features: Features) -> Driver:
     url = f"tcp://127.0.0.1:{free_port()}"
-    return Ingress(url, 0, pv.Limits(), GangStatus(), 8, 120.0, 2, features=features)
+    return Driver(url, 0, pv.Limits(), GangStatus(), 8, 120.0, 2, features=features)
 
 
 @pytest.fixture()
-def flux() -> Iterator[Ingress]:
+def flux() -> Iterator[Driver]:
     front = _front(FLUX)
     front.start()
     try:
@@ -55,7 +55,7 @@ def _refused(client: ReplicaClient, body: object, blobs: list[bytes]) -> p.Reque
     return err.value
 
 
-def test_bad_uploads_are_refused_naming_the_field_before_they_queue(flux: Ingress) -> None:
+def test_bad_uploads_are_refused_naming_the_field_before_they_queue(flux: Driver) -> None:
     with ReplicaClient(flux.endpoint, timeout_s=5) as client:
         mask = _refused(client, _edit(1, mask=True), [_png((64, 64)), _png((32, 32), "L")])
         assert (mask.code, mask.fields[0].field) == (p.INVALID_REQUEST, "mask")
@@ -68,25 +68,25 @@ def test_bad_uploads_are_refused_naming_the_field_before_they_queue(flux: Ingres
         assert many.code == p.UNSUPPORTED and "at most 1 image" in str(many)
         missing = _refused(client, _edit(1), [])
         assert missing.code == p.INVALID_REQUEST
-        assert flux.work.qsize() == 0
+        assert flux.scheduler.work.qsize() == 0
         client.send_raw(p.encode(p.GENERATE, "ok", _edit(1, mask=True), [_png((96, 64))] * 2))
         assert client.ping().queue_depth == 1
-    [work] = flux.next_work(timeout=0)
+    [work] = flux.scheduler.next_batch(timeout=0)
     assert len(work.command.blobs) == 2  # the uploads travel to the gang
     params = work.command.batch[0].params
     assert (params.width, params.height) == (64, 64)  # given: kept
-    flux.finished()
+    flux.scheduler.finished()
 
 
-def test_an_edit_without_a_size_takes_its_first_images(flux: Ingress) -> None:
+def test_an_edit_without_a_size_takes_its_first_images(flux: Driver) -> None:
     body = {k: v for k, v in _edit(1).items() if k not in ("width", "height")}
     with ReplicaClient(flux.endpoint, timeout_s=5) as client:
         client.send_raw(p.encode(p.GENERATE, "sized", body, [_png((100, 70))]))
         assert client.ping().queue_depth == 1
-    [work] = flux.next_work(timeout=0)
+    [work] = flux.scheduler.next_batch(timeout=0)
     params = work.command.batch[0].params
     assert (params.width, params.height) == (96, 64)
-    flux.finished()
+    flux.scheduler.finished()
 
 
 def test_what_the_model_cannot_do_is_unsupported_before_it_queues() -> None:
@@ -99,7 +99,7 @@ def test_what_the_model_cannot_do_is_unsupported_before_it_queues() -> None:
             previews = _refused(client, {**BODY, "partial_images": 2}, [])
             assert previews.code == p.UNSUPPORTED
             assert previews.fields[0].field == "partial_images"
-            assert front.work.qsize() == 0
+            assert front.scheduler.work.qsize() == 0
     finally:
         front.close()
 
@@ -111,7 +111,7 @@ def _cancel_any(client: ReplicaClient, request_id: str) -> p.CancelResult:
     return result
 
 
-def test_a_cancel_from_any_client_finds_queued_and_running_work(flux: Ingress) -> None:
+def test_a_cancel_from_any_client_finds_queued_and_running_work(flux: Driver) -> None:
     with (
         ReplicaClient(flux.endpoint, timeout_s=5) as owner,
         ReplicaClient(flux.endpoint, timeout_s=5) as other,
@@ -119,19 +119,19 @@ def test_a_cancel_from_any_client_finds_queued_and_running_work(flux: Ingress) -
         for rid in ("run", "wait", "stay"):
             owner.send_raw(p.encode(p.GENERATE, rid, BODY))
         assert owner.ping().queue_depth == 3
-        [running] = flux.next_work(timeout=0)
+        [running] = flux.scheduler.next_batch(timeout=0)
         assert running.command.id == "run"
         assert _cancel_any(other, "wait").found == p.CANCEL_QUEUED
         gone = owner.recv()  # answered to the request's own sender
         assert (gone.id, p.decode_error(gone).code) == ("wait", p.CANCELLED)
         assert _cancel_any(other, "run").found == p.CANCEL_RUNNING
-        halt = flux.halt()
+        halt = flux.scheduler.halt()
         assert halt is not None and halt.code == p.CANCELLED  # the gang stops at its next step
-        flux.finished()
+        flux.scheduler.finished()
         assert _cancel_any(other, "run").found == p.CANCEL_NOT_FOUND
         assert _cancel_any(other, "nobody").found == p.CANCEL_NOT_FOUND
         with pytest.raises(ReplicaTimeout):
             other.recv(timeout_s=0.2)  # nothing else for the canceller
-    [left] = flux.next_work(timeout=0)
+    [left] = flux.scheduler.next_batch(timeout=0)
     assert left.command.id == "stay"
-    flux.finished()
+    flux.scheduler.finished()

@@ -16,7 +16,8 @@ from dpserve.contract.protocol import (
 )
 from dpserve.worker.batch import PER_IMAGE, Batching, compatible, split
 from dpserve.worker.commands import GangCommand, Generation
-from dpserve.worker.ingress import Work, WorkQueue
+from dpserve.worker.driver.outbox import Client
+from dpserve.worker.driver.work_queue import Work, WorkQueue
 
 BASE = GenerateParams(prompt="a fox", width=64, height=64, num_inference_steps=4, seed=[1])
 
@@ -30,12 +31,12 @@ def _gen(request_id: str, **changes: object) -> Work:
     if params.seed is not None and len(params.seed) != params.n:
         params = msgspec.structs.replace(params, seed=list(range(params.n)))
     batch = [Generation(id=request_id, params=params)]
-    return Work(b"client", GangCommand(kind=p.GENERATE, id=request_id, batch=batch), 0.0)
+    return Work(Client(b"client"), GangCommand(kind=p.GENERATE, id=request_id, batch=batch), 0.0)
 
 
 def _control(request_id: str) -> Work:
     control = p.ControlRequest(op="list_loras")
-    return Work(b"client", GangCommand(kind=p.CONTROL, id=request_id, control=control), 0.0)
+    return Work(Client(b"client"), GangCommand(kind=p.CONTROL, id=request_id, control=control), 0.0)
 
 
 def _queue(max_images: int, wait_s: float, *works: Work) -> WorkQueue:
@@ -154,16 +155,16 @@ def test_the_window_ends_a_partly_filled_batch() -> None:
 def test_a_cancel_reaches_a_request_gathered_into_a_batch() -> None:
     queue = _queue(4, 0.3, _gen("a"), _gen("b"))
     # Cancelled while the window waits: the request is running, not queued.
-    threading.Timer(0.1, lambda: queue.cancel("b", b"client")).start()
+    threading.Timer(0.1, lambda: queue.cancel("b", Client(b"client"))).start()
     assert _ids(queue.start(timeout=0)) == ["a", "b"]
     assert [(w.command.id, cancelled) for w, cancelled in queue.running()] == [
         ("a", False),
         ("b", True),
     ]
     b = queue.running()[1][0]
-    queue.answered(b)  # it left its batch (Ingress.halt answered it)
+    queue.answered(b)  # it left its batch (Scheduler.halt answered it)
     assert _ids(queue.snapshot()) == ["a"]
-    assert queue.cancel("b", b"client")[1] == p.CANCEL_NOT_FOUND  # answered already
+    assert queue.cancel("b", Client(b"client"))[1] == p.CANCEL_NOT_FOUND  # answered already
     assert [(w.command.id, answered) for w, answered in queue.finish()] == [
         ("a", False),
         ("b", True),

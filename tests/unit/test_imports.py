@@ -126,3 +126,13 @@ def test_only_the_pool_parts_touch_a_replica_connection() -> None:
         if isinstance(node, ast.Attribute) and node.attr == "conn"
     ]
     assert reached == []
+
+
+def test_the_driver_parts_need_no_torch_and_the_ranks_need_no_driver() -> None:
+    # The driver's threads check requests from their headers and values alone; the
+    # executor, on every rank, reaches the driver only through what the gang loop
+    # hands it (the scheduler's halt, the output path's emit).
+    assert "torch" not in _modules_after_import("dpserve.worker.driver")
+    loaded = _modules_after_import("dpserve.worker.executor")
+    assert _modules_of("dpserve.worker.driver", loaded) == set()
+    assert "zmq" not in loaded

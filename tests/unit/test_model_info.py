@@ -150,7 +150,7 @@ def test_a_newer_peers_extra_field_is_ignored() -> None:
 def test_the_limits_from_one_description_are_the_same_on_both_sides() -> None:
     for features in (WORKER, Features(EditSupport(False, False, 0), 0)):
         facts = _facts(features)
-        replica_side = facts.limits()  # what boot.open_ingress gives the ingress
+        replica_side = facts.limits()  # what boot.open_driver gives the driver
         info = decode(_over_the_wire(_answer(facts)))
         pool = SimpleNamespace(serving=lambda info=info: [SimpleNamespace(info=info)])
         router_side = deps.limits(cast(ReplicaPool, pool))

@@ -9,6 +9,7 @@ import pytest
 
 from dpserve.contract import protocol as p
 from dpserve.contract import video as v
+from dpserve.worker.reply import Reply
 from dpserve.worker.video_jobs import VideoBook
 
 JOB = v.make_job_id("tcp://10.0.0.1:5555", "0123456789abcdef")
@@ -27,12 +28,12 @@ def _params(seed: int = 7) -> p.GenerateParams:
     return p.GenerateParams(prompt="a cat", width=64, height=48, seed=[seed], video=spec)
 
 
-def _done(job_id: str, video: bytes = b"mp4-bytes", thumb: bytes = b"jpg") -> list[bytes]:
+def _done(job_id: str, video: bytes = b"mp4-bytes", thumb: bytes = b"jpg") -> Reply:
     result = v.VideoResult(
         replica=0, width=64, height=48, num_frames=9, fps=16, seed=7, queue_time_s=0.5,
         inference_time_s=2.0, encode_time_s=0.1, peak_memory_mb=1.0,
     )  # fmt: skip
-    return p.encode(p.RESULT, job_id, result, [video, thumb])
+    return Reply(p.RESULT, job_id, result, (video, thumb))
 
 
 def _book(tmp_path: Path, clock: Clock, **kw: int) -> VideoBook:
@@ -50,7 +51,7 @@ def test_a_job_goes_from_queued_to_completed_with_its_files(tmp_path: Path) -> N
         book.content(JOB, v.VIDEO_VARIANT)
     assert early.value.status == 409 and "queued (0%)" in str(early.value)
     book.started(JOB)
-    book.answer(p.encode(p.PARTIAL, JOB, v.VideoProgress(step=2, steps=4)))
+    book.answer(Reply(p.PARTIAL, JOB, v.VideoProgress(step=2, steps=4)))
     running = book.get(JOB)
     assert (running.status, running.progress) == (v.IN_PROGRESS, 47)
     clock.now += 5
@@ -105,8 +106,8 @@ def test_errors_become_failed_or_cancelled(tmp_path: Path) -> None:
     ids = [JOB.replace(JOB[6:10], f"{i:04x}") for i in range(2)]
     for job_id in ids:
         book.submit(job_id, _params(), 0, 1)
-    book.answer(p.encode_error(ids[0], p.RequestError(p.CANCELLED, "stop")))
-    book.answer(p.encode_error(ids[1], p.RequestError(p.INTERNAL, "boom")))
+    book.answer(Reply.error(ids[0], p.RequestError(p.CANCELLED, "stop")))
+    book.answer(Reply.error(ids[1], p.RequestError(p.INTERNAL, "boom")))
     cancelled, failed = (book.get(i) for i in ids)
     assert cancelled.status == v.CANCELLED and cancelled.error is not None
     assert failed.status == v.FAILED and failed.error == v.VideoError(
@@ -140,7 +141,7 @@ def test_records_are_bounded_oldest_finished_first(tmp_path: Path) -> None:
     book = _book(tmp_path, Clock(), max_records=2)
     ids = [JOB.replace(JOB[6:10], f"{i:04x}") for i in range(3)]
     book.submit(ids[0], _params(), 0, 1)
-    book.answer(p.encode_error(ids[0], p.RequestError(p.INTERNAL, "x")))
+    book.answer(Reply.error(ids[0], p.RequestError(p.INTERNAL, "x")))
     book.submit(ids[1], _params(), 0, 1)
     book.submit(ids[2], _params(), 0, 1)
     assert [j.id for j in book.list().jobs] == [ids[2], ids[1]]
@@ -170,7 +171,7 @@ def test_a_job_keeps_its_estimate_and_is_stopped_once_it_runs_past_its_bound(
     assert book.overdue() == ()  # once
     assert book.get(JOB).status == v.IN_PROGRESS  # until the gang stops
     stop = p.RequestError(p.CANCELLED, f"request {JOB} was cancelled")
-    book.answer(p.encode_error(JOB, stop))
+    book.answer(Reply.error(JOB, stop))
     failed = book.get(JOB)
     assert failed.status == v.FAILED and failed.error is not None
     assert failed.error.code == p.DEADLINE_EXCEEDED
@@ -197,5 +198,5 @@ def test_a_job_without_a_bound_or_an_estimate_runs_on(tmp_path: Path) -> None:
     book.started(JOB)
     clock.now += 10**6
     assert book.overdue() == ()
-    book.answer(p.encode_error(JOB, p.RequestError(p.CANCELLED, "cancelled")))
+    book.answer(Reply.error(JOB, p.RequestError(p.CANCELLED, "cancelled")))
     assert book.get(JOB).status == v.CANCELLED  # a plain cancel stays one
