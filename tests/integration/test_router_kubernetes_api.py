@@ -83,7 +83,9 @@ def test_discovery_follows_ready_endpoints(cluster: ControlPlane) -> None:
 
     async def scenario() -> None:
         _apply(cluster, _slice("x-a", ("10.244.0.5", True, False), ("10.244.0.6", False, False)))
-        discovery = EndpointSliceDiscovery(NS, "x-replicas", on_change, relist_s=5)
+        # A short period: the test waits for one re-list, and stop() waits out the
+        # watch then open (the watch's server-side timeout is the period).
+        discovery = EndpointSliceDiscovery(NS, "x-replicas", on_change, relist_s=2)
         await discovery.start()
         try:
             await _until(seen, {"tcp://10.244.0.5:5575"})
