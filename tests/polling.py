@@ -64,4 +64,5 @@ async def pinged(replicas: Iterable[Replica], times: int = 2, timeout_s: float =
     for replica in replicas:
         for _ in range(times):
             seen = replica.last_seen
+            # Awaited within its iteration: the closure sees this iteration's values.
             await until(lambda: replica.last_seen > seen, timeout_s)  # noqa: B023
