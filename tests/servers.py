@@ -12,6 +12,8 @@ from types import TracebackType
 import httpx
 import psutil
 
+from dpserve.client import ReplicaClient
+from dpserve.plumbing.curve import WireKey
 from tests.workers import free_port
 
 
@@ -52,6 +54,13 @@ class ServeProcess:
             if "worker" in cmd and cmd[cmd.index("--replica") + 1] == str(replica):
                 return child
         raise LookupError(f"no worker process for replica {replica}")
+
+    def driver(self, replica: int = 0, timeout_s: float = 10) -> ReplicaClient:
+        """A wire client of a replica's driver, with the key serve gave it."""
+        cmd = self.replica_supervisor(replica).cmdline()
+        key = WireKey.load(Path(cmd[cmd.index("--wire-key-file") + 1]))
+        endpoint = f"tcp://127.0.0.1:{self.scheduler_port + replica}"
+        return ReplicaClient(endpoint, timeout_s=timeout_s, key=key)
 
     def close(self) -> int:
         self.http.close()

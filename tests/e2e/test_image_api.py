@@ -20,7 +20,9 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.polling import eventually
 from tests.servers import ServeProcess
+from tests.workers import until_denoising
 
 pytestmark = pytest.mark.e2e
 
@@ -171,8 +173,8 @@ def test_cancel_a_running_request_by_id_and_the_queue_moves_on(serve: ServeProce
     small = {"prompt": "a dog", "size": "64x64", "num_inference_steps": 10, "seed": 1}
     timed = serve.http.post("/v1/images/generations", json=small)
     step_s = timed.json()["inference_time_s"] / 10  # a 64x64 step, and a request's overhead
-    # Bigger steps than the timed ones: still running long after the sleep below, however
-    # much of the timed request was overhead rather than steps.
+    # Bigger steps than the timed ones: still running long after the next one queues,
+    # however much of the timed request was overhead rather than steps.
     long = {**small, "size": "512x512", "num_inference_steps": 100}
     outcome: dict[str, httpx.Response] = {}
 
@@ -181,14 +183,16 @@ def test_cancel_a_running_request_by_id_and_the_queue_moves_on(serve: ServeProce
             "/v1/images/generations", json=body, headers={"X-Request-Id": rid}
         )
 
-    first = threading.Thread(target=call, args=("long", long, "e2e-long"))
-    first.start()
-    time.sleep(10 * step_s + 0.5)  # running by now
-    second = threading.Thread(
-        target=call, args=("next", {**small, "num_inference_steps": 2}, "e2e-next")
-    )
-    second.start()
-    time.sleep(0.3)
+    with serve.driver() as pinger:
+        first = threading.Thread(target=call, args=("long", long, "e2e-long"))
+        first.start()
+        until_denoising(pinger)
+        second = threading.Thread(
+            target=call, args=("next", {**small, "num_inference_steps": 2}, "e2e-next")
+        )
+        second.start()
+        # Queued at the replica behind the long one (the router sends 2 at once).
+        eventually(lambda: pinger.ping().queue_depth == 1, timeout_s=30, poll_s=0.02)
     cancelled_at = time.perf_counter()
     answer = serve.http.post("/v1/images/e2e-long/cancel")
     assert answer.status_code == 200, answer.text

@@ -299,7 +299,8 @@ def test_journey(k8s: Backend) -> None:
         eventually(rolled, 420, "the roll")
         assert lowest_ready >= 1  # maxUnavailable 1
         eventually(lambda: serving(k8s) == ["0", "1"], 120, "both serving after the roll")
-        time.sleep(2)
+        rolled_at = len(load.served)
+        eventually(lambda: {"0", "1"} <= set(load.served[rolled_at:]), 120, "the load on both")
     assert load.failures == [], load.failures[:5]
     assert {"0", "1"} <= set(load.served)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.polling import eventually
 from tests.servers import RouterProcess
 from tests.workers import WorkerProcess
 
@@ -41,6 +42,10 @@ def _served(worker: WorkerProcess) -> int:
         return client.ping().served
 
 
+def _in_flight(router: RouterProcess) -> int:
+    return int(router.http.get("/health/replicas").json()["replicas"][0]["in_flight"])
+
+
 def test_full_queue_answers_429_with_retry_after(router: RouterProcess) -> None:
     def post(_: int) -> httpx.Response:
         with httpx.Client(base_url=router.url, timeout=120) as c:
@@ -61,7 +66,7 @@ def test_client_that_goes_away_frees_its_queue_slot(
     before = _served(worker)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(router.http.post, "/v1/images/generations", json=SLOW)
-        time.sleep(0.3)  # the slow request holds the only slot
+        eventually(lambda: _in_flight(router) == 1, timeout_s=30, poll_s=0.02)  # the only slot
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{router.url}/v1/images/generations", json=FAST, timeout=0.5)
         deadline = time.monotonic() + 5
@@ -72,8 +77,10 @@ def test_client_that_goes_away_frees_its_queue_slot(
             time.sleep(0.05)
         assert router.http.get("/health/replicas").json()["queue_depth"] == 0
         assert running.result().status_code == 200
-    time.sleep(0.5)
-    assert _served(worker) == before + 1  # the abandoned request never reached the replica
+    # A later request, queued behind anything the router still meant to send: served
+    # once it is, so the abandoned one would have been served by now had it been sent.
+    assert router.http.post("/v1/images/generations", json=FAST).status_code == 200
+    assert _served(worker) == before + 2  # the abandoned request never reached the replica
 
 
 def test_url_response_format_with_an_output_store(router: RouterProcess) -> None:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from dpserve.worker.paths import REFUSED
+from tests.polling import eventually
 from tests.readme_examples import run_readme_example
 from tests.servers import ServeProcess, assert_all_answered
 
@@ -218,8 +219,9 @@ def test_readme_openai_example_runs(
 class _Load:
     """Clients generating without pause; what each got (replica or error) and how long."""
 
-    def __init__(self, serve: ServeProcess, clients: int = 3) -> None:
+    def __init__(self, serve: ServeProcess, clients: int = 3, replicas: int = 2) -> None:
         self.url = serve.url
+        self.replica_names = {str(r) for r in range(replicas)}
         self.served: list[tuple[str, float, float]] = []  # replica, start, end
         self.failures: list[str] = []
         self.stop = threading.Event()
@@ -228,7 +230,7 @@ class _Load:
     def __enter__(self) -> _Load:
         for t in self.threads:
             t.start()
-        time.sleep(1.5)
+        self.served_by_all()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -250,6 +252,17 @@ class _Load:
     def replicas(self) -> list[str]:
         return [replica for replica, _, _ in self.served]
 
+    def served_by_all(self, since: int = 0, timeout_s: float = 60) -> None:
+        """Until every replica has answered one of the requests from ``since`` on."""
+        eventually(lambda: self.replica_names <= set(self.replicas()[since:]), timeout_s)
+
+
+def _failed_over(serve: ServeProcess, name: str) -> bool:
+    """The router has replica ``name`` out of rotation, with nothing in flight there."""
+    replicas = serve.http.get("/health/replicas").json()["replicas"]
+    (replica,) = [r for r in replicas if r["replica"] == name]
+    return replica["state"] != "serving" and replica["in_flight"] == 0
+
 
 def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora: Path) -> None:
     dp2.http.post("/v1/set_lora", json={"lora_nickname": "k", "lora_path": str(tiny_lora)})
@@ -265,7 +278,7 @@ def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora:
             time.sleep(0.1)
         assert saw_unhealthy
         dp2.wait_healthy(120)  # restarted by serve, brought to the desired control state
-        time.sleep(2)
+        load.served_by_all(since=len(load.served))  # the restarted one serves the load too
     assert load.failures == []
     assert load.replicas().count("1") >= 1 and load.replicas().count("0") >= 1
     assert_all_answered(dp2.http)
@@ -291,7 +304,9 @@ def test_stopped_driver_costs_seconds_not_requests(dp2: ServeProcess) -> None:
     with _Load(dp2) as load:
         stopped = time.monotonic()
         driver.suspend()
-        time.sleep(7)  # under the supervisor's 10 s hang timeout
+        # Resumed once the router took it out and moved what it held elsewhere, which
+        # must come before the supervisor's 10 s hang timeout would restart the gang.
+        eventually(lambda: _failed_over(dp2, "0"), timeout_s=9, poll_s=0.1)
         driver.resume()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and load.replicas()[-6:].count("0") < 2:

@@ -207,9 +207,14 @@ def _fuzz(endpoint: str, key: WireKey, seconds: float, seed: int, tally: Tally) 
                 peer.recv_multipart()
                 tally.replies += 1
             time.sleep(0.01)
-        time.sleep(1.0)  # the last answers
-        while peer.poll(0):
-            peer.recv_multipart()
+        # The ingress takes a peer's messages in order: the answers it gives at once to
+        # what came before this ping arrive before the ping's own answer.
+        marker = f"fuzz-end-{seed}"
+        peer.send_multipart(p.encode(p.PING, marker))
+        while True:
+            assert peer.poll(60_000), "the driver stopped answering"
+            if p.decode(peer.recv_multipart()).id == marker:
+                break
             tally.replies += 1
     finally:
         peer.close(linger=0)

@@ -17,7 +17,7 @@ from PIL import Image
 
 from dpserve.client import ReplicaClient
 from dpserve.contract import protocol as p
-from tests.workers import WorkerProcess
+from tests.workers import WorkerProcess, until_denoising
 
 pytestmark = pytest.mark.gang
 
@@ -115,7 +115,7 @@ def test_compatible_requests_share_one_call_and_repeat_their_bytes(
 
 
 def test_a_cancel_reaches_a_request_inside_a_batch(one_rank: WorkerProcess) -> None:
-    with one_rank.client(timeout_s=120) as client:
+    with one_rank.client(timeout_s=120) as client, one_rank.client() as pinger:
         _send(client, PAIR)
         _replies(client, 1)  # the blocker
         reference = _results(_replies(client, 2))  # the pair, uncancelled: one batch
@@ -125,7 +125,7 @@ def test_a_cancel_reaches_a_request_inside_a_batch(one_rank: WorkerProcess) -> N
         # One of the two cancelled: answered at its next step; the other finishes.
         _send(client, PAIR)
         _replies(client, 1)
-        time.sleep(0.2)  # into the pair's denoising loop
+        until_denoising(pinger)  # the pair's
         cancelled_at = time.monotonic()
         client.send_raw(p.encode(p.CANCEL, "c1", p.CancelRequest(request_id="doomed")))
         doomed = client.recv()
@@ -146,7 +146,7 @@ def test_a_cancel_reaches_a_request_inside_a_batch(one_rank: WorkerProcess) -> N
         _send(client, PAIR)
         _replies(client, 1)
         started = time.monotonic()  # the pair's batch starts
-        time.sleep(0.2)
+        until_denoising(pinger)
         for request_id in PAIR:
             cancel = p.CancelRequest(request_id=request_id)
             client.send_raw(p.encode(p.CANCEL, f"c-{request_id}", cancel))

@@ -16,6 +16,7 @@ from dpserve.worker.batch import Batching
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.driver import Driver
 from dpserve.worker.driver.work_queue import Work
+from tests.polling import past
 from tests.workers import free_port
 
 BODY = {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 2}
@@ -92,9 +93,9 @@ def test_a_cancelled_request_leaves_its_batch_and_the_others_go_on(front: Driver
 
 def test_the_gang_stops_only_when_every_request_of_the_batch_must(front: Driver) -> None:
     with ReplicaClient(front.endpoint, timeout_s=5) as client:
-        _batch(front, client, ("late", 300), ("calm", None))
-        assert front.scheduler.halt() is None
-        time.sleep(0.35)
+        late_work, _ = _batch(front, client, ("late", 300), ("calm", None))
+        assert front.scheduler.halt() is None and late_work.deadline is not None
+        past(late_work.deadline)
         assert front.scheduler.halt() is None  # "late" passed its deadline; "calm" goes on
         late = client.recv()
         assert (late.id, _error(late).code) == ("late", p.DEADLINE_EXCEEDED)

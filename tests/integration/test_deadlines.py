@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dpserve.contract import protocol as p
-from tests.workers import WorkerProcess
+from tests.workers import WorkerProcess, until_denoising
 
 pytestmark = pytest.mark.gang
 
@@ -119,10 +119,7 @@ def _cancelled(gang: Gang, name: str, request: dict[str, Any]) -> None:
     with gang.worker.client(timeout_s=60) as client, gang.worker.client() as pinger:
         start = time.monotonic()
         client.send_raw(p.encode(p.GENERATE, "doomed", request))
-        while not pinger.ping().busy:  # the gang took it
-            assert time.monotonic() - start < 10
-            time.sleep(0.02)
-        time.sleep(0.2)  # into the denoising loop
+        until_denoising(pinger)
         cancel = p.CancelRequest(request_id="doomed")
         cancelled_at = time.monotonic()
         client.send_raw(p.encode(p.CANCEL, "cancel-1", cancel))

@@ -16,8 +16,10 @@ from PIL import Image
 
 from dpserve.contract.protocol import (
     GenerateResult,
+    PingResult,
     RequestError,
 )
+from tests.polling import eventually
 from tests.workers import WorkerProcess, ranks
 
 pytestmark = pytest.mark.gang
@@ -45,6 +47,11 @@ def cfg2(tiny_model: Path) -> WorkerProcess:
 def cfg1(tiny_model: Path) -> WorkerProcess:
     with WorkerProcess(tiny_model) as worker:
         yield worker
+
+
+def _taken(ping: PingResult) -> int:
+    """Requests the driver has taken so far: served, running or queued."""
+    return ping.served + int(ping.busy) + ping.queue_depth
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -138,9 +145,13 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_model: Path) ->
 
     callers = [threading.Thread(target=call) for _ in range(3)]
     try:
-        for t in callers:
-            t.start()
-        time.sleep(0.5)  # the three requests are queued or running
+        with worker.client() as pinger:
+            served = pinger.ping().served
+            for t in callers:
+                t.start()
+            eventually(  # the three requests reached the driver: queued, running or served
+                lambda: _taken(pinger.ping()) - served >= 3, timeout_s=30, poll_s=0.02
+            )
         worker.proc.send_signal(signal.SIGTERM)
         for t in callers:
             t.join(timeout=120)

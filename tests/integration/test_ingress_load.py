@@ -11,6 +11,7 @@ from dpserve.client import ReplicaClient
 from dpserve.contract import protocol as p
 from dpserve.contract.cost import cost_units
 from dpserve.worker.driver import Driver
+from tests.polling import eventually
 
 
 def _queue(ingress: Driver, client: ReplicaClient, body: dict[str, object]) -> None:
@@ -41,8 +42,10 @@ def test_pings_report_queued_units_calibration_busy_share_and_batch(ingress: Dri
         assert client.ping().outstanding_units == pytest.approx(expected)
         ingress.status.calibration.observe(2.0, 1.0)
         ingress.status.busy = True
-        time.sleep(0.3)
+        # Busy since then: a share shows once a millisecond of the 20 s window has
+        # passed (the ping rounds it to 4 places).
+        eventually(lambda: client.ping().busy_fraction > 0, timeout_s=10, poll_s=0.01)
         ping = client.ping()
     assert ping.cost is not None and ping.cost.seconds_per_unit == pytest.approx(0.5)
     assert ping.cost.samples == 1 and ping.busy
-    assert 0 < ping.busy_fraction < 0.1  # 0.3 s of a 20 s window
+    assert 0 < ping.busy_fraction < 0.1  # well under 2 s of a 20 s window

@@ -184,6 +184,12 @@ def events(cluster: ControlPlane, name: str, namespace: str = NS) -> list[tuple[
     return [(e["reason"], e["message"]) for e in listed]
 
 
+def _handled(cluster: ControlPlane, name: str) -> str:
+    """The spec and metadata the operator last handled (kopf's diff base), as stored."""
+    annotations = get(cluster, "dsvc", name)["metadata"].get("annotations") or {}
+    return str(annotations.get("dpserve.dev/last-handled-configuration", ""))
+
+
 def has_event(cluster: ControlPlane, name: str, reason: str, pod: str) -> bool:
     return any(r == reason and pod in m for r, m in events(cluster, name))
 
@@ -372,7 +378,9 @@ def test_invalid_spec_beyond_the_crd_is_reported_not_crashed(
     assert pods(cluster, "odd") == {}
     # Another reconcile of the same wrong spec (an edit kopf reacts to) records nothing new.
     cluster.kubectl("-n", NS, "annotate", "dsvc", "odd", "example.com/touched=1")
-    time.sleep(2)
+    # kopf stores what it handled once the handler has returned: this reconcile, and
+    # any event it recorded, are done by the time the stored copy shows the edit.
+    eventually(lambda: "example.com/touched" in _handled(cluster, "odd"), what="the edit handled")
     assert len([r for r, _ in events(cluster, "odd") if r == "SpecRefused"]) == 1
     # Fixing the spec is picked up; the operator never stopped.
     apply(cluster, dsvc("odd", model={"path": "/models/tiny"}))
@@ -678,8 +686,8 @@ def test_operator_killed_mid_roll_converges_on_restart(
             return kind == "ADDED" and pod.metadata.annotations[SPEC_HASH] not in old
 
         kill_when(faulty, api, "roller", on_new_spec)
-        # While it is down the kubelet carries on (the new pods turn Ready).
-        time.sleep(1)
+        # While it is down the kubelet carries on: the pod it created turns Ready.
+        eventually(lambda: _new_ready(cluster, "roller", old), 30, "the new pod Ready")
         faulty.start()
         eventually(lambda: converged(cluster, "roller"), 120, "the roll after two restarts")
     assert kubelet.duplicates == []
@@ -688,6 +696,18 @@ def test_operator_killed_mid_roll_converges_on_restart(
     reasons = {r for r, _ in events(cluster, "roller", NS_FAULTS)}
     assert {"ReplicaRolled", "ReplicaReplaced"} <= reasons
     assert faulty.alive()
+
+
+def _new_ready(cluster: ControlPlane, name: str, old_hashes: set[str]) -> bool:
+    """A replica pod of a spec other than ``old_hashes`` is Ready."""
+    return any(
+        pod["metadata"]["annotations"][SPEC_HASH] not in old_hashes
+        and any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
+        for pod in pods_in(cluster, name)
+    )
 
 
 def pods_in(cluster: ControlPlane, name: str) -> list[dict[str, Any]]:

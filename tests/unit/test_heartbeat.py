@@ -6,6 +6,7 @@ import multiprocessing as mp
 import time
 
 from dpserve.worker.heartbeat import HangCheck, Heartbeats
+from tests.polling import eventually
 
 
 def _gang(ranks: int, at: float) -> Heartbeats:
@@ -47,6 +48,8 @@ def test_silence_while_the_supervisor_itself_was_frozen_is_forgiven() -> None:
 def test_a_rank_beats_from_its_own_thread() -> None:
     beats = Heartbeats(mp.get_context("spawn"), 1)
     beats.started(0)
+    first = float(beats._slots[0])
     beats.beat_forever(0, timeout_s=0.5)  # a beat every 50 ms
-    time.sleep(0.3)
+    # Still beating three beats on: the thread loops, it did not write once and stop.
+    eventually(lambda: beats._slots[0] > first + 0.15, timeout_s=10, poll_s=0.01)
     assert beats.silent_for(0, time.monotonic()) < 0.2

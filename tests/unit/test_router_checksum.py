@@ -21,6 +21,7 @@ from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.policies import FanoutAnswer
 from dpserve.router.pool import PoolSettings, ReplicaPool
 from dpserve.router.service import RouterService
+from tests.polling import until
 from tests.stub_replica import StubReplica
 
 FAST = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.5, control_timeout_s=5)
@@ -100,7 +101,8 @@ def test_a_caller_that_leaves_does_not_cancel_the_others_hash() -> None:
         async with _setup(1, checksum_s=0.3) as (router, stubs):
             leaver = asyncio.create_task(_call(router, {}))
             stayer = asyncio.create_task(_call(router, {}))
-            await asyncio.sleep(0.1)
+            # Both wait on the one hash, which the replica is computing.
+            await until(lambda: router.heavy_reads.callers == 2 and _hashes(stubs) == [1])
             leaver.cancel()
             answer = await stayer
             assert isinstance(answer, FanoutAnswer) and answer.status == 200

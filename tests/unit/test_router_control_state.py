@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,7 +24,7 @@ from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.desired import DesiredState, MemoryStore
 from dpserve.router.pool import PoolSettings, ReplicaPool
 from dpserve.router.service import RouterService
-from tests.polling import until
+from tests.polling import pinged, until, until_async
 from tests.stub_replica import StubReplica, run_in_context
 
 FAST = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.5, control_timeout_s=5)
@@ -87,7 +87,7 @@ def test_two_routers_follow_each_others_ops() -> None:
             # a sees newer documents in the replicas' pings and adopts them, rather than
             # "repairing" the replicas back to what it last knew.
             await until(lambda: a.pool.desired.doc == b.pool.desired.doc)
-            await asyncio.sleep(0.3)
+            await pinged(a.pool.members())  # judged by a against what it adopted
             assert len(a.pool.serving()) == 2
             assert all(s.held == b.pool.desired.doc for s in stubs)
             assert (await a.control("release_memory_occupation", {})).status == 200
@@ -138,7 +138,7 @@ def test_an_op_no_replica_can_take_changes_nothing() -> None:
             after = router.pool.desired.doc
             assert after is not None and after.state == before.state
             assert after.version == before.version + 2  # the op's version, then its undo
-            await asyncio.sleep(0.2)
+            await pinged(router.pool.members())  # judged again against the undo's version
             assert len(router.pool.serving()) == 2
         await _close(stubs)
 
@@ -245,10 +245,14 @@ def test_one_replica_stopped_does_not_delay_another_replicas_health() -> None:
         settings = PoolSettings(ping_interval_s=0.05, ping_timeout_s=3.0)
         async with _router(stubs, settings=settings) as router:
             stubs[0].stopped.set()
-            seen = {r.name: r.last_seen for r in router.pool.members()}
-            await asyncio.sleep(0.5)  # well inside the stopped one's 3 s ping timeout
-            fresh = {r.name: r.last_seen for r in router.pool.members()}
-            assert fresh["1"] > seen["1"] and fresh["0"] == seen["0"]
+            by_name = {r.name: r for r in router.pool.members()}
+            stopped, live = by_name["0"], by_name["1"]
+            await pinged([live], times=1)  # any answer the stopped one sent is read by now
+            seen = stopped.last_seen
+            # Each next answer from the live one comes in less than the stopped one's 3 s
+            # ping timeout: health checks that waited on that ping would take 3 s a turn.
+            await pinged([live], times=3, timeout_s=2.0)
+            assert stopped.last_seen == seen
             stubs[0].stopped.clear()
         await _close(stubs)
 
@@ -262,7 +266,7 @@ def test_http_answers_say_what_the_state_is() -> None:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
-                await _until_async(lambda: _ready(http))
+                await until_async(lambda: _ready(http))
                 done = await http.post("/v1/set_lora", json=LORA)
                 assert done.status_code == 200, done.text
                 info = (await http.get("/server_info")).json()["control_state"]
@@ -283,10 +287,3 @@ def test_http_answers_say_what_the_state_is() -> None:
 
 async def _ready(http: httpx.AsyncClient) -> bool:
     return (await http.get("/ready")).json()["serving"] == 2
-
-
-async def _until_async(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)

@@ -136,10 +136,10 @@ def test_request_ids_are_honoured_generated_checked_and_reach_the_replica() -> N
 
 def test_a_request_id_in_flight_is_a_409() -> None:
     async def scenario() -> None:
-        async with _router(step_s=0.2) as (http, _):
+        async with _router(step_s=0.2) as (http, stub):
             headers = {"X-Request-Id": "dup-1"}
             first = asyncio.create_task(http.post(GEN, json=BODY, headers=headers))
-            await asyncio.sleep(0.1)
+            await _until(lambda: len(stub.received) == 1, "the first never reached the replica")
             second = await http.post(GEN, json=BODY, headers=headers)
             assert second.status_code == 409
             assert "already in flight" in second.json()["error"]["message"]
@@ -197,14 +197,15 @@ def test_cancel_queued_in_the_router_leaves_the_queue() -> None:
         ctx = zmq.asyncio.Context()
         stub = StubReplica(ctx, step_s=0.3)
         try:
-            async with _apps(stub, pool=settings) as [(_, http)]:
+            async with _apps(stub, pool=settings) as [(app, http)]:
                 slow = {**BODY, "num_inference_steps": 4}
                 busy = asyncio.create_task(http.post(GEN, json=slow, headers={"X-Request-Id": "b"}))
                 await _until(lambda: bool(stub.received), "the first never started")
                 queued = asyncio.create_task(
                     http.post(GEN, json=BODY, headers={"X-Request-Id": "q"})
                 )
-                await asyncio.sleep(0.1)
+                admission = app.state.running.pool.admission
+                await _until(lambda: admission.queue_depth == 1, "the second never queued")
                 cancelled = await http.post("/v1/images/q/cancel")
                 assert cancelled.json()["stage"] == "queued_in_router"
                 assert (await queued).status_code == 499
@@ -288,11 +289,12 @@ def test_a_stream_sends_previews_then_one_completed_event_per_image() -> None:
 
 def test_an_error_mid_stream_is_an_error_event() -> None:
     async def scenario() -> None:
-        async with _router(step_s=0.3) as (http, _):
+        async with _router(step_s=0.3) as (http, stub):
             body = {**BODY, "stream": True, "partial_images": 1, "num_inference_steps": 10}
             headers = {"X-Request-Id": "s-err"}
             streaming = asyncio.create_task(http.post(GEN, json=body, headers=headers))
-            await asyncio.sleep(0.3)
+            # At the replica: the stream's 200 and headers went out before it was sent.
+            await _until(lambda: len(stub.received) == 1, "the stream never reached the replica")
             assert (await http.post("/v1/images/s-err/cancel")).status_code == 200
             events = _events((await streaming).text)
             name, error = events[-1]

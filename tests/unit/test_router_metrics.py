@@ -29,6 +29,7 @@ from dpserve.router.metrics import (
     outcome,
     read_accounting,
 )
+from tests.polling import until_async
 from tests.workers import free_port
 
 STUB = Path(__file__).resolve().parents[2] / "bench" / "stub_driver.py"
@@ -67,6 +68,15 @@ async def _router(
 
 async def _accounting(http: httpx.AsyncClient) -> Accounting:
     return read_accounting((await http.get("/metrics")).text)
+
+
+async def _queued(http: httpx.AsyncClient) -> bool:
+    """One request waits for a replica slot, as the router's gauge says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scrape = (await http.get("/metrics")).text
+    families = text_string_to_metric_families(scrape)
+    return [s.value for f in families if f.name == "dpserve_queue_depth" for s in f.samples] == [1]
 
 
 def _series(text: str, name: str, **labels: str) -> float:
@@ -189,7 +199,7 @@ def test_a_client_that_leaves_before_its_answer_is_counted_disconnected() -> Non
             request = asyncio.create_task(
                 app(_http_scope("/v1/images/generations", body), receive, send)
             )
-            await asyncio.sleep(0.2)
+            await until_async(lambda: _queued(http))  # waiting for a replica slot
             waiting = await _accounting(http)
             gone.set()
             await asyncio.wait_for(request, 10)
