@@ -17,10 +17,10 @@ import av
 import msgspec
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 from dpserve.contract import protocol as p
 from dpserve.contract.layout import ParallelConfig
+from tests.parallel_harness import start_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ def run_videos(model: Path, runs: Sequence[VideoRun], **layout: int) -> list[Ans
     with tempfile.TemporaryDirectory(prefix="dpserve-video-gang-") as tmp:
         out = os.path.join(tmp, "answers.msgpack")
         args = (str(model), layout, list(runs), os.path.join(tmp, "store"), out)
-        mp.start_processes(_rank, args=args, nprocs=size, start_method="spawn")
+        start_ranks(_rank, args, size)
         raw = msgspec.msgpack.decode(Path(out).read_bytes())
         counts = [msgspec.msgpack.decode(Path(f"{out}.{r}").read_bytes()) for r in range(size)]
     return [

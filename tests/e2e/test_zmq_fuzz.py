@@ -1,10 +1,10 @@
 """A ZMQ fuzzer against a real, secured worker: nothing a peer sends stops its driver.
 
-For DPSERVE_FUZZ_S seconds (default 20: about 30,000 frames; longer for a soak) an authenticated peer sends random,
-truncated, bit-flipped, wrong-version, deeply nested and oversized frames, and
-mutated requests of every kind, while unauthenticated peers (no CURVE, or another
-key) keep trying to get in. Then the driver must be up, its memory must have grown
-within a bound, and the next valid generation must be served.
+For DPSERVE_FUZZ_S seconds (default 20: about 30,000 frames; longer for a soak) an
+authenticated peer sends random, truncated, bit-flipped, wrong-version, deeply nested
+and oversized frames, and mutated requests of every kind, while unauthenticated peers
+(no CURVE, or another key) keep trying to get in. Then the driver must be up, its
+memory must have grown within a bound, and the next valid generation must be served.
 """
 
 from __future__ import annotations
