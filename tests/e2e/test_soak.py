@@ -1,7 +1,7 @@
-"""A short soak (bench/soak.py): 200 clients for 15 s through a real router over stub drivers.
+"""A short soak (bench/soak.py): 200 clients for 8 s through a real router over stub drivers.
 
 No errors, no descriptor left open, and the router's books balance. RSS is not
-judged here: 15 s of a Python process warming its allocator say little about
+judged here: 8 s of a Python process warming its allocator say little about
 a leak; the 5-minute soak reports it.
 """
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_short_soak_has_no_errors_and_leaves_nothing_open() -> None:
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--clients", "200"]
-    cmd += ["--duration", "15", "--warmup", "3", "--samples", "3"]
+    cmd += ["--duration", "8", "--warmup", "2", "--samples", "3"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
