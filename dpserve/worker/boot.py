@@ -16,7 +16,7 @@ import msgspec
 from dpserve.config.worker import WorkerConfig
 from dpserve.contract import protocol as p
 from dpserve.contract.layout import describe
-from dpserve.worker.commands import GangStatus
+from dpserve.worker.commands import GangStatus, Generation
 from dpserve.worker.startup import StartupLog
 
 if TYPE_CHECKING:
@@ -236,9 +236,10 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
             compiling = ", compiling its graph" if compiler is not None else ""
             startup.say("warming up at %dx%d%s", width, height, compiling)
         started = time.perf_counter()
-        frames = executor.generate("warmup", params, 0.0, None, blobs)
-        if frames and p.decode(frames).kind == p.ERROR:
-            raise RuntimeError(f"warmup failed: {p.decode_error(p.decode(frames))}")
+        warmup = [Generation(id="warmup", params=params)]
+        [reply] = executor.generate_batch(warmup, [0.0], None, blobs)
+        if reply is not None and reply.kind == p.ERROR:
+            raise RuntimeError(f"warmup failed: {reply.body}")
         log.info("warmup at %dx%d done in %.2fs", width, height, time.perf_counter() - started)
     if compiler is not None:
         compiler.seal(compiled_before)
