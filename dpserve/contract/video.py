@@ -240,18 +240,7 @@ def parse_video(
     check.raise_errors()
     assert prompt is not None
     spec = p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps)
-    asked = p.GenerateParams(
-        prompt=prompt,
-        negative_prompt=negative,
-        width=width,
-        height=height,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        seed=None if seed is None else [seed],
-        edit=p.EditInput(images=[0]) if blobs else None,
-        video=spec,
-    )
-    return _resolved(asked, limits)
+    return _job(prompt, negative, width, height, steps, guidance, seed, bool(blobs), spec, limits)
 
 
 def check_job(params: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
@@ -272,7 +261,28 @@ def check_job(params: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
     seed = check.count("seed", params.seed[0] if params.seed else None, 0, pv.MAX_SEED)
     check.raise_errors()
     assert prompt is not None
-    asked = p.GenerateParams(
+    spec = p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps)
+    reference = params.edit is not None
+    return _job(prompt, negative, width, height, steps, guidance, seed, reference, spec, limits)
+
+
+def _job(
+    prompt: str,
+    negative: str | None,
+    width: int | None,
+    height: int | None,
+    steps: int | None,
+    guidance: float | None,
+    seed: int | None,
+    reference: bool,
+    spec: p.VideoSpec,
+    limits: pv.Limits,
+) -> p.GenerateParams:
+    """A checked job's params (an input_reference as ``edit``), its frames fixed where
+    the limits know the model."""
+    if limits.max_frames:
+        spec = resolve_frames(spec, limits)
+    return p.GenerateParams(
         prompt=prompt,
         negative_prompt=negative,
         width=width,
@@ -280,17 +290,9 @@ def check_job(params: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
         num_inference_steps=steps,
         guidance_scale=guidance,
         seed=None if seed is None else [seed],
-        edit=p.EditInput(images=[0]) if params.edit is not None else None,
-        video=p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps),
+        edit=p.EditInput(images=[0]) if reference else None,
+        video=spec,
     )
-    return _resolved(asked, limits)
-
-
-def _resolved(asked: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
-    """Its frames fixed where the limits know the model."""
-    if not limits.max_frames or asked.video is None:
-        return asked
-    return msgspec.structs.replace(asked, video=resolve_frames(asked.video, limits))
 
 
 def _seconds(check: pv.FieldChecker, raw: Any) -> float | None:
