@@ -31,7 +31,7 @@ lint: $(STAMP)
 # plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s), and browser
 # (Debian's chromium, installed once).
 test: lint cluster-bins browser
-	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 cluster-bins:
 	bash tests/cluster/build.sh >/dev/null
@@ -41,7 +41,7 @@ browser:
 
 # The quick loop while working: skips the gang, e2e, cluster and browser tiers.
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not gang and not e2e and not cluster and not browser" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n 2 --dist load -m "not gang and not e2e and not cluster and not browser" $(PYTEST_ARGS)
 
 bench-cfg: $(STAMP)
 	$(PY) bench/cfg_parallel.py
