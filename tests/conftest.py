@@ -122,23 +122,25 @@ def real_cluster() -> Iterator[RealCluster]:
     assert not left, f"the real cluster left behind: {left}"
 
 
-# The tiers that start processes, clusters or browsers, and the session fixtures that
-# hold a machine-wide resource (a fixed test network, the Docker images).
-SERIAL_MARKERS = ("gang", "e2e", "cluster", "browser", "images")
-SERIAL_FIXTURES = frozenset(
+# `make test` runs two xdist workers (``--dist loadgroup``), one lane each, in collection
+# order within a lane. The journeys lane holds what needs a machine-wide resource (the
+# test network and its clusters, the Docker images: one user at a time) and the
+# `dpserve serve` journeys; the other lane runs the fast tier and the worker gangs beside
+# it. The split is by measured time: each lane takes about half of the suite.
+JOURNEY_MARKERS = ("e2e", "cluster", "images")
+JOURNEY_FIXTURES = frozenset(
     {"control_plane", "local_cluster", "real_cluster", "built_images", "backend"}
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Two lanes for `make test`'s two xdist workers (``--dist loadgroup``): the slow
-    tiers run on one, in collection order (their module fixtures and session resources
-    are shared, and two clusters cannot share the test network), the fast tier on the
-    other beside it. ``--dist load`` (`make test-fast`) ignores the lanes."""
+    """Put each test in its lane; ``--dist load`` (`make test-fast`) ignores lanes."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        slow = any(item.get_closest_marker(m) for m in SERIAL_MARKERS) or SERIAL_FIXTURES & fixtures
-        item.add_marker(pytest.mark.xdist_group("processes" if slow else "fast"))
+        journey = any(item.get_closest_marker(m) for m in JOURNEY_MARKERS) or bool(
+            JOURNEY_FIXTURES & fixtures
+        )
+        item.add_marker(pytest.mark.xdist_group("journeys" if journey else "units-and-gangs"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
