@@ -31,7 +31,7 @@ lint: $(STAMP)
 # plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s), and browser
 # (Debian's chromium, installed once).
 test: lint cluster-bins browser
-	$(PY) -m pytest tests -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
+	bash tests/lanes.sh $(PY) --durations=15 $(PYTEST_ARGS)
 
 cluster-bins:
 	bash tests/cluster/build.sh >/dev/null

@@ -122,25 +122,24 @@ def real_cluster() -> Iterator[RealCluster]:
     assert not left, f"the real cluster left behind: {left}"
 
 
-# `make test` runs two xdist workers (``--dist loadgroup``), one lane each, in collection
-# order within a lane. The journeys lane holds what needs a machine-wide resource (the
-# test network and its clusters, the Docker images: one user at a time) and the
-# `dpserve serve` journeys; the other lane runs the fast tier and the worker gangs beside
-# it. The split is by measured time: each lane takes about half of the suite.
+# `make test` runs the suite as two pytest processes side by side, one lane each
+# (tests/lanes.sh). The journeys lane holds what needs a machine-wide resource (the test
+# network and its clusters, the Docker images: one user at a time) and the `dpserve
+# serve` journeys, in collection order; the other lane runs the fast tier and the worker
+# gangs beside it. The split is by measured time: each lane takes about half the suite.
 JOURNEY_MARKERS = ("e2e", "cluster", "images")
 JOURNEY_FIXTURES = frozenset(
     {"control_plane", "local_cluster", "real_cluster", "built_images", "backend"}
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the lane marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put each test in its lane; ``--dist load`` (`make test-fast`) ignores lanes."""
+    """Mark the journeys lane's tests ``journeys``."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        journey = any(item.get_closest_marker(m) for m in JOURNEY_MARKERS) or bool(
-            JOURNEY_FIXTURES & fixtures
-        )
-        item.add_marker(pytest.mark.xdist_group("journeys" if journey else "units-and-gangs"))
+        if any(item.get_closest_marker(m) for m in JOURNEY_MARKERS) or JOURNEY_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.journeys)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
