@@ -1,0 +1,79 @@
+"""``--model`` to a local pipeline folder: a local folder as it is; a hub repository or a
+bucket prefix planned (the total said before any byte moves), then fetched into the
+model cache once, verified, and published (``cache.ModelCache``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from dpserve.sources.cache import Entry, ModelCache, default_root
+from dpserve.sources.errors import SourceError
+from dpserve.sources.plan import Plan
+from dpserve.sources.progress import Meter, default_sinks
+from dpserve.sources.uri import HubSource, LocalSource, S3Source, Source, parse
+
+log = logging.getLogger("dpserve.sources")
+
+
+class Store(Protocol):
+    name: str  # the source's folder in the cache
+    draws_own_bars: bool  # the hub's client shows its own (huggingface_hub's tqdm)
+
+    def plan(self) -> Plan: ...
+
+    def fill(self, plan: Plan, staging: Path, meter: Meter) -> Path: ...
+
+
+def store_of(source: HubSource | S3Source, cache: ModelCache) -> Store:
+    if isinstance(source, S3Source):
+        from dpserve.sources.s3 import S3Store
+
+        return S3Store(source)
+    from dpserve.sources.hub import HubStore
+
+    return HubStore(source, cache.root / "hf")
+
+
+def local_folder(
+    model: str,
+    cache_root: Path | None = None,
+    say: Callable[[str], None] = lambda text: log.info("%s", text),
+    bar: bool = True,
+) -> Path:
+    """The pipeline folder ``model`` names, fetched first when it is a URI."""
+    source: Source = parse(model)
+    if isinstance(source, LocalSource):
+        return source.path
+    cache = ModelCache(cache_root or default_root())
+    store = store_of(source, cache)
+    plan = store.plan()
+    say(f"plan: {plan.summary()}")
+    entry = cache.entry(store.name, plan)
+    return cache.fill(entry, plan, lambda p, staging: _fill(store, entry, p, staging, bar))
+
+
+def _fill(store: Store, entry: Entry, plan: Plan, staging: Path, bar: bool) -> Path:
+    sinks = default_sinks(log, entry.progress, bar and not store.draws_own_bars)
+    meter = Meter(plan.source, plan.revision, plan.total_bytes, sinks)
+    try:
+        folder = store.fill(plan, staging, meter)
+    except BaseException as exc:
+        meter.finish(str(exc) if isinstance(exc, SourceError) else f"stopped: {exc!r}")
+        raise
+    meter.finish()
+    return folder
+
+
+def fetch_main(model: str, cache_root: Path | None) -> int:
+    """``dpserve fetch``: the plan first, progress on stderr, the folder last on stdout."""
+    try:
+        folder = local_folder(model, cache_root, say=lambda text: print(text, flush=True))
+    except SourceError as exc:
+        print(f"dpserve fetch: {exc}", file=sys.stderr)
+        return 1
+    print(folder, flush=True)
+    return 0
