@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from tests.cluster.realcluster import RealCluster
     from tests.e2e.backends import Backend
     from tests.images.build import BuiltImage
+    from tests.storage.s3 import S3Server
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +66,18 @@ def allow_tmp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """Worker flags that let control ops load from this run's temporary folders, where
     the fixtures build models and LoRAs (a worker allows only its model folder)."""
     return ("--allow-path", str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One real S3 server (versitygw over a temporary folder) per run: ``endpoint_url``,
+    ``access_key``, ``secret_key``, ``region``, ``client()`` (boto3), ``env()`` (the
+    ``AWS_*`` variables), ``new_bucket()``. Built once by tests/storage/build.sh; a
+    failed build is an error that says how to fix it, never a skip."""
+    from tests.storage.s3 import build_server, running_s3
+
+    with running_s3(build_server()) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
