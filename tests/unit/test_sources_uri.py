@@ -72,3 +72,24 @@ def test_str_is_canonical_and_parses_back() -> None:
     for text in ("hf://org/name", "s3://models/flux-dev", "s3://models"):
         source = parse(text)
         assert parse(str(source)) == source
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "fetch"])
+def test_a_bad_model_is_refused_while_parsing_flags(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dpserve.cli import build_parser
+
+    argv = {"serve": ["serve", "--model"], "worker": ["worker", "--port", "1", "--model"]}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv.get(command, ["fetch"]), "s3://Bad_Bucket/x"])
+    assert "'Bad_Bucket' is not a bucket name" in capsys.readouterr().err
+
+
+def test_a_folder_stays_a_path_and_a_uri_stays_text() -> None:
+    from dpserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "hf://org/name"])
+    assert args.model == "hf://org/name"  # a Path would make it hf:/org/name
+    args = build_parser().parse_args(["serve", "--model", "/data/flux"])
+    assert args.model == Path("/data/flux")
