@@ -255,3 +255,32 @@ def test_serve_fetches_once_for_its_replicas_and_answers(
             }
             assert len(loaded) == 1 and next(iter(loaded)).is_relative_to(cache)
         assert total <= proxy.sent < total + 256 * 1024  # one model for two replicas
+
+
+def test_two_workers_on_one_cache_fetch_once_then_serve(
+    s3_server: S3Server, aws_env: dict[str, str], tiny_model: Path, tmp_path: Path
+) -> None:
+    from dpserve.local import WorkerProcess
+
+    s3 = s3_server.client()
+    bucket = s3_server.new_bucket()
+    _upload_folder(s3, bucket, "tiny", tiny_model)
+    total = sum(p.stat().st_size for p in tiny_model.rglob("*") if p.is_file())
+    cache = tmp_path / "cache"
+    model = f"s3://{bucket}/tiny"
+    with CountingProxy(s3_server.endpoint_url) as proxy:
+        os.environ["AWS_ENDPOINT_URL"] = proxy.url  # (restored by aws_env's monkeypatch)
+        workers = [
+            WorkerProcess(model, "--model-cache", str(cache), wait=False)  # type: ignore[arg-type]
+            for _ in range(2)
+        ]
+        try:
+            for worker in workers:
+                worker.wait_ready(180)
+                with worker.client() as client:
+                    assert client.ping(timeout_s=10).status == "ok"
+        finally:
+            for worker in workers:
+                worker.kill()
+        assert total <= proxy.sent < total + 256 * 1024  # one fill for both
+    assert len(list(cache.glob("entries/*/*/entry.json"))) == 1
