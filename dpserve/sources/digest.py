@@ -15,40 +15,62 @@ from dpserve.sources.plan import Digest, PlannedFile
 _CHUNK = 8 << 20
 
 
+class Hasher:
+    """A digest of the kind ``digest`` is, fed as the bytes arrive (a download hashes
+    while it writes: no second read)."""
+
+    def __init__(self, digest: Digest, size: int) -> None:
+        self.part_size = digest.part_size if digest.algorithm == "md5-parts" else None
+        if digest.algorithm == "md5-parts" and not self.part_size:
+            raise SourceError("a multipart digest needs its part size")
+        name = {"git-sha1": "sha1", "md5-parts": "md5"}.get(digest.algorithm, digest.algorithm)
+        self._h = hashlib.new(name)
+        if digest.algorithm == "git-sha1":
+            self._h.update(f"blob {size}\0".encode())
+        self._parts: list[bytes] = []
+        self._left = self.part_size or 0
+
+    def update(self, data: bytes) -> None:
+        if self.part_size is None:
+            self._h.update(data)
+            return
+        view = memoryview(data)
+        while view:
+            take = min(self._left, len(view))
+            self._h.update(view[:take])
+            self._left -= take
+            view = view[take:]
+            if self._left == 0:  # a part is complete
+                self._parts.append(self._h.digest())
+                self._h = hashlib.md5()
+                self._left = self.part_size
+
+    def hexdigest(self) -> str:
+        if self.part_size is None:
+            return self._h.hexdigest()
+        parts = self._parts + ([self._h.digest()] if self._left != self.part_size else [])
+        return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+
+    def feed(self, path: Path) -> Hasher:
+        """Every byte of ``path`` (what a resumed download already holds)."""
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                self.update(chunk)
+        return self
+
+
 def compute(path: Path, digest: Digest) -> str:
     """``path``'s digest of the same kind as ``digest`` (the same part size)."""
-    if digest.algorithm == "md5-parts":
-        return _md5_parts(path, digest)
-    h = hashlib.new("sha1" if digest.algorithm == "git-sha1" else digest.algorithm)
-    if digest.algorithm == "git-sha1":
-        h.update(f"blob {path.stat().st_size}\0".encode())
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    return Hasher(digest, path.stat().st_size).feed(path).hexdigest()
 
 
-def _md5_parts(path: Path, digest: Digest) -> str:
-    if not digest.part_size:
-        raise SourceError(f"{path.name}: a multipart digest needs its part size")
-    parts = []
-    with path.open("rb") as f:
-        while True:
-            part = hashlib.md5()
-            left = digest.part_size
-            while left and (chunk := f.read(min(left, _CHUNK))):
-                part.update(chunk)
-                left -= len(chunk)
-            if left == digest.part_size:
-                break  # nothing read: the end
-            parts.append(part.digest())
-    return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
-
-
-def verify(path: Path, planned: PlannedFile, source: str) -> None:
-    """Raise ``DigestMismatch`` (and delete ``path``) unless it is ``planned``'s bytes."""
+def verify(path: Path, planned: PlannedFile, source: str, hashed: str | None = None) -> None:
+    """Raise ``DigestMismatch`` (and delete ``path``) unless it is ``planned``'s bytes;
+    ``hashed``: its digest, computed while it was written (else it is read now)."""
     size = path.stat().st_size
-    got = compute(path, planned.digest) if size == planned.size else None
+    got = None
+    if size == planned.size:
+        got = hashed if hashed is not None else compute(path, planned.digest)
     if got == planned.digest.value:
         return
     path.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dpserve.sources import select
-from dpserve.sources.digest import verify
+from dpserve.sources.digest import Hasher, verify
 from dpserve.sources.errors import SourceError
 from dpserve.sources.plan import Digest, Plan, PlannedFile, listing_revision
 from dpserve.sources.progress import Meter
@@ -46,7 +46,7 @@ class S3Store:
     """Plans and fills from one bucket prefix; ``client``: a boto3 S3 client (default:
     boto3's, configured by the environment)."""
 
-    def __init__(self, source: S3Source, client: Any = None, threads: int = 4) -> None:
+    def __init__(self, source: S3Source, client: Any = None, threads: int = 8) -> None:
         self.source = source
         self.name = entry_name(source)
         self.draws_own_bars = False
@@ -138,13 +138,16 @@ class S3Store:
             part.unlink()
             offset = 0
         meter.add(offset)
+        hasher = Hasher(planned.digest, planned.size)
+        part.touch()
+        hasher.feed(part)  # what a killed fetch left: hashed, not fetched again
         if offset < planned.size:
             with _store_errors(self.source, planned.path), part.open("ab") as out:
                 for chunk in self._read(planned.path, offset):
                     out.write(chunk)
+                    hasher.update(chunk)
                     meter.add(len(chunk), len(chunk))
-        part.touch()
-        verify(part, planned, str(self.source))
+        verify(part, planned, str(self.source), hasher.hexdigest())
         part.rename(final)
 
     def _read(self, path: str, offset: int) -> Iterator[bytes]:

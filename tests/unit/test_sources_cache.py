@@ -189,3 +189,23 @@ def test_progress_math_and_its_file(tmp_path: Path) -> None:
     meter.finish()
     final = json.loads(path.read_text())
     assert final["state"] == "ready" and final["bytes_moved"] == 100 and final["eta_s"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "digest", [Digest("sha256", ""), Digest("git-sha1", ""), Digest("md5-parts", "", 1000)]
+)
+def test_hashing_while_writing_in_any_pieces_equals_hashing_the_file(
+    digest: Digest, tmp_path: Path
+) -> None:
+    from dpserve.sources.digest import Hasher
+
+    data = bytes(range(256)) * 20  # 5120 bytes: five whole parts and a short one
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    streamed = Hasher(digest, len(data))
+    for start in range(0, len(data), 777):  # pieces that straddle part boundaries
+        streamed.update(data[start : start + 777])
+    assert streamed.hexdigest() == compute(path, digest)
+    exact = Hasher(Digest("md5-parts", "", 1024), 4096)
+    exact.update(data[:4096])
+    assert exact.hexdigest().endswith("-4")  # a whole last part is not counted twice
