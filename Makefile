@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Extra `dpserve serve` flags: make serve ARGS="--port 9000 --api-key K"
 ARGS ?=
 
-.PHONY: setup serve test test-fast lint cluster-bins s3-bins browser bench-cfg images clean
+.PHONY: setup serve test test-fast lint cluster-bins s3-bins browser hub-server bench-cfg images clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,9 @@ lint: $(STAMP)
 # Every tier: unit, gang (multi-process worker gangs), e2e, cluster (a real control
 # plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s), s3 (an S3
 # server built once from its Go module into ~/.cache/dpserve/s3), and browser (Debian's
-# chromium, installed once).
-test: lint cluster-bins s3-bins browser
+# chromium, installed once); the hf:// tests' hub server (olah in its own venv under
+# ~/.cache/dpserve/hub, and Debian's git-lfs) is installed once too.
+test: lint cluster-bins s3-bins browser hub-server
 	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
 
 cluster-bins:
@@ -42,6 +43,9 @@ s3-bins:
 
 browser:
 	bash tests/browser/setup.sh
+
+hub-server:
+	PYTHON=$(PYTHON) bash tests/hub/setup.sh >/dev/null
 
 # The quick loop while working: skips the gang, e2e, cluster and browser tiers.
 test-fast: $(STAMP)
