@@ -49,7 +49,16 @@ def local_folder(
     if isinstance(source, LocalSource):
         return source.path
     cache = ModelCache(cache_root or default_root())
-    store = store_of(source, cache)
+    return fetch_into(store_of(source, cache), cache, say, bar)
+
+
+def fetch_into(
+    store: Store,
+    cache: ModelCache,
+    say: Callable[[str], None] = lambda text: log.info("%s", text),
+    bar: bool = True,
+) -> Path:
+    """``store``'s plan, said before any byte moves, then its entry filled (or reused)."""
     plan = store.plan()
     say(f"plan: {plan.summary()}")
     entry = cache.entry(store.name, plan)
@@ -66,6 +75,25 @@ def _fill(store: Store, entry: Entry, plan: Plan, staging: Path, bar: bool) -> P
         raise
     meter.finish()
     return folder
+
+
+def prune(
+    model: str, cache_root: Path | None, keep: int, protect: frozenset[str] = frozenset()
+) -> list[Entry]:
+    """Remove ``model``'s cache entries beyond the ``keep`` newest, never a revision in
+    ``protect`` (the one replicas load), for a roll to call once it is done; a hub
+    entry's snapshot goes from huggingface_hub's cache too."""
+    source = parse(model)
+    if isinstance(source, LocalSource):
+        return []
+    cache = ModelCache(cache_root or default_root())
+    store = store_of(source, cache)
+    removed = cache.prune(store.name, keep, protect)
+    if isinstance(source, HubSource):
+        from dpserve.sources.hub import forget
+
+        forget(cache.root / "hf", [e.revision for e in removed])
+    return removed
 
 
 def fetch_main(model: str, cache_root: Path | None) -> int:

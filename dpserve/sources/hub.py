@@ -37,31 +37,39 @@ def entry_name(source: HubSource) -> str:
 class HubStore:
     draws_own_bars = True  # huggingface_hub's tqdm, on a terminal
 
-    def __init__(self, source: HubSource, cache_dir: Path) -> None:
+    def __init__(self, source: HubSource, cache_dir: Path, endpoint: str | None = None) -> None:
         self.source = source
         self.name = entry_name(source)
         self.cache_dir = cache_dir
+        self.endpoint = endpoint  # None: huggingface_hub's (HF_ENDPOINT, else the hub)
 
     def plan(self) -> Plan:
+        """The commit the revision names now, and the files at that commit: their sizes
+        and digests from the repository's tree (the hub's LFS sha256 and blob ids)."""
         from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub.hf_api import RepoFile
 
+        repo = self.source.repo_id
         with _hub_errors(self.source):
-            info = HfApi().model_info(
-                self.source.repo_id, revision=self.source.revision, files_metadata=True
-            )
-            commit = str(info.sha)
-            siblings = {s.rfilename: s for s in info.siblings or ()}
-            if select.INDEX not in siblings:
+            api = HfApi(endpoint=self.endpoint)
+            commit = str(api.model_info(repo, revision=self.source.revision).sha)
+            tree = api.list_repo_tree(repo, revision=commit, recursive=True)
+            listed = {f.path: f for f in tree if isinstance(f, RepoFile)}
+            if select.INDEX not in listed:
                 raise select.NotAPipeline(
                     f"{self.source} has no {select.INDEX} at its top: it is no diffusers "
                     "pipeline repository"
                 )
             index_file = hf_hub_download(
-                self.source.repo_id, select.INDEX, revision=commit, cache_dir=self.cache_dir
+                repo,
+                select.INDEX,
+                revision=commit,
+                cache_dir=self.cache_dir,
+                endpoint=self.endpoint,
             )
         index = select.read_index(Path(index_file).read_bytes())
-        chosen = select.select(siblings, index)
-        files = tuple(_planned(siblings[path]) for path in chosen.files)
+        chosen = select.select(listed, index)
+        files = tuple(_planned(listed[path]) for path in chosen.files)
         return Plan(str(self.source), commit, files)
 
     def fill(self, plan: Plan, staging: Path, meter: Meter) -> Path:
@@ -75,6 +83,7 @@ class HubStore:
                 revision=plan.revision,
                 cache_dir=self.cache_dir,
                 allow_patterns=[_literal(f.path) for f in plan.files],
+                endpoint=self.endpoint,
             )
         snapshot = Path(folder)
         for planned in plan.files:
@@ -100,14 +109,13 @@ class HubStore:
         return min(done, plan.total_bytes)
 
 
-def _planned(sibling: Any) -> PlannedFile:
-    if sibling.lfs is not None:
-        return PlannedFile(
-            sibling.rfilename, int(sibling.lfs.size), Digest("sha256", sibling.lfs.sha256)
-        )
-    if sibling.blob_id is None or sibling.size is None:
-        raise SourceError(f"the hub gave no size or blob id for {sibling.rfilename}")
-    return PlannedFile(sibling.rfilename, int(sibling.size), Digest("git-sha1", sibling.blob_id))
+def _planned(f: Any) -> PlannedFile:
+    """A ``RepoFile`` of the tree: an LFS file by its sha256, a small one by its blob id."""
+    if f.lfs is not None:
+        return PlannedFile(f.path, int(f.lfs.size), Digest("sha256", f.lfs.sha256))
+    if not f.blob_id or f.size is None:
+        raise SourceError(f"the hub gave no size or blob id for {f.path}")
+    return PlannedFile(f.path, int(f.size), Digest("git-sha1", f.blob_id))
 
 
 def _literal(path: str) -> str:
@@ -161,8 +169,8 @@ def _hub_errors(source: HubSource) -> Iterator[None]:
         ) from None
     except errors.RepositoryNotFoundError:
         raise SourceError(
-            f"{source}: no such repository, or it is private: check the name, and set "
-            "HF_TOKEN (or run `hf auth login`) for a private one"
+            f"{source}: no such repository (or revision {source.revision!r}), or it is "
+            "private: check both, and set HF_TOKEN (or run `hf auth login`) for a private one"
         ) from None
     except errors.EntryNotFoundError as exc:
         raise SourceError(f"{source}: a planned file is missing at that commit ({exc})") from None

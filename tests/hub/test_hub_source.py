@@ -1,0 +1,118 @@
+"""``hf://`` model sources through the real huggingface_hub against a real hub-API
+server (olah, tests/hub/server.py): the revision pinned to its commit, the hub's digests
+checked, a corrupt object refused by name, entries per commit, ``dpserve fetch`` and
+``dpserve serve --model hf://…`` (dpserve/sources/hub.py)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpserve.sources.cache import ModelCache
+from dpserve.sources.errors import DigestMismatch, SourceError
+from dpserve.sources.fetch import fetch_into, prune
+from dpserve.sources.hub import HubStore
+from dpserve.sources.uri import HubSource
+from tests.hub.server import TINY_REPO, Hub, RepoSpec, serve_hub
+from tests.servers import ServeProcess
+
+pytestmark = pytest.mark.e2e
+
+WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def _fetch(hub: Hub, revision: str, cache: ModelCache, said: list[str] | None = None) -> Path:
+    store = HubStore(HubSource(TINY_REPO, revision), cache.root / "hf", endpoint=hub.endpoint)
+    return fetch_into(store, cache, (said if said is not None else []).append, bar=False)
+
+
+def test_a_tag_is_pinned_to_its_commit_and_every_file_checked(
+    hub_server: Hub, tiny_model: Path, tmp_path: Path
+) -> None:
+    cache = ModelCache(tmp_path / "cache")
+    said: list[str] = []
+    folder = _fetch(hub_server, "v1", cache, said)
+    commit = hub_server.repo.refs["v1"]
+    assert folder == cache.root / "hf" / "models--dpserve--tiny" / "snapshots" / commit
+    assert _files(folder) == _files(tiny_model)  # the pipeline, and nothing else
+    total = sum(len(b) for b in _files(tiny_model).values())
+    assert said == [f"plan: hf://{TINY_REPO}@v1 at {commit}: {len(_files(tiny_model))} files, "
+                    f"{said[0].split(', ', 1)[1]}"]  # fmt: skip
+    assert f"({total} bytes)" in said[0]
+    entry = cache.root / "entries" / "hf--dpserve--tiny" / commit
+    record = json.loads((entry / "entry.json").read_text())
+    kinds = {f["path"]: f["digest"] for f in record["files"]}
+    assert kinds[WEIGHTS] == "sha256" and kinds["model_index.json"] == "git-sha1"
+    assert record["folder"] == f"hf/models--dpserve--tiny/snapshots/{commit}"
+    progress = json.loads(entry.with_name(commit + ".progress.json").read_text())
+    assert progress["state"] == "ready" and progress["bytes_done"] == total
+    # Again: the same entry, reused.
+    assert _fetch(hub_server, commit, cache) == folder
+
+
+def test_each_commit_is_its_own_entry_and_old_ones_are_pruned(
+    hub_server: Hub, tiny_model: Path, tiny_model_b: Path, tmp_path: Path
+) -> None:
+    cache = ModelCache(tmp_path / "cache")
+    old = _fetch(hub_server, "release", cache)
+    new = _fetch(hub_server, "main", cache)
+    assert old != new and _files(new) == _files(tiny_model_b) and _files(old) == _files(tiny_model)
+    removed = prune(f"hf://{TINY_REPO}", cache.root, keep=1)
+    assert [e.revision for e in removed] == [hub_server.repo.refs["release"]]
+    assert [e.revision for e, _ in cache.entries("hf--dpserve--tiny")] == [hub_server.repo.main]
+    assert not old.exists() and new.is_dir()  # huggingface_hub's snapshot went too
+
+
+def test_a_missing_revision_is_a_clear_error(hub_server: Hub, tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="or revision 'nope'"):
+        _fetch(hub_server, "nope", ModelCache(tmp_path))
+
+
+def test_a_corrupt_file_is_refused_by_name_and_never_published(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    with serve_hub(tmp_path / "hub", [RepoSpec(TINY_REPO, (tiny_model,))]) as hub:
+        hub.repo.corrupt(WEIGHTS)
+        cache = ModelCache(tmp_path / "cache")
+        with pytest.raises(DigestMismatch) as refused:
+            _fetch(hub, "v1", cache)
+    assert f"{WEIGHTS} from hf://{TINY_REPO}@v1 is corrupt" in str(refused.value)
+    assert not list(cache.root.glob("entries/*/*/entry.json"))
+    snapshot = cache.root / "hf" / "models--dpserve--tiny" / "snapshots" / hub.repo.refs["v1"]
+    assert not (snapshot / WEIGHTS).exists()  # neither the link nor its blob remain
+
+
+def test_dpserve_fetch_and_serve_through_hf_endpoint(
+    hub_server: Hub, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = hub_server.env(tmp_path / "hf-home")
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "dpserve", "fetch", f"hf://{TINY_REPO}@v1"]
+    done = subprocess.run(
+        [*cmd, "--model-cache", str(cache)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith(f"plan: hf://{TINY_REPO}@v1 at {hub_server.repo.refs['v1']}")
+    assert _files(Path(lines[-1])) == _files(tiny_model)
+    for name in ("HF_ENDPOINT", "HF_HOME"):
+        monkeypatch.setenv(name, env[name])
+    with ServeProcess(f"hf://{TINY_REPO}@v1", 1, "--model-cache", str(cache)) as serve:
+        reply = serve.http.post(
+            "/v1/images/generations",
+            json={"prompt": "a kite", "size": "64x64", "num_inference_steps": 2, "seed": 3},
+        )
+        assert reply.status_code == 200, reply.text
+        assert base64.b64decode(reply.json()["data"][0]["b64_json"]).startswith(b"\x89PNG")
+        assert serve.http.get("/v1/models").json()["data"][0]["id"] == TINY_REPO
