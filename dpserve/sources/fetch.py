@@ -49,7 +49,18 @@ def local_folder(
     if isinstance(source, LocalSource):
         return source.path
     cache = ModelCache(cache_root or default_root())
-    return fetch_into(store_of(source, cache), cache, say, bar)
+    store = store_of(source, cache)
+    if isinstance(source, HubSource) and is_commit(source.revision):
+        # Pinned to a commit (as every replica of a rolled-out revision is): a ready
+        # entry needs no hub, so replicas start while the hub is down or offline.
+        ready = cache.ready(Entry(cache.root, store.name, source.revision))
+        if ready is not None:
+            return ready
+    return fetch_into(store, cache, say, bar)
+
+
+def is_commit(revision: str) -> bool:
+    return len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
 
 
 def fetch_into(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,8 +58,18 @@ def test_a_tag_is_pinned_to_its_commit_and_every_file_checked(
     assert record["folder"] == f"hf/models--dpserve--tiny/snapshots/{commit}"
     progress = json.loads(entry.with_name(commit + ".progress.json").read_text())
     assert progress["state"] == "ready" and progress["bytes_done"] == total
-    # Again: the same entry, reused.
+    # Again: the same entry, reused; pinned to the commit, it needs no hub at all.
     assert _fetch(hub_server, commit, cache) == folder
+    dead = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    pinned = [sys.executable, "-m", "dpserve", "fetch", f"hf://{TINY_REPO}@{commit}"]
+    done = subprocess.run(
+        [*pinned, "--model-cache", str(cache.root)],
+        env={**os.environ, **dead},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == str(folder), done.stderr
 
 
 def test_each_commit_is_its_own_entry_and_old_ones_are_pruned(
@@ -116,3 +127,32 @@ def test_dpserve_fetch_and_serve_through_hf_endpoint(
         assert reply.status_code == 200, reply.text
         assert base64.b64decode(reply.json()["data"][0]["b64_json"]).startswith(b"\x89PNG")
         assert serve.http.get("/v1/models").json()["data"][0]["id"] == TINY_REPO
+
+
+def test_two_concurrent_fetches_download_once(
+    hub_server: Hub, tiny_model: Path, tmp_path: Path
+) -> None:
+    from tests.storage.proxy import CountingProxy
+
+    total = sum(len(b) for b in _files(tiny_model).values())
+    cache = tmp_path / "cache"
+    with CountingProxy(hub_server.endpoint, rate_bytes_per_s=2 << 20) as proxy:  # ~2.5 s
+        env = {**hub_server.env(tmp_path / "hf-home"), "HF_ENDPOINT": proxy.url}
+        cmd = [sys.executable, "-m", "dpserve", "fetch", f"hf://{TINY_REPO}@release"]
+        fetches = [
+            subprocess.Popen(
+                [*cmd, "--model-cache", str(cache)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        outputs = [f.communicate(timeout=120) for f in fetches]
+        assert [f.returncode for f in fetches] == [0, 0], outputs
+        moved = proxy.sent
+    assert len({out.strip().splitlines()[-1] for out, _ in outputs}) == 1
+    # One model's bytes (plus two plans' API answers and headers), not two models'.
+    assert total <= moved < total + 256 * 1024, (moved, total)
+    assert sum("waiting for it" in err for _, err in outputs) == 1
