@@ -112,6 +112,8 @@ class ModelCache:
                 "fetched_at": time.time(),
             }
             _write(entry.staging / MARKER, json.dumps(record, indent=1) + "\n")
+            if entry.dir.exists():  # no marker (checked under the lock): a leftover
+                shutil.rmtree(entry.dir)
             entry.staging.rename(entry.dir)
             _fsync_dir(entry.dir.parent)
             return folder

@@ -52,7 +52,7 @@ class Snapshot:
 
     def line(self) -> str:
         eta = self.eta_s
-        left = "" if eta is None else f", {_duration(eta)} left"
+        left = "" if eta is None or self.state != "fetching" else f", {_duration(eta)} left"
         return (
             f"{self.fraction:.0%} ({human_bytes(self.done)} of {human_bytes(self.total)}), "
             f"{human_bytes(int(self.rate))}/s{left}"

@@ -209,3 +209,18 @@ def test_hashing_while_writing_in_any_pieces_equals_hashing_the_file(
     exact = Hasher(Digest("md5-parts", "", 1024), 4096)
     exact.update(data[:4096])
     assert exact.hexdigest().endswith("-4")  # a whole last part is not counted twice
+
+
+def test_the_terminal_bar() -> None:
+    import io
+
+    from dpserve.sources.progress import BarSink
+
+    out = io.StringIO()
+    bar = BarSink(out, width=10)
+    bar.show(Snapshot("s", "r", "fetching", 1000, 400, 400, 2.0))
+    bar.show(Snapshot("s", "r", "ready", 1000, 1000, 1000, 4.0))
+    assert out.getvalue() == (
+        "\r[####......] 40% (400 B of 1.0 KB), 200 B/s, 0m03s left\x1b[K"
+        "\r[##########] 100% (1.0 KB of 1.0 KB), 250 B/s\x1b[K\n"
+    )
