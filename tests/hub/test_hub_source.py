@@ -137,7 +137,8 @@ def test_two_concurrent_fetches_download_once(
     total = sum(len(b) for b in _files(tiny_model).values())
     cache = tmp_path / "cache"
     with CountingProxy(hub_server.endpoint, rate_bytes_per_s=2 << 20) as proxy:  # ~2.5 s
-        env = {**hub_server.env(tmp_path / "hf-home"), "HF_ENDPOINT": proxy.url}
+        token = "hf_dpserveTestTokenNeverShown"  # olah checks none; it must show nowhere
+        env = {**hub_server.env(tmp_path / "hf-home"), "HF_ENDPOINT": proxy.url, "HF_TOKEN": token}
         cmd = [sys.executable, "-m", "dpserve", "fetch", f"hf://{TINY_REPO}@release"]
         fetches = [
             subprocess.Popen(
@@ -156,3 +157,5 @@ def test_two_concurrent_fetches_download_once(
     # One model's bytes (plus two plans' API answers and headers), not two models'.
     assert total <= moved < total + 256 * 1024, (moved, total)
     assert sum("waiting for it" in err for _, err in outputs) == 1
+    written = [p.read_text() for p in cache.rglob("*.json") if "/hf/" not in str(p)]
+    assert not [t for t in [*written, *(o for pair in outputs for o in pair)] if token in t]
