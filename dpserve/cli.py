@@ -83,6 +83,11 @@ def _add_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "model", type=model_source, help="hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
     )
     add_flag(f, WorkerConfig, "model_cache")
+    f.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan as JSON (revision, files, sizes, digests, total) and fetch nothing",
+    )
 
 
 def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -308,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "fetch":
             from dpserve.sources.fetch import fetch_main
 
-            return fetch_main(str(args.model), args.model_cache)
+            return fetch_main(str(args.model), args.model_cache, args.dry_run)
         if args.command == "make-tiny-model":
             from dpserve.worker.tiny_model import build_tiny_pipeline
 

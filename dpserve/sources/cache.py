@@ -166,6 +166,9 @@ class ModelCache:
                 gone = entry.dir.with_name(entry.revision + ".removing")
                 entry.dir.rename(gone)  # unpublished first: no reader finds half an entry
                 shutil.rmtree(gone)
+                shutil.rmtree(entry.staging, ignore_errors=True)
+                entry.progress.unlink(missing_ok=True)
+                entry.lock.unlink()  # while held: a waiter on it finds the entry gone
                 removed.append(entry)
         return removed
 

@@ -4,6 +4,7 @@ model cache once, verified, and published (``cache.ModelCache``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -107,12 +108,25 @@ def prune(
     return removed
 
 
-def fetch_main(model: str, cache_root: Path | None) -> int:
-    """``dpserve fetch``: the plan first, progress on stderr, the folder last on stdout."""
+def fetch_main(model: str, cache_root: Path | None, dry_run: bool = False) -> int:
+    """``dpserve fetch``: the plan first, progress on stderr, the folder last on stdout;
+    with ``dry_run``, only the plan, as JSON (what a fill would move)."""
     try:
+        if dry_run:
+            print(json.dumps(plan_of(model, cache_root).to_json(), indent=1), flush=True)
+            return 0
         folder = local_folder(model, cache_root, say=lambda text: print(text, flush=True))
     except SourceError as exc:
         print(f"dpserve fetch: {exc}", file=sys.stderr)
         return 1
     print(folder, flush=True)
     return 0
+
+
+def plan_of(model: str, cache_root: Path | None = None) -> Plan:
+    """What fetching ``model`` would move, asked of the source; nothing is downloaded
+    but the pipeline's ``model_index.json`` (the hub's client caches it)."""
+    source = parse(model)
+    if isinstance(source, LocalSource):
+        raise SourceError(f"{model} is a local folder: there is nothing to fetch")
+    return store_of(source, ModelCache(cache_root or default_root())).plan()

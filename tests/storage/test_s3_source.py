@@ -128,6 +128,29 @@ def test_etag_md5_and_multipart_digests(
     }
 
 
+def test_a_dry_run_prints_the_plan_and_moves_no_file(
+    s3_server: S3Server,
+    aws_env: dict[str, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dpserve.cli import main
+
+    bucket = s3_server.new_bucket()
+    weights = _synthetic(s3_server.client(), bucket, "m", size=6 * MiB)
+    cache = tmp_path / "cache"
+    assert main(["fetch", f"s3://{bucket}/m", "--model-cache", str(cache), "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["source"] == f"s3://{bucket}/m/" and plan["revision"].startswith("listing-")
+    assert plan["total_bytes"] == len(weights) + 2 + len(json.dumps(INDEX))
+    assert [f["path"] for f in plan["files"]] == [
+        "model_index.json",
+        "transformer/config.json",
+        "transformer/diffusion_pytorch_model.safetensors",
+    ]
+    assert not cache.exists() or not list(cache.rglob("*.safetensors*"))
+
+
 def test_a_corrupt_object_is_an_error_naming_it_and_nothing_is_published(
     s3_server: S3Server, aws_env: dict[str, str], tmp_path: Path
 ) -> None:
