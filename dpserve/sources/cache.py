@@ -168,7 +168,8 @@ class ModelCache:
                 shutil.rmtree(gone)
                 shutil.rmtree(entry.staging, ignore_errors=True)
                 entry.progress.unlink(missing_ok=True)
-                entry.lock.unlink()  # while held: a waiter on it finds the entry gone
+                # The lock file stays: unlinked, a waiter on it and a newcomer on a new
+                # file would both take "the" lock and fill at once.
                 removed.append(entry)
         return removed
 

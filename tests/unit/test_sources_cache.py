@@ -133,7 +133,7 @@ def test_pruning_keeps_the_newest_and_those_in_use(folder: Path, tmp_path: Path)
         revisions.append(plan.revision)
     removed = cache.prune("src", keep=2, protect=frozenset({revisions[0]}))
     assert [e.revision for e in removed] == [revisions[1]]
-    assert not removed[0].dir.exists() and not removed[0].lock.exists()
+    assert not removed[0].dir.exists() and not removed[0].progress.exists()
     kept = [e.revision for e, _ in cache.entries("src")]
     assert kept == [revisions[3], revisions[2], revisions[0]]
 
