@@ -229,7 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
         # Fetched here, once, before any replica starts: N replicas load one copy.
         model = None if args.model is None else _local_model(args)
         replicas = _replica_set(args, model)
-        settings = _serve_settings(args, str(args.model or replicas.model))
+        settings = _serve_settings(args, args.model or replicas.model)
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(replicas, sockets, args.host, args.port, settings)
 
 
-def _serve_settings(args: argparse.Namespace, model: str) -> RouterSettings:
+def _serve_settings(args: argparse.Namespace, model: Path | str) -> RouterSettings:
     """``serve``'s router; it names the model from the start (its folder's name, or the
     name a URI gives, unless given), so the name holds whatever the replicas load later."""
     from dpserve.sources.uri import model_name, parse
@@ -245,7 +245,7 @@ def _serve_settings(args: argparse.Namespace, model: str) -> RouterSettings:
     settings = _router_settings(args, [])
     if settings.served_model_name is not None:
         return settings
-    return dataclasses.replace(settings, served_model_name=model_name(parse(model)))
+    return dataclasses.replace(settings, served_model_name=model_name(parse(str(model))))
 
 
 def _operator(args: argparse.Namespace) -> int:
