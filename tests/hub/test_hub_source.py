@@ -159,3 +159,25 @@ def test_two_concurrent_fetches_download_once(
     assert sum("waiting for it" in err for _, err in outputs) == 1
     written = [p.read_text() for p in cache.rglob("*.json") if "/hf/" not in str(p)]
     assert not [t for t in [*written, *(o for pair in outputs for o in pair)] if token in t]
+
+
+def test_a_killed_fetch_publishes_nothing_and_the_next_one_completes(
+    hub_server: Hub, tiny_model: Path, tmp_path: Path
+) -> None:
+    from tests.polling import eventually
+    from tests.storage.proxy import CountingProxy
+
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "dpserve", "fetch", f"hf://{TINY_REPO}@v1"]
+    cmd += ["--model-cache", str(cache)]
+    with CountingProxy(hub_server.endpoint, rate_bytes_per_s=512 << 10) as proxy:
+        env = {**hub_server.env(tmp_path / "hf-home"), "HF_ENDPOINT": proxy.url}
+        first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        eventually(lambda: proxy.sent > 1 << 20, 60, "a megabyte of the first fetch")
+        first.kill()
+        first.wait(10)
+        assert not list(cache.glob("entries/*/*/entry.json"))  # nothing published
+        proxy.rate = None
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _files(Path(done.stdout.strip().splitlines()[-1])) == _files(tiny_model)
