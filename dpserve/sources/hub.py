@@ -146,9 +146,9 @@ def _watching(store: HubStore, plan: Plan, meter: Meter, every_s: float = 1.0) -
     finally:
         stop.set()
         watcher.join()
-        left = plan.total_bytes - meter.snapshot().done
-        if left > 0:
-            meter.add(left, left)
+    left = plan.total_bytes - meter.snapshot().done  # moved since the last look
+    if left > 0:
+        meter.add(left, left)
 
 
 @contextlib.contextmanager

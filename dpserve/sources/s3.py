@@ -15,6 +15,7 @@ A file downloads to ``<path>.part`` and resumes from its length with
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import re
@@ -64,7 +65,9 @@ class S3Store:
             config = Config(
                 response_checksum_validation="when_required", retries={"mode": "standard"}
             )
-            self._client = boto3.client("s3", config=config)
+            # A session of its own: boto3's default one is process-wide and keeps the
+            # credentials it first resolved.
+            self._client = boto3.session.Session().client("s3", config=config)
         return self._client
 
     def plan(self) -> Plan:
@@ -161,39 +164,29 @@ class S3Store:
             body.close()
 
 
-class _store_errors:
+@contextlib.contextmanager
+def _store_errors(source: S3Source, what: str) -> Iterator[None]:
     """boto3's errors as ``SourceError``s naming the object and what to check (never a
     credential: boto3's messages name none)."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    def __init__(self, source: S3Source, what: str) -> None:
-        self.source, self.what = source, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-        where = f"{self.source}" if self.what == "list" else f"{self.source}{self.what}"
-        if isinstance(exc, NoCredentialsError):
-            raise SourceError(
-                f"{where}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                "(or AWS_PROFILE), and AWS_ENDPOINT_URL for a store other than AWS"
-            ) from None
-        if isinstance(exc, ClientError):
-            code = exc.response.get("Error", {}).get("Code", "?")
-            hint = {
-                "NoSuchBucket": "the bucket does not exist",
-                "NoSuchKey": "the object is gone (listed, then deleted?): fetch again",
-                "AccessDenied": "the credentials may not read it",
-                "InvalidAccessKeyId": "check AWS_ACCESS_KEY_ID",
-                "SignatureDoesNotMatch": "check AWS_SECRET_ACCESS_KEY",
-                "PreconditionFailed": "the object changed during the fetch: fetch again",
-            }.get(code, "see the store's error code")
-            raise SourceError(f"{where}: the store answered {code}: {hint}") from None
-        if isinstance(exc, BotoCoreError):
-            raise SourceError(
-                f"{where}: {exc} (is AWS_ENDPOINT_URL the store's address?)"
-            ) from None
+    where = f"{source}" if what == "list" else f"{source}{what}"
+    try:
+        yield
+    except NoCredentialsError:
+        raise SourceError(
+            f"{where}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE), and AWS_ENDPOINT_URL for a store other than AWS"
+        ) from None
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "?")
+        hint = {
+            "NoSuchBucket": "the bucket does not exist",
+            "NoSuchKey": "the object is gone (listed, then deleted?): fetch again",
+            "AccessDenied": "the credentials may not read it",
+            "InvalidAccessKeyId": "check AWS_ACCESS_KEY_ID",
+            "SignatureDoesNotMatch": "check AWS_SECRET_ACCESS_KEY",
+        }.get(code, "see the store's error code")
+        raise SourceError(f"{where}: the store answered {code}: {hint}") from None
+    except BotoCoreError as exc:
+        raise SourceError(f"{where}: {exc} (is AWS_ENDPOINT_URL the store's address?)") from None

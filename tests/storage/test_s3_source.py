@@ -180,6 +180,20 @@ def test_a_missing_bucket_and_a_non_pipeline_are_clear_errors(
     with pytest.raises(SourceError, match="NoSuchBucket: the bucket does not exist"):
         local_folder("s3://no-such-bucket-here/m", tmp_path, bar=False)
     bucket = s3_server.new_bucket()
+    wrong = "not-" + aws_env["AWS_SECRET_ACCESS_KEY"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+        with pytest.raises(SourceError) as refused:
+            local_folder(f"s3://{bucket}/m", tmp_path, bar=False)
+    assert "check AWS_SECRET_ACCESS_KEY" in str(refused.value) and wrong not in str(refused.value)
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.delenv(name)
+        env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        env.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        with pytest.raises(SourceError, match="no S3 credentials: set AWS_ACCESS_KEY_ID"):
+            local_folder(f"s3://{bucket}/m", tmp_path, bar=False)
     s3_server.client().put_object(Bucket=bucket, Key="m/unet/config.json", Body=b"{}")
     with pytest.raises(SourceError, match=r"holds no model_index\.json"):
         local_folder(f"s3://{bucket}/m", tmp_path, bar=False)
