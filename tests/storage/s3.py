@@ -7,7 +7,7 @@ when the block raised. The posix backend stores a bucket as a directory and an
 object as a file under ``S3Server.root`` (metadata and checksums in extended
 attributes), so a test can also corrupt an object on disk behind the server's back.
 The root credentials reach the server through its environment, never its arguments.
-docs/models.md says why this server and what it was checked to do.
+docs/test-storage.md says why this server and what it was checked to do.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,10 @@ def _error_code(call: Callable[[], object]) -> str:
 
 def _sha256_b64(data: bytes) -> str:
     return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+def _md5_b64(data: bytes) -> str:
+    return base64.b64encode(hashlib.md5(data).digest()).decode()
 
 
 def test_put_head_get_with_md5_etag_and_user_metadata(s3_server: S3Server) -> None:
@@ -210,7 +215,23 @@ def test_sha256_checksum_is_stored_returned_and_enforced(s3_server: S3Server) ->
         Bucket=bucket, Key="bad", Body=data, ChecksumSHA256=_sha256_b64(data + b"x")
     )
     assert _error_code(bad) == "BadDigest"
+    bad_md5 = lambda: s3.put_object(  # noqa: E731
+        Bucket=bucket, Key="bad", Body=data, ContentMD5=_md5_b64(data + b"x")
+    )
+    assert _error_code(bad_md5) == "BadDigest"
     assert _error_code(lambda: s3.head_object(Bucket=bucket, Key="bad")) == "404"
+
+
+def test_boto3_puts_a_crc32_by_default_and_the_server_keeps_it(s3_server: S3Server) -> None:
+    s3, bucket = s3_server.client(), s3_server.new_bucket()
+    data = b"config" * 100
+
+    s3.put_object(Bucket=bucket, Key="c.json", Body=data)
+
+    head = s3.head_object(Bucket=bucket, Key="c.json", ChecksumMode="ENABLED")
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    assert head["ChecksumCRC32"] == crc
+    assert "ChecksumSHA256" not in head  # only when the uploader asked for it
 
 
 def test_multipart_sha256_is_a_checksum_of_part_checksums(s3_server: S3Server) -> None:
@@ -240,18 +261,23 @@ def test_multipart_sha256_is_a_checksum_of_part_checksums(s3_server: S3Server) -
 
 def test_an_object_corrupted_on_disk_fails_boto3s_checksum_check(s3_server: S3Server) -> None:
     """The server keeps the checksum it recorded at put time; boto3 (>= 1.36) checks a
-    whole-object GET against it and raises when the bytes on disk changed."""
+    whole-object GET against it and raises when the bytes on disk changed. A GET of part
+    of the object (a resumed download) carries no checksum: the caller must check."""
     s3, bucket = s3_server.client(), s3_server.new_bucket()
     data = os.urandom(10_000)
     s3.put_object(Bucket=bucket, Key="w", Body=data, ChecksumAlgorithm="SHA256")
     with s3_server.object_path(bucket, "w").open("r+b") as on_disk:
-        on_disk.write(bytes([data[0] ^ 0xFF]))
+        on_disk.seek(5000)
+        on_disk.write(bytes([data[5000] ^ 0xFF]))
 
-    got = s3.get_object(Bucket=bucket, Key="w")
+    whole = s3.get_object(Bucket=bucket, Key="w")
+    part = s3.get_object(Bucket=bucket, Key="w", Range="bytes=4000-")
 
-    assert got["ChecksumSHA256"] == _sha256_b64(data)  # the recorded one, not the disk's
+    assert whole["ChecksumSHA256"] == _sha256_b64(data)  # the recorded one, not the disk's
     with pytest.raises(FlexibleChecksumError):
-        got["Body"].read()
+        whole["Body"].read()
+    assert "ChecksumSHA256" not in part
+    assert part["Body"].read()[1000] == data[5000] ^ 0xFF  # served as it is
 
 
 def test_running_s3_stops_the_server_and_removes_its_folder(tmp_path: Path) -> None:
