@@ -292,3 +292,16 @@ def test_running_s3_stops_the_server_and_removes_its_folder(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(Exception, match="Could not connect"):
         s3.client(config=Config(retries={"max_attempts": 1})).list_buckets()
+
+
+def test_running_s3_listens_on_the_address_it_is_given(tmp_path: Path) -> None:
+    with running_s3(build_server(), tmp_path, host="127.0.0.2") as s3:
+        bucket = s3.new_bucket()
+        s3.client().put_object(Bucket=bucket, Key="k", Body=b"v")
+
+        assert s3.endpoint_url.startswith("http://127.0.0.2:")
+        port = s3.endpoint_url.rsplit(":", 1)[1]
+        elsewhere = s3.client(endpoint_url=f"http://127.0.0.1:{port}",
+                              config=Config(retries={"max_attempts": 1}))  # fmt: skip
+        with pytest.raises(Exception, match="Could not connect"):
+            elsewhere.list_buckets()
