@@ -11,6 +11,8 @@ import base64
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -24,7 +26,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, FlexibleChecksumError
 
 from tests.polling import eventually
-from tests.storage.s3 import S3Server, build_server, running_s3
+from tests.storage.s3 import HERE, S3BuildError, S3Server, build_server, running_s3
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3]
 
@@ -305,3 +307,47 @@ def test_running_s3_listens_on_the_address_it_is_given(tmp_path: Path) -> None:
                               config=Config(retries={"max_attempts": 1}))  # fmt: skip
         with pytest.raises(Exception, match="Could not connect"):
             elsewhere.list_buckets()
+
+
+def _version_dir(cache: Path) -> Path:
+    (pinned,) = re.findall(
+        r"github\.com/versity/versitygw (v\S+)", (HERE / "versitygw" / "go.mod").read_text()
+    )
+    return cache / "s3" / f"versitygw-{pinned}"
+
+
+def _path_without_go(tmp_path: Path) -> str:
+    """A PATH holding the tools build.sh uses but no ``go``, wherever Go is installed."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("bash", "dirname", "sed", "head", "mkdir", "flock", "rm", "mktemp", "mv", "date"):
+        found = shutil.which(tool)
+        assert found, tool
+        (tools / tool).symlink_to(found)
+    return str(tools)
+
+
+def test_build_without_go_says_what_to_install_and_leaves_no_binary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", _path_without_go(tmp_path))
+
+    with pytest.raises(S3BuildError, match="go not found on PATH") as failed:
+        build_server()
+
+    assert "tests/storage/build.sh" in str(failed.value)
+    assert not (_version_dir(tmp_path / "cache") / "bin").exists()
+
+
+def test_build_is_a_no_op_when_the_binary_is_cached(tmp_path: Path) -> None:
+    cached = _version_dir(tmp_path / "cache") / "bin" / "versitygw"
+    cached.parent.mkdir(parents=True)
+    cached.write_text("#!/bin/sh\n")
+    cached.chmod(0o755)
+    env = {"PATH": _path_without_go(tmp_path), "DPSERVE_CACHE": str(tmp_path / "cache")}
+
+    out = subprocess.run(["bash", str(HERE / "build.sh")], env=env, capture_output=True, text=True)
+
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == str(cached.parent)
