@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build the S3 server the storage tests run against (tests/storage/s3.py): Versity's S3
 # gateway (versitygw, Apache-2.0) with its posix backend, from the Go module pinned in
-# versitygw/go.mod beside this script. docs/models.md says why this server.
+# versitygw/go.mod beside this script. docs/test-storage.md says why this server.
 #
-#   tests/storage/build.sh            # builds once (cold: about 4-5 minutes on 2 busy cores)
+#   tests/storage/build.sh            # builds once (cold: 4-7 minutes on 2 busy cores)
 #   BIN=$(tests/storage/build.sh | tail -n1)
 #
 # The binary goes to ${DPSERVE_CACHE:-$HOME/.cache/dpserve}/s3/versitygw-<version>/bin,

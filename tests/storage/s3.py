@@ -7,7 +7,7 @@ when the block raised. The posix backend stores a bucket as a directory and an
 object as a file under ``S3Server.root`` (metadata and checksums in extended
 attributes), so a test can also corrupt an object on disk behind the server's back.
 The root credentials reach the server through its environment, never its arguments.
-docs/models.md says why this server and what it was checked to do.
+docs/test-storage.md says why this server and what it was checked to do.
 """
 
 from __future__ import annotations
@@ -107,10 +107,11 @@ def _credentials() -> tuple[str, str]:
 
 @contextmanager
 def running_s3(
-    binary: Path, parent: Path | None = None, timeout_s: float = 30
+    binary: Path, parent: Path | None = None, timeout_s: float = 30, host: str = "127.0.0.1"
 ) -> Iterator[S3Server]:
-    """A server on a free port in a new folder under ``parent`` (the system's temporary
-    folder by default), answering signed requests, for the block."""
+    """A server on a free port of ``host`` in a new folder under ``parent`` (the system's
+    temporary folder by default), answering signed requests, for the block. Pods reach
+    it where ``host`` is an address of their network (a test node's bridge gateway)."""
     workdir = Path(tempfile.mkdtemp(prefix="dpserve-s3-", dir=parent))
     try:
         root = workdir / "data"
@@ -119,12 +120,12 @@ def running_s3(
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ROOT_", "VGW_"))}
         env |= {"ROOT_ACCESS_KEY_ID": access_key, "ROOT_SECRET_ACCESS_KEY": secret_key}
         for _ in range(3):  # another process may bind the picked port first
-            port = free_port()
-            server = S3Server(f"http://127.0.0.1:{port}", access_key, secret_key, REGION, root)
+            port = free_port(host)
+            server = S3Server(f"http://{host}:{port}", access_key, secret_key, REGION, root)
             log = workdir / "server.log"
             with log.open("ab") as out:
                 proc = subprocess.Popen(
-                    [str(binary), "--port", f"127.0.0.1:{port}", "--region", REGION, "--quiet",
+                    [str(binary), "--port", f"{host}:{port}", "--region", REGION, "--quiet",
                      "posix", str(root)],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 )  # fmt: skip

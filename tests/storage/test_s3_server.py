@@ -11,10 +11,13 @@ import base64
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, FlexibleChecksumError
 
 from tests.polling import eventually
-from tests.storage.s3 import S3Server, build_server, running_s3
+from tests.storage.s3 import HERE, S3BuildError, S3Server, build_server, running_s3
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3]
 
@@ -52,6 +55,10 @@ def _error_code(call: Callable[[], object]) -> str:
 
 def _sha256_b64(data: bytes) -> str:
     return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+def _md5_b64(data: bytes) -> str:
+    return base64.b64encode(hashlib.md5(data).digest()).decode()
 
 
 def test_put_head_get_with_md5_etag_and_user_metadata(s3_server: S3Server) -> None:
@@ -210,7 +217,23 @@ def test_sha256_checksum_is_stored_returned_and_enforced(s3_server: S3Server) ->
         Bucket=bucket, Key="bad", Body=data, ChecksumSHA256=_sha256_b64(data + b"x")
     )
     assert _error_code(bad) == "BadDigest"
+    bad_md5 = lambda: s3.put_object(  # noqa: E731
+        Bucket=bucket, Key="bad", Body=data, ContentMD5=_md5_b64(data + b"x")
+    )
+    assert _error_code(bad_md5) == "BadDigest"
     assert _error_code(lambda: s3.head_object(Bucket=bucket, Key="bad")) == "404"
+
+
+def test_boto3_puts_a_crc32_by_default_and_the_server_keeps_it(s3_server: S3Server) -> None:
+    s3, bucket = s3_server.client(), s3_server.new_bucket()
+    data = b"config" * 100
+
+    s3.put_object(Bucket=bucket, Key="c.json", Body=data)
+
+    head = s3.head_object(Bucket=bucket, Key="c.json", ChecksumMode="ENABLED")
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    assert head["ChecksumCRC32"] == crc
+    assert "ChecksumSHA256" not in head  # only when the uploader asked for it
 
 
 def test_multipart_sha256_is_a_checksum_of_part_checksums(s3_server: S3Server) -> None:
@@ -240,18 +263,23 @@ def test_multipart_sha256_is_a_checksum_of_part_checksums(s3_server: S3Server) -
 
 def test_an_object_corrupted_on_disk_fails_boto3s_checksum_check(s3_server: S3Server) -> None:
     """The server keeps the checksum it recorded at put time; boto3 (>= 1.36) checks a
-    whole-object GET against it and raises when the bytes on disk changed."""
+    whole-object GET against it and raises when the bytes on disk changed. A GET of part
+    of the object (a resumed download) carries no checksum: the caller must check."""
     s3, bucket = s3_server.client(), s3_server.new_bucket()
     data = os.urandom(10_000)
     s3.put_object(Bucket=bucket, Key="w", Body=data, ChecksumAlgorithm="SHA256")
     with s3_server.object_path(bucket, "w").open("r+b") as on_disk:
-        on_disk.write(bytes([data[0] ^ 0xFF]))
+        on_disk.seek(5000)
+        on_disk.write(bytes([data[5000] ^ 0xFF]))
 
-    got = s3.get_object(Bucket=bucket, Key="w")
+    whole = s3.get_object(Bucket=bucket, Key="w")
+    part = s3.get_object(Bucket=bucket, Key="w", Range="bytes=4000-")
 
-    assert got["ChecksumSHA256"] == _sha256_b64(data)  # the recorded one, not the disk's
+    assert whole["ChecksumSHA256"] == _sha256_b64(data)  # the recorded one, not the disk's
     with pytest.raises(FlexibleChecksumError):
-        got["Body"].read()
+        whole["Body"].read()
+    assert "ChecksumSHA256" not in part
+    assert part["Body"].read()[1000] == data[5000] ^ 0xFF  # served as it is
 
 
 def test_running_s3_stops_the_server_and_removes_its_folder(tmp_path: Path) -> None:
@@ -266,3 +294,60 @@ def test_running_s3_stops_the_server_and_removes_its_folder(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(Exception, match="Could not connect"):
         s3.client(config=Config(retries={"max_attempts": 1})).list_buckets()
+
+
+def test_running_s3_listens_on_the_address_it_is_given(tmp_path: Path) -> None:
+    with running_s3(build_server(), tmp_path, host="127.0.0.2") as s3:
+        bucket = s3.new_bucket()
+        s3.client().put_object(Bucket=bucket, Key="k", Body=b"v")
+
+        assert s3.endpoint_url.startswith("http://127.0.0.2:")
+        port = s3.endpoint_url.rsplit(":", 1)[1]
+        elsewhere = s3.client(endpoint_url=f"http://127.0.0.1:{port}",
+                              config=Config(retries={"max_attempts": 1}))  # fmt: skip
+        with pytest.raises(Exception, match="Could not connect"):
+            elsewhere.list_buckets()
+
+
+def _version_dir(cache: Path) -> Path:
+    (pinned,) = re.findall(
+        r"github\.com/versity/versitygw (v\S+)", (HERE / "versitygw" / "go.mod").read_text()
+    )
+    return cache / "s3" / f"versitygw-{pinned}"
+
+
+def _path_without_go(tmp_path: Path) -> str:
+    """A PATH holding the tools build.sh uses but no ``go``, wherever Go is installed."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("bash", "dirname", "sed", "head", "mkdir", "flock", "rm", "mktemp", "mv", "date"):
+        found = shutil.which(tool)
+        assert found, tool
+        (tools / tool).symlink_to(found)
+    return str(tools)
+
+
+def test_build_without_go_says_what_to_install_and_leaves_no_binary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", _path_without_go(tmp_path))
+
+    with pytest.raises(S3BuildError, match="go not found on PATH") as failed:
+        build_server()
+
+    assert "tests/storage/build.sh" in str(failed.value)
+    assert not (_version_dir(tmp_path / "cache") / "bin").exists()
+
+
+def test_build_is_a_no_op_when_the_binary_is_cached(tmp_path: Path) -> None:
+    cached = _version_dir(tmp_path / "cache") / "bin" / "versitygw"
+    cached.parent.mkdir(parents=True)
+    cached.write_text("#!/bin/sh\n")
+    cached.chmod(0o755)
+    env = {"PATH": _path_without_go(tmp_path), "DPSERVE_CACHE": str(tmp_path / "cache")}
+
+    out = subprocess.run(["bash", str(HERE / "build.sh")], env=env, capture_output=True, text=True)
+
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == str(cached.parent)
