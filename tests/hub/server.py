@@ -99,8 +99,15 @@ class Hub:
 
     def env(self, home: Path) -> dict[str, str]:
         """A child process's environment: this hub, and ``home`` as its HF_HOME (its
-        cache), so no test reads or fills the machine's own cache."""
-        return {**os.environ, "HF_ENDPOINT": self.endpoint, "HF_HOME": str(home)}
+        cache), so no test reads or fills the machine's own cache. Online, whatever this
+        process inherited: a worker gang started here sets HF_HUB_OFFLINE=1 (and the
+        images do)."""
+        return {
+            **os.environ,
+            "HF_ENDPOINT": self.endpoint,
+            "HF_HOME": str(home),
+            "HF_HUB_OFFLINE": "0",
+        }
 
 
 def olah_command() -> Path:
@@ -174,12 +181,12 @@ def publish(spec: RepoSpec, mirrors: Path) -> PublishedRepo:
     return PublishedRepo(spec.repo_id, work, tuple(commits), refs)
 
 
-def _config(workdir: Path, port: int, mirrors: Path) -> Path:
+def _config(workdir: Path, host: str, port: int, mirrors: Path) -> Path:
     """olah's settings: serve the local mirrors and never ask huggingface.co (offline)."""
     path = workdir / "olah.toml"
     path.write_text(
         "[basic]\n"
-        'host = "127.0.0.1"\n'
+        f'host = "{host}"\n'
         f"port = {port}\n"
         f'repos-path = "{workdir / "cache"}"\n'
         f'mirrors-path = ["{mirrors}"]\n'
@@ -190,19 +197,20 @@ def _config(workdir: Path, port: int, mirrors: Path) -> Path:
 
 
 @contextmanager
-def serve_hub(workdir: Path, specs: Sequence[RepoSpec]) -> Iterator[Hub]:
-    """olah on a free loopback port serving ``specs`` from ``workdir``; yields once every
-    repository answers its ``main`` commit, stops the server on exit."""
+def serve_hub(workdir: Path, specs: Sequence[RepoSpec], host: str = "127.0.0.1") -> Iterator[Hub]:
+    """olah on a free port of ``host`` serving ``specs`` from ``workdir``; yields once every
+    repository answers its ``main`` commit, stops the server on exit. Pods in their own
+    network namespaces reach it on a bridge address, not on loopback."""
     olah = olah_command()
     mirrors = workdir / "mirrors"
     repos = {spec.repo_id: publish(spec, mirrors) for spec in specs}
-    port = free_port()
-    config = _config(workdir, port, mirrors)
+    port = free_port(host)
+    config = _config(workdir, host, port, mirrors)
     log_path = workdir / "olah.log"
     with log_path.open("wb") as log:
         cmd = [str(olah), "--config", str(config), "--log-path", str(workdir / "logs")]
         proc = subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
-    hub = Hub(f"http://127.0.0.1:{port}", repos)
+    hub = Hub(f"http://{host}:{port}", repos)
     try:
         _wait_serving(hub, proc, log_path)
         yield hub
