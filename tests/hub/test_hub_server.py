@@ -193,9 +193,9 @@ def test_gap_a_range_request_gets_the_whole_file_and_the_client_restarts_it(
     assert Path(got).read_bytes() == data
 
 
-def test_gap_the_server_checks_no_token(hub_server: Hub, tmp_path: Path) -> None:
+def test_gap_olah_checks_no_token(hub_server: Hub, tmp_path: Path) -> None:
     """Every repository is public to olah's local mirror: a wrong token downloads as well as
-    none, so private repositories and the client's token handling are not proven here."""
+    none. A private repository needs the gate in front (the next test)."""
     got = hf_hub_download(
         TINY_REPO, CONFIG, cache_dir=tmp_path, endpoint=hub_server.endpoint, token="hf_wrong"
     )
@@ -204,6 +204,45 @@ def test_gap_the_server_checks_no_token(hub_server: Hub, tmp_path: Path) -> None
         TINY_REPO, revision="main"
     )
     assert info.private is False
+
+
+def test_a_private_repository_answers_only_with_its_token(tiny_model: Path, tmp_path: Path) -> None:
+    token = "hf_test_private_token"
+    spec = RepoSpec("dpserve/private", (tiny_model,))
+    with serve_hub(tmp_path / "hub", [spec], token=token) as hub:
+
+        def download(name: str, token: str | bool, cache: str) -> Path:
+            return Path(
+                hf_hub_download(
+                    "dpserve/private",
+                    name,
+                    cache_dir=tmp_path / cache,
+                    endpoint=hub.endpoint,
+                    token=token,
+                )
+            )
+
+        assert download(WEIGHTS, token, "a").read_bytes() == (tiny_model / WEIGHTS).read_bytes()
+        for wrong in (False, "hf_wrong_token"):
+            with pytest.raises(RepositoryNotFoundError):
+                download(CONFIG, wrong, "b")
+            with pytest.raises(RepositoryNotFoundError):
+                HfApi(endpoint=hub.endpoint, token=wrong).model_info(
+                    "dpserve/private", revision="main"
+                )
+        # HF_TOKEN in the environment is what the hf command sends (each run its own cache:
+        # the client answers from its cache when the hub refuses).
+        cmd = [str(Path(sys.executable).with_name("hf")), "download", "dpserve/private"]
+        cmd += [CONFIG, "--quiet"]
+        env = hub.env(tmp_path / "with")
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        env = {**hub.env(tmp_path / "without")}
+        del env["HF_TOKEN"]
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False)
+        assert done.returncode != 0
+        said = (done.stderr + done.stdout).decode().lower()
+        assert "not found" in said and "token" in said, said
 
 
 def test_gap_a_missing_file_or_revision_reads_as_a_missing_repository(
