@@ -52,6 +52,7 @@ def test_branches_and_tags_resolve_to_their_commits(hub_server: Hub) -> None:
     repo, api = hub_server.repo, _api(hub_server)
     first, second = repo.commits
     assert first != second
+    assert repo.refs == {"main": second, "v1": first, "release": first}
     for revision, commit in [("main", second), ("v1", first), ("release", first)]:
         assert api.model_info(TINY_REPO, revision=revision).sha == commit, revision
     assert api.model_info(TINY_REPO, revision=first).sha == first
