@@ -119,6 +119,16 @@ def test_a_head_answers_the_commit_etag_and_size(hub_server: Hub, tiny_model: Pa
         )
 
 
+def test_gap_a_weight_file_is_served_in_place_with_no_linked_headers(hub_server: Hub) -> None:
+    """The hub redirects a weight file's resolve to its CDN and names the LFS object in
+    X-Linked-Etag and X-Linked-Size; olah answers it itself with ETag and Content-Length."""
+    url = hf_hub_url(TINY_REPO, WEIGHTS, endpoint=hub_server.endpoint)
+    head = httpx.head(url, follow_redirects=False, timeout=30)
+    assert head.status_code == 200
+    assert "location" not in head.headers
+    assert not any(name.startswith("x-linked-") for name in head.headers)
+
+
 def test_hf_hub_download_fills_the_cache_layout_at_a_pinned_revision(
     hub_server: Hub, tiny_model: Path, tiny_model_b: Path, tmp_path: Path
 ) -> None:
@@ -249,13 +259,22 @@ def test_a_private_repository_answers_only_with_its_token(tiny_model: Path, tmp_
 def test_gap_a_missing_file_or_revision_reads_as_a_missing_repository(
     hub_server: Hub, tmp_path: Path
 ) -> None:
-    """The hub answers 404 EntryNotFound and RevisionNotFound; olah answers 401 RepoNotFound."""
+    """The hub answers 404 EntryNotFound and RevisionNotFound; olah answers 401 RepoNotFound
+    (and a GET of a missing file, 500)."""
     with pytest.raises(RepositoryNotFoundError):
         hf_hub_download(
             TINY_REPO, "nope.json", cache_dir=tmp_path, endpoint=hub_server.endpoint, token=False
         )
     with pytest.raises(RepositoryNotFoundError):
         _api(hub_server).model_info(TINY_REPO, revision="nope")
+    missing = hf_hub_url(TINY_REPO, "nope.json", endpoint=hub_server.endpoint)
+    assert httpx.get(missing, timeout=30).status_code == 500
+
+
+def test_gap_the_client_cannot_list_commits(hub_server: Hub) -> None:
+    """olah's commit authors carry no ``user``, which the client reads."""
+    with pytest.raises(KeyError, match="user"):
+        _api(hub_server).list_repo_commits(TINY_REPO)
 
 
 def test_the_hf_command_downloads_through_hf_endpoint(
