@@ -90,6 +90,7 @@ def serve_hub(
     if token is not None:
         gate.check_token(token)
     found = tools()
+    workdir.mkdir(parents=True, exist_ok=True)
     mirrors = workdir / "mirrors"
     repos = {spec.repo_id: publish(spec, mirrors) for spec in specs}
     with ExitStack() as stack:
