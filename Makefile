@@ -30,8 +30,8 @@ lint: $(STAMP)
 # Every tier: unit, gang (multi-process worker gangs), e2e, cluster (a real control
 # plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s), s3 (an S3
 # server built once from its Go module into ~/.cache/dpserve/s3), and browser (Debian's
-# chromium, installed once); the hf:// tests' hub server (olah in its own venv under
-# ~/.cache/dpserve/hub, and Debian's git-lfs) is installed once too.
+# chromium, installed once); the hf:// tests' hub server (olah in its own venv and
+# Debian's nginx binary under ~/.cache/dpserve/hub, and Debian's git-lfs) is installed once too.
 test: lint cluster-bins s3-bins browser hub-server
 	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
 

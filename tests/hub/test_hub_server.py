@@ -52,6 +52,7 @@ def test_branches_and_tags_resolve_to_their_commits(hub_server: Hub) -> None:
     repo, api = hub_server.repo, _api(hub_server)
     first, second = repo.commits
     assert first != second
+    assert repo.refs == {"main": second, "v1": first, "release": first}
     for revision, commit in [("main", second), ("v1", first), ("release", first)]:
         assert api.model_info(TINY_REPO, revision=revision).sha == commit, revision
     assert api.model_info(TINY_REPO, revision=first).sha == first
@@ -116,6 +117,16 @@ def test_a_head_answers_the_commit_etag_and_size(hub_server: Hub, tiny_model: Pa
             etag,
             len(want[path]),
         )
+
+
+def test_gap_a_weight_file_is_served_in_place_with_no_linked_headers(hub_server: Hub) -> None:
+    """The hub redirects a weight file's resolve to its CDN and names the LFS object in
+    X-Linked-Etag and X-Linked-Size; olah answers it itself with ETag and Content-Length."""
+    url = hf_hub_url(TINY_REPO, WEIGHTS, endpoint=hub_server.endpoint)
+    head = httpx.head(url, follow_redirects=False, timeout=30)
+    assert head.status_code == 200
+    assert "location" not in head.headers
+    assert not any(name.startswith("x-linked-") for name in head.headers)
 
 
 def test_hf_hub_download_fills_the_cache_layout_at_a_pinned_revision(
@@ -193,9 +204,9 @@ def test_gap_a_range_request_gets_the_whole_file_and_the_client_restarts_it(
     assert Path(got).read_bytes() == data
 
 
-def test_gap_the_server_checks_no_token(hub_server: Hub, tmp_path: Path) -> None:
+def test_gap_olah_checks_no_token(hub_server: Hub, tmp_path: Path) -> None:
     """Every repository is public to olah's local mirror: a wrong token downloads as well as
-    none, so private repositories and the client's token handling are not proven here."""
+    none. A private repository needs the gate in front (the next test)."""
     got = hf_hub_download(
         TINY_REPO, CONFIG, cache_dir=tmp_path, endpoint=hub_server.endpoint, token="hf_wrong"
     )
@@ -206,16 +217,64 @@ def test_gap_the_server_checks_no_token(hub_server: Hub, tmp_path: Path) -> None
     assert info.private is False
 
 
+def test_a_private_repository_answers_only_with_its_token(tiny_model: Path, tmp_path: Path) -> None:
+    token = "hf_test_private_token"
+    spec = RepoSpec("dpserve/private", (tiny_model,))
+    with serve_hub(tmp_path / "hub", [spec], token=token) as hub:
+
+        def download(name: str, token: str | bool, cache: str) -> Path:
+            return Path(
+                hf_hub_download(
+                    "dpserve/private",
+                    name,
+                    cache_dir=tmp_path / cache,
+                    endpoint=hub.endpoint,
+                    token=token,
+                )
+            )
+
+        assert download(WEIGHTS, token, "a").read_bytes() == (tiny_model / WEIGHTS).read_bytes()
+        for wrong in (False, "hf_wrong_token"):
+            with pytest.raises(RepositoryNotFoundError):
+                download(CONFIG, wrong, "b")
+            with pytest.raises(RepositoryNotFoundError):
+                HfApi(endpoint=hub.endpoint, token=wrong).model_info(
+                    "dpserve/private", revision="main"
+                )
+        # HF_TOKEN in the environment is what the hf command sends (each run its own cache:
+        # the client answers from its cache when the hub refuses).
+        cmd = [str(Path(sys.executable).with_name("hf")), "download", "dpserve/private"]
+        cmd += [CONFIG, "--quiet"]
+        env = hub.env(tmp_path / "with")
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        env = {**hub.env(tmp_path / "without")}
+        del env["HF_TOKEN"]
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False)
+        assert done.returncode != 0
+        said = (done.stderr + done.stdout).decode().lower()
+        assert "not found" in said and "token" in said, said
+
+
 def test_gap_a_missing_file_or_revision_reads_as_a_missing_repository(
     hub_server: Hub, tmp_path: Path
 ) -> None:
-    """The hub answers 404 EntryNotFound and RevisionNotFound; olah answers 401 RepoNotFound."""
+    """The hub answers 404 EntryNotFound and RevisionNotFound; olah answers 401 RepoNotFound
+    (and a GET of a missing file, 500)."""
     with pytest.raises(RepositoryNotFoundError):
         hf_hub_download(
             TINY_REPO, "nope.json", cache_dir=tmp_path, endpoint=hub_server.endpoint, token=False
         )
     with pytest.raises(RepositoryNotFoundError):
         _api(hub_server).model_info(TINY_REPO, revision="nope")
+    missing = hf_hub_url(TINY_REPO, "nope.json", endpoint=hub_server.endpoint)
+    assert httpx.get(missing, timeout=30).status_code == 500
+
+
+def test_gap_the_client_cannot_list_commits(hub_server: Hub) -> None:
+    """olah's commit authors carry no ``user``, which the client reads."""
+    with pytest.raises(KeyError, match="user"):
+        _api(hub_server).list_repo_commits(TINY_REPO)
 
 
 def test_the_hf_command_downloads_through_hf_endpoint(
