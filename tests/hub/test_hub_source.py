@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,34 @@ def test_a_killed_fetch_publishes_nothing_and_the_next_one_completes(
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert _files(Path(done.stdout.strip().splitlines()[-1])) == _files(tiny_model)
+
+
+def test_a_private_repository_takes_huggingface_hubs_token_and_never_shows_it(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    token = "hf_dpserveTestPrivateToken"
+    cache = tmp_path / "cache"
+    fetch = [sys.executable, "-m", "dpserve", "fetch", "hf://dpserve/private@v1"]
+    fetch += ["--model-cache", str(cache)]
+    with serve_hub(
+        tmp_path / "hub", [RepoSpec("dpserve/private", (tiny_model,))], token=token
+    ) as hub:
+        home = tmp_path / "hf-home"
+        without = {k: v for k, v in hub.env(home).items() if k != "HF_TOKEN"}
+        refused = subprocess.run(fetch, env=without, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and "set HF_TOKEN" in refused.stderr, refused.stderr
+        # The token file `hf auth login` writes (under HF_HOME), then HF_TOKEN.
+        home.mkdir(exist_ok=True)
+        (home / "token").write_text(token)
+        by_file = subprocess.run(fetch, env=without, capture_output=True, text=True, timeout=120)
+        assert by_file.returncode == 0, by_file.stderr
+        (home / "token").unlink()
+        shutil.rmtree(cache)
+        by_env = subprocess.run(
+            fetch, env=hub.env(home), capture_output=True, text=True, timeout=120
+        )
+        assert by_env.returncode == 0, by_env.stderr
+    assert _files(Path(by_env.stdout.strip().splitlines()[-1])) == _files(tiny_model)
+    ours = [p.read_text() for p in cache.rglob("*.json") if "/hf/" not in str(p)]
+    outputs = [o for done in (refused, by_file, by_env) for o in (done.stdout, done.stderr)]
+    assert not [text for text in [*ours, *outputs] if token in text]
