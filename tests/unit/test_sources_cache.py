@@ -225,3 +225,21 @@ def test_the_terminal_bar() -> None:
         "\r[####......] 40% (400 B of 1.0 KB), 200 B/s, 0m03s left\x1b[K"
         "\r[##########] 100% (1.0 KB of 1.0 KB), 250 B/s\x1b[K\n"
     )
+
+
+def test_the_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from dpserve.sources.progress import LogSink
+
+    log = logging.getLogger("test.sources")
+    sink = LogSink(log, every_s=0.0)
+    with caplog.at_level(logging.INFO, logger="test.sources"):
+        sink.show(Snapshot("s3://m/x/", "r", "fetching", 4000, 1000, 1000, 1.0))
+        sink.show(Snapshot("s3://m/x/", "r", "ready", 4000, 4000, 3000, 2.0))
+        sink.show(Snapshot("s3://m/x/", "r", "failed", 4000, 10, 10, 2.0, "x is corrupt"))
+    assert caplog.messages == [
+        "fetching s3://m/x/: 25% (1.0 KB of 4.0 KB), 1.0 KB/s, 0m03s left",
+        "fetched s3://m/x/: 4.0 KB in 2.0s (3.0 KB moved, 1.5 KB/s)",
+        "fetching s3://m/x/ failed: x is corrupt",
+    ]
