@@ -1,16 +1,19 @@
 """Fetch throughput: ``dpserve fetch``'s S3 path (plan, download, verify, publish)
-against boto3's own ``download_file`` of the same files from the same real S3 server,
-in the same run, rounds alternating so drift hits both alike.
+against boto3's own ``download_file`` of the same files from the same real S3 server
+(and against ``download_file`` followed by one MD5 pass, what checking the files by
+their ETags would add), in the same run, rounds alternating so drift hits all alike.
 
 A synthetic pipeline (one component, ``--shards`` weight files of ``--shard-mb`` MB,
 uploaded with boto3's default multipart transfer, so each is checked by its
 multipart ETag) on the test S3 server (tests/storage). Everything is removed at the
-end. Last line: ``fetch_ratio=<dpserve time / boto3 time> dpserve_MBps=… boto3_MBps=…``.
+end. Last line: ``fetch_ratio=<dpserve / boto3 time> vs_checked_ratio=<dpserve / boto3 then
+MD5 time> dpserve_MBps=… boto3_MBps=…``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -42,26 +45,31 @@ def main() -> None:
             s3.create_bucket(Bucket="bench")
             keys = _upload(s3, work / "src", args.shards, args.shard_mb)
             total = sum((work / "src" / k).stat().st_size for k in keys)
-            ours, theirs = [], []
+            times: dict[str, list[float]] = {"ours": [], "theirs": [], "checked": []}
             for r in range(args.rounds):
-                for who in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
+                order = list(times) if r % 2 == 0 else list(reversed(times))
+                for who in order:
                     out = work / f"{who}-{r}"
                     began = time.perf_counter()
                     if who == "ours":
                         local_folder("s3://bench/m", out, say=lambda _: None, bar=False)
-                        ours.append(time.perf_counter() - began)
                     else:
                         for key in keys:
                             (out / key).parent.mkdir(parents=True, exist_ok=True)
                             s3.download_file("bench", f"m/{key}", str(out / key))
-                        theirs.append(time.perf_counter() - began)
+                            if who == "checked":  # and one MD5 pass, as a plain check would
+                                hashlib.md5((out / key).read_bytes())
+                    times[who].append(time.perf_counter() - began)
                     shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    a, b = statistics.median(ours), statistics.median(theirs)
+    a, b, c = (statistics.median(times[who]) for who in ("ours", "theirs", "checked"))
     mb = total / 1e6
-    print(f"{len(keys)} files, {mb:.0f} MB; dpserve {ours} s, boto3 download_file {theirs} s")
-    print(f"fetch_ratio={a / b:.2f} dpserve_MBps={mb / a:.0f} boto3_MBps={mb / b:.0f}")
+    print(f"{len(keys)} files, {mb:.0f} MB; seconds per round: {times}")
+    print(
+        f"fetch_ratio={a / b:.2f} vs_checked_ratio={a / c:.2f} dpserve_MBps={mb / a:.0f} "
+        f"boto3_MBps={mb / b:.0f}"
+    )
 
 
 def _upload(s3: object, src: Path, shards: int, shard_mb: int) -> list[str]:
