@@ -290,14 +290,14 @@ def _probe(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from dpserve.worker.gang import run_gang
 
+    _wire_key(args.wire_key_file)  # a bad key file fails here, before a fetch or a rank
+    if args.endpoint_file is None:  # a fixed port (a pod's): taken, it fails now, not after load
+        check_tcp(args.bind, args.port)
     args.model = _local_model(args)  # under the cache's lock: one fill per cache
     config = WorkerConfig.from_args(args)
     if not (config.model / "model_index.json").is_file():
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)
         return 2
-    _wire_key(config.wire_key_file)  # a bad key file fails here, before any rank starts
-    if config.endpoint_file is None:  # a fixed port (a pod's): taken, it fails now, not after load
-        check_tcp(config.bind, config.port)
     return run_gang(config)
 
 
