@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Extra `dpserve serve` flags: make serve ARGS="--port 9000 --api-key K"
 ARGS ?=
 
-.PHONY: setup serve test test-fast lint cluster-bins browser bench-cfg images clean
+.PHONY: setup serve test test-fast lint cluster-bins s3-bins browser hub-server bench-cfg images clean
 
 setup: $(STAMP)
 
@@ -28,16 +28,25 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Every tier: unit, gang (multi-process worker gangs), e2e, cluster (a real control
-# plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s), and browser
-# (Debian's chromium, installed once).
-test: lint cluster-bins browser
+# plane built once from the Kubernetes Go modules into ~/.cache/dpserve/k8s), s3 (an S3
+# server built once from its Go module into ~/.cache/dpserve/s3), and browser (Debian's
+# chromium, installed once); the hf:// tests' hub server (olah in its own venv and
+# Debian's nginx binary under ~/.cache/dpserve/hub, and Debian's git-lfs) is installed once too.
+# Two pytest processes side by side, one lane each (tests/lanes.sh).
+test: lint cluster-bins s3-bins browser hub-server
 	bash tests/lanes.sh $(PY) --durations=15 $(PYTEST_ARGS)
 
 cluster-bins:
 	bash tests/cluster/build.sh >/dev/null
 
+s3-bins:
+	bash tests/storage/build.sh >/dev/null
+
 browser:
 	bash tests/browser/setup.sh
+
+hub-server:
+	PYTHON=$(PYTHON) bash tests/hub/setup.sh >/dev/null
 
 # The quick loop while working: skips the gang, e2e, cluster and browser tiers.
 test-fast: $(STAMP)

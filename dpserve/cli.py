@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpserve.config.flags import port_number, positive
+from dpserve.config.flags import add_flag, model_source, port_number, positive
 from dpserve.config.router import RouterConfig, add_router_args
-from dpserve.config.worker import add_gang_args, add_worker_args
+from dpserve.config.worker import WorkerConfig, add_gang_args, add_worker_args
 from dpserve.contract.layout import LayoutError
 from dpserve.plumbing.bind import PortUnavailable, check_tcp, hold_tcp
 from dpserve.plumbing.curve import WireKeyError
+from dpserve.sources.errors import SourceError
 
 if TYPE_CHECKING:
     from dpserve.local import ReplicaSetConfig
@@ -35,7 +36,13 @@ def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("serve", help="embedded default: N local replicas and a router")
-    s.add_argument("--model", type=Path, default=None, help="default: the tiny model (cached)")
+    s.add_argument(
+        "--model",
+        type=model_source,
+        default=None,
+        help="diffusers pipeline folder, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX, "
+        "fetched once for every replica (default: the tiny model, cached)",
+    )
     s.add_argument("--dp-size", type=positive, default=1, help="number of replicas")
     s.add_argument(
         "--scheduler-port", type=port_number, default=5575, help="replica r binds this + r"
@@ -64,6 +71,22 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     probe.add_argument("--wire-key-file", type=Path, default=None, help="the replica's wire key")
     probe.add_argument(
         "--live", action="store_true", help="liveness: answering and not stalled is enough"
+    )
+
+
+def _add_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    f = sub.add_parser(
+        "fetch",
+        help="fetch a model (hf://, s3://) into the model cache, verified; print its folder",
+    )
+    f.add_argument(
+        "model", type=model_source, help="hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
+    )
+    add_flag(f, WorkerConfig, "model_cache")
+    f.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan as JSON (revision, files, sizes, digests, total) and fetch nothing",
     )
 
 
@@ -119,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router(sub)
     _add_serve(sub)
     _add_k8s(sub)
+    _add_fetch(sub)
     _add_tiny(sub)
     for command in sub.choices.values():
         command.formatter_class = _ShowDefaults
@@ -164,6 +188,16 @@ def _router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_model(args: argparse.Namespace) -> Path:
+    """``--model`` as a local folder: a URI fetched into ``--model-cache`` first (once
+    per cache: a concurrent fetch of the same model waits for this one, or this for it)."""
+    if isinstance(args.model, Path):
+        return args.model  # a folder, used as it is
+    from dpserve.sources.fetch import local_folder
+
+    return local_folder(args.model, args.model_cache, bar=sys.stderr.isatty())
+
+
 def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConfig:
     """``serve``'s replicas, each given its gang options; None: the tiny model."""
     from dpserve.config.worker import gang_options, worker_flags
@@ -192,8 +226,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from dpserve.local import serve
 
-        replicas = _replica_set(args, args.model)
-        settings = _serve_settings(args, replicas.model)
+        # Fetched here, once, before any replica starts: N replicas load one copy.
+        model = None if args.model is None else _local_model(args)
+        replicas = _replica_set(args, model)
+        settings = _serve_settings(args, args.model or replicas.model)
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -201,14 +237,15 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(replicas, sockets, args.host, args.port, settings)
 
 
-def _serve_settings(args: argparse.Namespace, model: Path) -> RouterSettings:
-    """``serve``'s router; it names the model from the start (its folder, unless given),
-    so the name holds whatever the replicas load later."""
+def _serve_settings(args: argparse.Namespace, model: Path | str) -> RouterSettings:
+    """``serve``'s router; it names the model from the start (its folder's name, or the
+    name a URI gives, unless given), so the name holds whatever the replicas load later."""
+    from dpserve.sources.uri import model_name, parse
+
     settings = _router_settings(args, [])
     if settings.served_model_name is not None:
         return settings
-    name = model.name or model.resolve().name or None
-    return dataclasses.replace(settings, served_model_name=name)
+    return dataclasses.replace(settings, served_model_name=model_name(parse(str(model))))
 
 
 def _operator(args: argparse.Namespace) -> int:
@@ -251,16 +288,16 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from dpserve.config.worker import WorkerConfig
     from dpserve.worker.gang import run_gang
 
+    _wire_key(args.wire_key_file)  # a bad key file fails here, before a fetch or a rank
+    if args.endpoint_file is None:  # a fixed port (a pod's): taken, it fails now, not after load
+        check_tcp(args.bind, args.port)
+    args.model = _local_model(args)  # under the cache's lock: one fill per cache
     config = WorkerConfig.from_args(args)
     if not (config.model / "model_index.json").is_file():
         print(f"dpserve worker: {config.model} is not a diffusers pipeline folder", file=sys.stderr)
         return 2
-    _wire_key(config.wire_key_file)  # a bad key file fails here, before any rank starts
-    if config.endpoint_file is None:  # a fixed port (a pod's): taken, it fails now, not after load
-        check_tcp(config.bind, config.port)
     return run_gang(config)
 
 
@@ -273,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "worker":
             return _worker(args)
+        if args.command == "fetch":
+            from dpserve.sources.fetch import fetch_main
+
+            return fetch_main(str(args.model), args.model_cache, args.dry_run)
         if args.command == "make-tiny-model":
             from dpserve.worker.tiny_model import build_tiny_pipeline
 
@@ -295,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             return _probe(args)
         return _serve(args)
-    except (LayoutError, WireKeyError, PortUnavailable) as exc:
+    except (LayoutError, WireKeyError, PortUnavailable, SourceError) as exc:
         print(f"dpserve {args.command}: {exc}", file=sys.stderr)
         return 2
 

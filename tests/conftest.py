@@ -11,7 +11,9 @@ if TYPE_CHECKING:
     from tests.cluster.localcluster import LocalCluster
     from tests.cluster.realcluster import RealCluster
     from tests.e2e.backends import Backend
+    from tests.hub.server import Hub
     from tests.images.build import BuiltImage
+    from tests.storage.s3 import S3Server
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +67,33 @@ def allow_tmp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """Worker flags that let control ops load from this run's temporary folders, where
     the fixtures build models and LoRAs (a worker allows only its model folder)."""
     return ("--allow-path", str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One real S3 server (versitygw over a temporary folder) per run: ``endpoint_url``,
+    ``access_key``, ``secret_key``, ``region``, ``client()`` (boto3), ``env()`` (the
+    ``AWS_*`` variables), ``new_bucket()``. Built once by tests/storage/build.sh; a
+    failed build is an error that says how to fix it, never a skip."""
+    from tests.storage.s3 import build_server, running_s3
+
+    with running_s3(build_server()) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def hub_server(
+    tiny_model: Path, tiny_model_b: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Hub]:
+    """A real hub-API server (olah, tests/hub/server.py) serving ``dpserve/tiny``: the tiny
+    model at tag ``v1`` and branch ``release``, other weights of the same architecture at
+    ``main``. One per run, so read-only: a test that changes a repository starts its own
+    with ``tests.hub.server.serve_hub``."""
+    from tests.hub.server import TINY_REPO, RepoSpec, serve_hub
+
+    spec = RepoSpec(TINY_REPO, (tiny_model, tiny_model_b))
+    with serve_hub(tmp_path_factory.mktemp("hub"), [spec]) as hub:
+        yield hub
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,9 @@ from tests.workers import free_port
 
 
 class ServeProcess:
-    def __init__(self, model: Path, dp_size: int, *args: str, timeout_s: float = 180.0) -> None:
+    def __init__(
+        self, model: Path | str, dp_size: int, *args: str, timeout_s: float = 180.0
+    ) -> None:
         self.port = free_port()
         self.scheduler_port = free_port() + 0  # replicas bind scheduler_port + r
         while any(_taken(self.scheduler_port + r) for r in range(dp_size)):

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -43,6 +44,19 @@ def seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def model_source(text: str) -> Path | str:
+    """A model: a local folder (a Path), or a URI ``dpserve.sources.uri.parse`` takes,
+    checked now and kept as text (a Path would fold the ``//`` of ``hf://``) until it
+    is fetched."""
+    from dpserve.sources.uri import BadUri, LocalSource, parse
+
+    try:
+        source = parse(text)
+    except BadUri as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return source.path if isinstance(source, LocalSource) else text
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,16 @@ class _Append(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
+
+
+def add_flag(parser: argparse.ArgumentParser, config: type[Any], name: str) -> None:
+    """One flag field of ``config`` on another command (``dpserve fetch`` takes the
+    worker's ``--model-cache``), spelled as its own command spells it."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_flags(scratch, config, serve_only=False)
+    (action,) = [a for a in scratch._actions if a.dest == name]
+    kw = {"dest": name, "type": action.type, "help": action.help, "default": action.default}
+    parser.add_argument(*action.option_strings, metavar=action.metavar, **kw)
 
 
 def from_args(config: type[Any], args: argparse.Namespace, serve_only: bool) -> dict[str, Any]:

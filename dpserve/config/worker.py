@@ -40,7 +40,16 @@ def compile_size(text: str) -> str:
 @dataclass(frozen=True)
 class WorkerConfig:
     # Where one replica runs (``serve`` and the operator pick these per replica).
-    model: Path = field(metadata=flag("diffusers pipeline folder", Path, serve=False))
+    # A URI is fetched into the model cache first (dpserve.sources); the config then
+    # holds the local folder it was fetched to.
+    model: Path = field(
+        metadata=flag(
+            "diffusers pipeline folder, or hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX "
+            "to fetch into --model-cache first (docs/models.md)",
+            flags.model_source,
+            serve=False,
+        )
+    )
     port: int = field(metadata=flag("ZMQ port the driver binds", port_number, serve=False))
     bind: str = field(
         default="127.0.0.1", metadata=flag("address the driver binds (0.0.0.0: all)", serve=False)
@@ -71,6 +80,15 @@ class WorkerConfig:
         ),
     )
     # The gang options, shared by every replica of a set.
+    # Where hf:// and s3:// models are fetched to (dpserve.sources.cache); None: the default.
+    model_cache: Path | None = field(
+        default=None,
+        metadata=flag(
+            "folder fetched models are cached in (default: ~/.cache/dpserve/model-cache, "
+            "under $DPSERVE_CACHE when set)",
+            Path,
+        ),
+    )
     # Where control ops may load weights and adapters from (dpserve.worker.paths).
     allow_paths: tuple[Path, ...] = field(
         default=(),
@@ -179,8 +197,12 @@ class WorkerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
-        """The config a ``dpserve worker`` command line (``add_worker_args``) gives."""
-        return cls(**flags.from_args(cls, args, serve_only=False))
+        """The config a ``dpserve worker`` command line (``add_worker_args``) gives,
+        once its ``--model`` is a folder (a URI is fetched first: dpserve.sources)."""
+        values = flags.from_args(cls, args, serve_only=False)
+        if not isinstance(values["model"], Path):
+            raise ValueError(f"{values['model']} is not fetched yet: fetch it to a folder first")
+        return cls(**values)
 
     def to_args(self) -> list[str]:
         """Every flag of this config, so ``from_args`` of them parses it back (the

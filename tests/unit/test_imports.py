@@ -46,7 +46,9 @@ def test_the_shared_options_are_stdlib_only(module: str) -> None:
     # those, only the layout arithmetic (stdlib too).
     loaded = _modules_after_import(module)
     ours = _modules_of("dpserve", loaded) - _modules_of("dpserve.config", loaded)
-    assert ours <= {"dpserve", "dpserve.contract", "dpserve.contract.layout"}
+    # ... and the model URI's syntax, to refuse a bad --model while parsing flags.
+    pure = {"dpserve.sources", "dpserve.sources.uri", "dpserve.sources.errors"}
+    assert ours <= {"dpserve", "dpserve.contract", "dpserve.contract.layout", *pure}
     assert {m.split(".")[0] for m in loaded} & {
         "torch",
         "diffusers",
@@ -136,3 +138,20 @@ def test_the_driver_parts_need_no_torch_and_the_ranks_need_no_driver() -> None:
     loaded = _modules_after_import("dpserve.worker.executor")
     assert _modules_of("dpserve.worker.driver", loaded) == set()
     assert "zmq" not in loaded
+
+
+SOURCES = ("uri", "select", "plan", "progress", "digest", "cache", "fetch", "s3", "hub")
+PURE_SOURCES = ("uri", "select", "plan", "progress", "errors")
+
+
+@pytest.mark.parametrize("module", [f"dpserve.sources.{m}" for m in SOURCES])
+def test_model_sources_need_neither_torch_nor_fastapi(module: str) -> None:
+    # The CLI fetches before any replica starts, and the operator will plan fetches:
+    # sources import no side of the house, and the pure parts no store's client.
+    loaded = _modules_after_import(module)
+    sides = {"dpserve.worker", "dpserve.router", "dpserve.operator", "dpserve.cli"}
+    assert not {m for m in loaded if any(m == s or m.startswith(s + ".") for s in sides)}
+    heavy = {"torch", "diffusers", "fastapi", "starlette", "kopf", "kubernetes", "pydantic"}
+    assert {m.split(".")[0] for m in loaded} & heavy == set()
+    if module.rsplit(".", 1)[1] in PURE_SOURCES:
+        assert {m.split(".")[0] for m in loaded} & {"boto3", "botocore", "huggingface_hub"} == set()

@@ -30,6 +30,7 @@ ODD = WorkerConfig(
     replica=3,
     first_gpu=4,
     wire_key_file=Path("/etc/dpserve/wire/wire.key"),
+    model_cache=Path("/var/cache/dpserve/models"),
     allow_paths=(Path("/loras"), Path("/data/weights")),
     tp=2,
     sp=4,
