@@ -3,7 +3,7 @@
 # Versity's S3 gateway (versitygw, Apache-2.0) with its posix backend, on the Go module
 # pinned in s3server/go.mod beside this script. docs/test-storage.md says why this server.
 #
-#   tests/storage/build.sh            # builds once (cold: about 4 minutes on 2 busy cores)
+#   tests/storage/build.sh            # builds once (cold: 2-4 minutes on 2 busy cores)
 #   BIN=$(tests/storage/build.sh | tail -n1)
 #
 # The binary goes to ${DPSERVE_CACHE:-$HOME/.cache/dpserve}/s3/versitygw-<version>-<hash>/bin,

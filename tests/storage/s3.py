@@ -117,7 +117,8 @@ def running_s3(
         root = workdir / "data"
         root.mkdir()
         access_key, secret_key = _credentials()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ROOT_", "VGW_"))}
+        # Only the credentials it makes up: none of the runner's own AWS settings.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ROOT_"))}
         env |= {"ROOT_ACCESS_KEY_ID": access_key, "ROOT_SECRET_ACCESS_KEY": secret_key}
         for _ in range(3):  # another process may bind the picked port first
             port = free_port(host)
