@@ -1,4 +1,4 @@
-"""A real S3 server for tests: Versity's S3 gateway (``versitygw``) over a temporary folder.
+"""A real S3 server for tests: Versity's S3 gateway (versitygw) over a temporary folder.
 
 ``running_s3(build_server())`` starts one on a free loopback port with an access key
 and secret it makes up, waits until a signed request is answered, and yields an
@@ -45,7 +45,7 @@ def build_server() -> Path:
             f"(exit {done.returncode}); run it by hand to see the whole log:\n"
             f"{done.stderr[-2000:]}"
         )
-    return Path(done.stdout.strip().splitlines()[-1]) / "versitygw"
+    return Path(done.stdout.strip().splitlines()[-1]) / "s3server"
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ def running_s3(
         root = workdir / "data"
         root.mkdir()
         access_key, secret_key = _credentials()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ROOT_", "VGW_"))}
+        # Only the credentials it makes up: none of the runner's own AWS settings.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ROOT_"))}
         env |= {"ROOT_ACCESS_KEY_ID": access_key, "ROOT_SECRET_ACCESS_KEY": secret_key}
         for _ in range(3):  # another process may bind the picked port first
             port = free_port(host)
@@ -125,8 +126,7 @@ def running_s3(
             log = workdir / "server.log"
             with log.open("ab") as out:
                 proc = subprocess.Popen(
-                    [str(binary), "--port", f"{host}:{port}", "--region", REGION, "--quiet",
-                     "posix", str(root)],
+                    [str(binary), "--listen", f"{host}:{port}", "--region", REGION, str(root)],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 )  # fmt: skip
             try:
