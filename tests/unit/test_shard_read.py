@@ -17,7 +17,7 @@ from diffusers.models.transformers.transformer_flux import FluxTransformer2DMode
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dpserve.contract.layout import ParallelConfig, rank_info  # noqa: E402
-from dpserve.worker.parallel import ModelParallel, ParallelGroups  # noqa: E402
+from dpserve.worker.parallel import ModelParallel, ParallelGroups, shard_read  # noqa: E402
 from dpserve.worker.parallel.flux import flux_plan  # noqa: E402
 from dpserve.worker.parallel.shard_read import (  # noqa: E402
     INDEX,
@@ -81,11 +81,17 @@ def test_each_rank_reads_exactly_the_pieces_a_whole_load_would_cut(
             assert (linear.out_features, linear.in_features) == linear.weight.shape
 
 
-def test_a_sharded_checkpoint_reads_like_a_single_file(tiny4_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", [shard_read.MAPPED_BYTES, 1])
+def test_a_sharded_checkpoint_reads_like_a_single_file(
+    tiny4_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: int
+) -> None:
+    """Also when each file is reopened after every tensor (``MAPPED_BYTES``)."""
+    monkeypatch.setattr(shard_read, "MAPPED_BYTES", mapped)
     sharded = _sharded_copy(tiny4_model / "transformer", tmp_path / "transformer")
     assert not (sharded / WEIGHTS).exists()
-    module, _ = _read(sharded, 1, 2)
+    module, report = _read(sharded, 1, 2)
     want = _cut_whole(tiny4_model / "transformer", 1, 2)
+    assert sorted(report.whole) == sorted(want)
     assert all(torch.equal(module.state_dict()[k], v) for k, v in want.items())
 
 

@@ -29,6 +29,7 @@ from dpserve.worker.parallel.tensor import Shard, TensorParallel, shard_indices
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
+MAPPED_BYTES = 64 << 20  # of a file's tensors read through one mapping (see read_pieces)
 
 
 class CannotRead(Exception):
@@ -98,28 +99,36 @@ def read_pieces(
     for key, path in files.items():
         by_file.setdefault(path, []).append(key)
     for path, keys in sorted(by_file.items()):
-        with safe_open(path, "pt", device="cpu") as f:
-            for key in keys:
-                part = f.get_slice(key)
-                shape = tuple(part.get_shape())
-                if shape != tuple(expected[key].shape):
-                    raise CannotRead(
-                        f"{key} is {list(shape)} in the checkpoint, "
-                        f"{list(expected[key].shape)} in the module"
-                    )
-                owner, _, leaf = key.rpartition(".")
-                piece = _piece(part, shape, tensor.plan.get(owner), leaf, tensor)
-                report.whole[key] = _count(shape)
-                report.elements[key] = 0 if piece is None else piece.numel()
-                spec = tensor.plan.get(owner)
-                if spec is not None and not (spec.kind == "row" and leaf == "bias"):
-                    report.split.add(key)
-                if piece is None:  # a row layer's bias off rank 0: it is added once, there
-                    piece = torch.zeros(shape, dtype=expected[key].dtype)
-                if piece.is_floating_point():
-                    fp32 = any(name in key.split(".") for name in keep_fp32)
-                    piece = piece.to(torch.float32 if fp32 else dtype)
-                _put(module, owner, leaf, piece, expected[key])
+        pending = list(reversed(keys))
+        while pending:
+            # Pages a slice read touches stay resident while the file is mapped (and a
+            # column cut touches most pages of its rows): reopening it every
+            # MAPPED_BYTES of tensors unmaps them, bounding the rank's peak.
+            with safe_open(path, "pt", device="cpu") as f:
+                mapped = 0
+                while pending and mapped < MAPPED_BYTES:
+                    key = pending.pop()
+                    part = f.get_slice(key)
+                    shape = tuple(part.get_shape())
+                    if shape != tuple(expected[key].shape):
+                        raise CannotRead(
+                            f"{key} is {list(shape)} in the checkpoint, "
+                            f"{list(expected[key].shape)} in the module"
+                        )
+                    owner, _, leaf = key.rpartition(".")
+                    spec = tensor.plan.get(owner)
+                    piece = _piece(part, shape, spec, leaf, tensor)
+                    report.whole[key] = _count(shape)
+                    report.elements[key] = 0 if piece is None else piece.numel()
+                    if spec is not None and not (spec.kind == "row" and leaf == "bias"):
+                        report.split.add(key)
+                    if piece is None:  # a row layer's bias off rank 0: added once, there
+                        piece = torch.zeros(shape, dtype=expected[key].dtype)
+                    mapped += report.whole[key] * piece.element_size()
+                    if piece.is_floating_point():
+                        fp32 = any(name in key.split(".") for name in keep_fp32)
+                        piece = piece.to(torch.float32 if fp32 else dtype)
+                    _put(module, owner, leaf, piece, expected[key])
     for layer in tensor.plan:
         linear = module.get_submodule(layer)
         assert isinstance(linear, torch.nn.Linear)
