@@ -30,17 +30,21 @@ from dpserve.worker.parallel.shard_read import (  # noqa: E402
 from dpserve.worker.parallel.tensor import TensorParallel  # noqa: E402
 
 
-def _cut_whole(folder: Path, rank: int, degree: int) -> dict[str, torch.Tensor]:
+def _cut_whole(
+    folder: Path, rank: int, degree: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Today's path: the whole module loaded, then cut (``TensorParallel.shard``)."""
-    module = FluxTransformer2DModel.from_pretrained(folder, dtype=torch.float32)
+    module = FluxTransformer2DModel.from_pretrained(folder, dtype=dtype)
     TensorParallel(flux_plan(module), None, rank, degree).shard(module)  # type: ignore[arg-type]
     return module.state_dict()
 
 
-def _read(folder: Path, rank: int, degree: int) -> tuple[torch.nn.Module, ReadReport]:
+def _read(
+    folder: Path, rank: int, degree: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, ReadReport]:
     module = empty_module(FluxTransformer2DModel, folder)
     tensor = TensorParallel(flux_plan(module), None, rank, degree)  # type: ignore[arg-type]
-    return module, read_pieces(module, folder, torch.float32, tensor)
+    return module, read_pieces(module, folder, dtype, tensor)
 
 
 def _sharded_copy(folder: Path, out: Path) -> Path:
@@ -93,6 +97,14 @@ def test_a_sharded_checkpoint_reads_like_a_single_file(
     want = _cut_whole(tiny4_model / "transformer", 1, 2)
     assert sorted(report.whole) == sorted(want)
     assert all(torch.equal(module.state_dict()[k], v) for k, v in want.items())
+
+
+def test_pieces_come_in_the_pipeline_dtype_as_a_whole_load_casts_them(tiny4_model: Path) -> None:
+    module, _ = _read(tiny4_model / "transformer", 0, 2, torch.bfloat16)
+    want = _cut_whole(tiny4_model / "transformer", 0, 2, torch.bfloat16)
+    got = module.state_dict()
+    assert {v.dtype for v in got.values() if v.is_floating_point()} == {torch.bfloat16}
+    assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_checkpoints_that_are_not_the_module_are_refused_not_guessed(
