@@ -152,3 +152,27 @@ def test_a_rank_falls_back_to_the_whole_load_saying_why(
         whole.read_transformer(tiny4_model / "transformer", FluxTransformer2DModel, torch.float32)
         is None
     )
+
+
+def test_a_weight_update_reads_the_new_checkpoint_piecewise_too(
+    tiny_model: Path, tiny_model_b: Path
+) -> None:
+    from dpserve.contract.control_state import ControlState, WeightSource
+    from dpserve.worker.converge import StateApplier
+    from dpserve.worker.pipeline import load_pipeline
+
+    layout = ParallelConfig(tp=2)
+    groups = ParallelGroups(tp=object())  # type: ignore[arg-type]  # no forward runs here
+    parallel = ModelParallel(rank_info(layout, 1), groups, layout)
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    pipe = load_pipeline(tiny_model, cpu, fp32, parallel.prepare, None, parallel.read_transformer)
+    booted = parallel.read_report
+    assert booted is not None
+    applier = StateApplier(pipe, tiny_model, cpu, parallel, allow_paths=(tiny_model_b.parent,))
+    source = WeightSource(str(tiny_model_b), revision=1)
+    applier.apply(ControlState(weights={"transformer": source}))
+    assert parallel.read_report is not booted and parallel.read_report is not None
+    assert parallel.read_report.largest(parallel.read_report.split) == pytest.approx(0.5)
+    want = _cut_whole(tiny_model_b / "transformer", 1, 2)
+    got = pipe.transformer.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
