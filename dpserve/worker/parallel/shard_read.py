@@ -117,7 +117,8 @@ def read_pieces(
                         )
                     owner, _, leaf = key.rpartition(".")
                     spec = tensor.plan.get(owner)
-                    piece = _piece(part, shape, spec, leaf, tensor)
+                    # A scalar cannot be sliced (nor split): read whole.
+                    piece = _piece(part, shape, spec, leaf, tensor) if shape else f.get_tensor(key)
                     report.whole[key] = _count(shape)
                     report.elements[key] = 0 if piece is None else piece.numel()
                     if spec is not None and not (spec.kind == "row" and leaf == "bias"):
