@@ -8,6 +8,7 @@ across layouts: images would hide differences below one grey level.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -42,7 +43,13 @@ def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
 
 
 def _rank(
-    rank: int, model: str, layout: dict[str, int], request: dict[str, Any], store: str, out: str
+    rank: int,
+    model: str,
+    layout: dict[str, int],
+    request: dict[str, Any],
+    store: str,
+    out: str,
+    read: bool,
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
@@ -66,7 +73,13 @@ def _rank(
     shared = device.type == "cuda" and torch.cuda.device_count() < config.gang_size
     comm = init_gang(config, rank, store, device, 120.0, "gloo" if shared else None)
     parallel = ModelParallel(comm.info, comm.model_groups, config)
-    pipe = load_pipeline(Path(model), device, torch.float32, parallel.prepare)
+    reader = parallel.read_transformer if read else (lambda folder, cls, dtype: None)
+    pipe = load_pipeline(Path(model), device, torch.float32, parallel.prepare, None, reader)
+    report = parallel.read_report
+    shares = {"share": None if report is None else report.share}
+    if report is not None:
+        shares |= {"largest": report.largest(), "split": report.largest(report.split)}
+    Path(out).with_name(f"read-{rank}.json").write_text(json.dumps(shares))
     parallel.check_loaded(pipe, TEXT_TOKENS)
     params = GenerateParams(**request)
     defaults = call_defaults(pipe)
@@ -83,14 +96,30 @@ def _rank(
     dist.destroy_process_group()
 
 
-def final_latents(model: Path, layout: dict[str, int], request: dict[str, Any]) -> torch.Tensor:
-    """The final latents of ``request`` on a gang with ``layout`` (one process per rank)."""
+def final_latents(
+    model: Path, layout: dict[str, int], request: dict[str, Any], read: bool = True
+) -> torch.Tensor:
+    """The final latents of ``request`` on a gang with ``layout`` (one process per rank).
+
+    ``read``: tp ranks read only their pieces of the checkpoint, as a worker does;
+    False loads the transformer whole on every rank and cuts it after.
+    """
+    return gang_run(model, layout, request, read)[0]
+
+
+def gang_run(
+    model: Path, layout: dict[str, int], request: dict[str, Any], read: bool = True
+) -> tuple[torch.Tensor, list[dict[str, float | None]]]:
+    """:func:`final_latents`, and what each rank read of its transformer's checkpoint:
+    ``share`` of all its elements, the ``largest`` share of any one tensor and of any
+    ``split`` (tp-cut) one; ``share`` None where the whole was loaded."""
     size = ParallelConfig(**layout).gang_size
     with tempfile.TemporaryDirectory(prefix="dpserve-math-") as tmp:
         out = os.path.join(tmp, "latents.pt")
-        args = (str(model), layout, request, os.path.join(tmp, "store"), out)
+        args = (str(model), layout, request, os.path.join(tmp, "store"), out, read)
         start_ranks(_rank, args, size)
-        return torch.load(out)
+        reads = [json.loads(Path(tmp, f"read-{r}.json").read_text()) for r in range(size)]
+        return torch.load(out), reads
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

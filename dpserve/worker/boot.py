@@ -77,7 +77,8 @@ def build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Exe
     relay = encoder_relay(cfg, comm)
     started = time.perf_counter()
     skip = relay.skipped() if relay is not None else None
-    pipe = load_pipeline(cfg.model, device, dtype, parallel.prepare, skip)
+    read = parallel.read_transformer
+    pipe = load_pipeline(cfg.model, device, dtype, parallel.prepare, skip, read)
     if relay is not None:
         relay.install(pipe, dtype, device)
     log.info("loaded %s in %.2fs", type(pipe).__name__, time.perf_counter() - started)

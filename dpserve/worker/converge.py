@@ -133,11 +133,17 @@ class StateApplier:
             refuse_pickles(path / name, "model_path")
             cls: Any = type(current[name])
             dtype = next(current[name].parameters()).dtype
-            module = cls.from_pretrained(
-                path, subfolder=name, dtype=dtype, local_files_only=True, use_safetensors=True
-            )
+            module = None
             if name == "transformer":
-                self.parallel.prepare(module)  # this rank's piece, before it moves to the device
+                # A tp rank reads only its pieces, prepared; otherwise the module loads
+                # whole and is cut here, before it moves to the device.
+                module = self.parallel.read_transformer(path / name, cls, dtype)
+            if module is None:
+                module = cls.from_pretrained(
+                    path, subfolder=name, dtype=dtype, local_files_only=True, use_safetensors=True
+                )
+                if name == "transformer":
+                    self.parallel.prepare(module)
             loaded[name] = own_storage(module.to(self.device)).eval()
         return loaded
 

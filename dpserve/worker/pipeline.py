@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
 
+import diffusers
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 # diffusers pipelines gain their components and loader mixins at run time, which
 # static typing cannot follow; the worker treats them as dynamic objects.
 Pipeline: TypeAlias = Any
+# (component folder, its class, dtype) -> the component, prepared; None: load it whole.
+ReadTransformer: TypeAlias = Callable[[Path, Any, torch.dtype], torch.nn.Module | None]
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
@@ -69,13 +74,17 @@ def load_pipeline(
     dtype: torch.dtype,
     prepare: Callable[[torch.nn.Module], object] = lambda module: module,
     skip: Mapping[str, None] | None = None,
+    read: ReadTransformer = lambda folder, cls, dtype: None,
 ) -> Pipeline:
     """Any diffusers pipeline folder, offline; nothing here knows which model it is.
 
-    ``prepare`` gets the transformer before it moves to the device (so a rank that
-    keeps a shard of it never holds the whole on the device); the components named
-    in ``skip`` are not loaded at all. Weights load from safetensors only
-    (dpserve.worker.paths): a component that has only pickle checkpoints is refused.
+    ``read`` may build the transformer itself (a tp rank reads only its pieces:
+    ``ModelParallel.read_transformer``), already prepared; when it returns None the
+    transformer loads whole and ``prepare`` gets it before it moves to the device
+    (so a rank that keeps a shard of it never holds the whole on the device). The
+    components named in ``skip`` are not loaded at all. Weights load from
+    safetensors only (dpserve.worker.paths): a component that has only pickle
+    checkpoints is refused.
     """
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
@@ -85,16 +94,33 @@ def load_pipeline(
             raise ValueError(f"{component}: {problem.fields[0].message}")
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
+    given: dict[str, Any] = dict(skip or {})
+    cls = component_class(path, "transformer")
+    if cls is not None and "transformer" not in given:
+        transformer = read(path / "transformer", cls, dtype)
+        if transformer is not None:
+            given["transformer"] = transformer
     pipe = DiffusionPipeline.from_pretrained(
-        path, dtype=dtype, local_files_only=True, use_safetensors=True, **(skip or {})
+        path, dtype=dtype, local_files_only=True, use_safetensors=True, **given
     )
     pipe.set_progress_bar_config(disable=True)
-    if isinstance(getattr(pipe, "transformer", None), torch.nn.Module):
+    whole = "transformer" not in given
+    if whole and isinstance(getattr(pipe, "transformer", None), torch.nn.Module):
         prepare(pipe.transformer)
     pipe = pipe.to(device)
     for module in modules_of(pipe.components).values():
         own_storage(module)
     return pipe
+
+
+def component_class(path: Path, name: str) -> Any | None:
+    """The diffusers class that ``model_index.json`` names for component ``name``
+    (None: no such component, or not a diffusers model class)."""
+    entry = json.loads((path / "model_index.json").read_text()).get(name)
+    if not isinstance(entry, list) or len(entry) != 2 or entry[0] != "diffusers":
+        return None
+    cls = getattr(diffusers, str(entry[1]), None)
+    return cls if isinstance(cls, type) and issubclass(cls, ModelMixin) else None
 
 
 def size_factor(pipe: Pipeline) -> int:

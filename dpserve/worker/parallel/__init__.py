@@ -14,9 +14,11 @@ rank is left untouched.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from dpserve.contract.layout import ParallelConfig, RankInfo
 from dpserve.worker.parallel.attention import SequenceGroups
 from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
 from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut, SequenceSplit
+from dpserve.worker.parallel.shard_read import CannotRead, ReadReport, empty_module, read_pieces
 from dpserve.worker.parallel.tensor import TensorParallel
 from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut
 from dpserve.worker.splittable import splittable_problem, text_tokens_problem
@@ -77,6 +80,7 @@ class ModelParallel:
         )
         self.split: SequenceSplit | None = None
         self.cut: SequenceCut | None = None  # the prepared transformer's (``prepare``)
+        self.read_report: ReadReport | None = None  # the last ``read_transformer``'s
         if groups.sp is not None and sp > 1:
             sequence = SequenceGroups(groups.ulysses, groups.ring, info.ring_group, info.ring_rank)
             self.split = SequenceSplit(groups.sp, info.sp_rank, sp, sequence, self.scope)
@@ -179,9 +183,41 @@ class ModelParallel:
             return transformer
         if self.active:
             self.check(transformer)
+        tensor = None
         if self.sharded:
             tensor = self._tensor_plan(transformer)
             tensor.shard(transformer)
+        return self._attach(transformer, tensor)
+
+    def read_transformer(self, folder: Path, cls: Any, dtype: torch.dtype) -> Any | None:
+        """Under tp, a transformer of class ``cls`` read from ``folder`` (its component
+        folder) with only this rank's pieces of the planned layers, then prepared; None
+        where today's whole load applies: no tp, or a checkpoint that cannot be read
+        piecewise (logged with the reason)."""
+        if not self.sharded:
+            return None
+        try:
+            transformer = empty_module(cls, folder)
+            self.check(transformer)
+            tensor = self._tensor_plan(transformer)
+            started = time.perf_counter()
+            self.read_report = read_pieces(transformer, folder, dtype, tensor)
+        except CannotRead as exc:
+            log.warning("%s is loaded whole, then cut: %s", folder, exc)
+            return None
+        log.info(
+            "read tp rank %d's pieces of %s (%.0f%% of its checkpoint) in %.2fs",
+            self.info.tp_rank,
+            folder,
+            100 * self.read_report.share,
+            time.perf_counter() - started,
+        )
+        self.lending = self._lend_as(transformer)
+        return self._attach(transformer.eval(), tensor)
+
+    def _attach(self, transformer: Any, tensor: TensorParallel | None) -> Any:
+        """Attach the tp exchanges and the sequence split's processors."""
+        if tensor is not None:
             tensor.install(transformer)
             self._tensor[transformer] = tensor
         # Outside a split call the processor runs diffusers' own attention.
