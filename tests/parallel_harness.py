@@ -23,6 +23,16 @@ from dpserve.contract.protocol import (
 )
 
 TEXT_TOKENS = 32
+# The request the gang-math tests run in every layout: CFG on, so cfg gangs split it.
+REQUEST = dict(
+    prompt="a red fox in the snow",
+    negative_prompt="blurry",
+    true_cfg_scale=4.0,
+    width=64,
+    height=64,
+    num_inference_steps=3,
+    seed=[7],
+)
 # What every rank imports before its first line runs. A forkserver imports them once
 # per test session; each gang's ranks fork from it instead of importing them again
 # (about 10 s of CPU per rank on this machine). Nothing there starts a thread or

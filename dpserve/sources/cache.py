@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpserve.plumbing.durable import fsync_path
 from dpserve.sources.errors import SourceError
 from dpserve.sources.plan import Plan
 
@@ -115,7 +116,7 @@ class ModelCache:
             if entry.dir.exists():  # no marker (checked under the lock): a leftover
                 shutil.rmtree(entry.dir)
             entry.staging.rename(entry.dir)
-            _fsync_dir(entry.dir.parent)
+            fsync_path(entry.dir.parent)
             return folder
 
     @contextlib.contextmanager
@@ -179,11 +180,3 @@ def _write(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping
@@ -44,6 +43,8 @@ from transformers import (
     UMT5Config,
     UMT5EncoderModel,
 )
+
+from dpserve.plumbing.durable import fsync_path
 
 __all__ = [
     "LORA_TARGET_MODULES",
@@ -452,14 +453,6 @@ def _build_video_components(variant: str, seed: int) -> WanPipeline | WanImageTo
 # --------------------------------------------------------------------------- atomic output
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def _atomic_dir(out_dir: Path) -> Iterator[Path]:
     """Yield a hidden sibling directory to write into; publish it as ``out_dir`` on success.
@@ -478,15 +471,15 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
     try:
         yield tmp
         for path in sorted(tmp.rglob("*"), reverse=True):  # children before parents
-            _fsync(path)
-        _fsync(tmp)
+            fsync_path(path)
+        fsync_path(tmp)
         try:
             tmp.rename(out_dir)
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # lost a race with another builder
                 raise FileExistsError(f"{out_dir} already exists and is not empty") from exc
             raise
-        _fsync(out_dir.parent)
+        fsync_path(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

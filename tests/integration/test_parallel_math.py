@@ -13,19 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel_harness import final_latents, relative_error
+from tests.parallel_harness import REQUEST, final_latents, relative_error
 
 pytestmark = pytest.mark.gang
 
-REQUEST = dict(
-    prompt="a red fox in the snow",
-    negative_prompt="blurry",
-    true_cfg_scale=4.0,
-    width=64,
-    height=64,
-    num_inference_steps=3,
-    seed=[7],
-)
 LAYOUTS = {
     "cfg2": dict(cfg=2),
     "ulysses2": dict(sp=2, ulysses=2),

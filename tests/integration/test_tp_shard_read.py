@@ -9,19 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel_harness import gang_run
+from tests.parallel_harness import REQUEST, gang_run
 
 pytestmark = pytest.mark.gang
 
-REQUEST = dict(
-    prompt="a red fox in the snow",
-    negative_prompt="blurry",
-    true_cfg_scale=4.0,
-    width=64,
-    height=64,
-    num_inference_steps=3,
-    seed=[7],
-)
 LAYOUTS = {"tp2": dict(tp=2), "tp2xulysses2": dict(tp=2, sp=2, ulysses=2)}
 
 
