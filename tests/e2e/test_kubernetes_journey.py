@@ -403,8 +403,9 @@ def test_a_video_job_outlives_its_owner_pod(k8s: Backend) -> None:
         eventually(
             lambda: serving(k8s, "vid") == ["0", "1"], 120, "router sees both video replicas"
         )
-        # Long enough (about 10 s on one thread) that the kill lands while it runs.
-        job = {"prompt": "a kite in the wind", "size": "96x64", "num_frames": 33, "seed": 5,
+        # Long enough that the kill lands while it runs: a few seconds on one thread, most
+        # of it decoding and encoding 33 frames (a smaller job can finish between looks).
+        job = {"prompt": "a kite in the wind", "size": "192x144", "num_frames": 33, "seed": 5,
                "num_inference_steps": 100}  # fmt: skip
         with httpx.Client(base_url=url, timeout=60) as http:
             submitted = http.post("/v1/videos", json=job)

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.e2e
 
 JOB: dict[str, Any] = {"prompt": "a paper boat on a pond", "size": "64x48", "seconds": "1"}
 EXTRA = {"seed": 7, "num_inference_steps": 3, "fps": 8}  # 1 s at 8 fps: 9 frames
+# A job long enough to be seen running and to be stopped mid-run: about 4.5 s with 60
+# steps on a quiet machine, most of it decoding and encoding 33 frames (JOB's 9 frames
+# take 0.4 s, less than a poll's round trip: it can finish between two looks).
+BIG_JOB: dict[str, Any] = {**JOB, "size": "192x144", "seconds": "4"}
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +198,7 @@ def test_bad_jobs_say_what_to_fix(client: openai.OpenAI) -> None:
         client.videos.create(prompt="x", size="60x48")
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve("video_nope")
-    slow = client.videos.create(**JOB, extra_body={**EXTRA, "num_inference_steps": 40})
+    slow = client.videos.create(**BIG_JOB, extra_body={**EXTRA, "num_inference_steps": 40})
     with pytest.raises(openai.ConflictError, match=r"queued|in_progress"):
         client.videos.download_content(slow.id)
     client.videos.delete(slow.id)  # cancelled at its next step, leaving the replica free
@@ -206,9 +210,8 @@ def test_a_job_whose_owner_dies_is_run_again_elsewhere(
     """The owner's gang is killed mid-run; `serve` restarts it (a new boot id), and the
     router that placed the job runs it again on the other replica: same id, same seed,
     so the same file as a job that ran undisturbed."""
-    # About 8 s on one thread: the kill lands while it runs.
     long = {**EXTRA, "num_inference_steps": 60}
-    job = client.videos.create(**JOB, extra_body=long)
+    job = client.videos.create(**BIG_JOB, extra_body=long)
     running = eventually(lambda: _running(client, job.id), 120, "the job to start")
     owner = _extra(running, "replica")
     for process in [dp2.replica_supervisor(owner), *dp2.replica_supervisor(owner).children()]:
@@ -217,7 +220,7 @@ def test_a_job_whose_owner_dies_is_run_again_elsewhere(
     assert done.status == "completed", done
     assert _extra(done, "attempt") == 2 and _extra(done, "replica") != owner
     rerun = client.videos.download_content(job.id).read()
-    calm = _poll(client, client.videos.create(**JOB, extra_body=long).id, timeout_s=300)
+    calm = _poll(client, client.videos.create(**BIG_JOB, extra_body=long).id, timeout_s=300)
     assert client.videos.download_content(calm.id).read() == rerun
     dp2.wait_healthy(120)  # the killed replica came back
 
