@@ -88,6 +88,17 @@ def _add_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="print the plan as JSON (revision, files, sizes, digests, total) and fetch nothing",
     )
+    f.add_argument(
+        "--json-lines",
+        action="store_true",
+        help="stdout carries JSON only, one object per line: progress, then the result",
+    )
+    f.add_argument(
+        "--result-file",
+        type=Path,
+        default=None,
+        help="also write the result (folder, revision, bytes; or the error) here as JSON",
+    )
 
 
 def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -313,7 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "fetch":
             from dpserve.sources.fetch import fetch_main
 
-            return fetch_main(str(args.model), args.model_cache, args.dry_run)
+            return fetch_main(
+                str(args.model), args.model_cache, args.dry_run, args.json_lines, args.result_file
+            )
         if args.command == "make-tiny-model":
             from dpserve.worker.tiny_model import build_tiny_pipeline
 

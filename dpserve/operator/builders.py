@@ -70,6 +70,9 @@ class Svc:
     uid: str
     generation: int
     spec: s.DiffusionServiceSpec
+    # The pipeline folder a model.source resolved to (its cache entry in the claim);
+    # None until one is fetched. Without a source, model.path is the folder.
+    fetched_path: str | None = None
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> Svc:
@@ -81,6 +84,15 @@ class Svc:
             generation=int(meta.get("generation", 1)),
             spec=s.DiffusionServiceSpec.model_validate(obj.get("spec") or {}),
         )
+
+    @property
+    def model_folder(self) -> str | None:
+        """What replicas load: model.path, or model.source's entry once fetched."""
+        return self.spec.model.path if self.spec.model.source is None else self.fetched_path
+
+    @property
+    def pod_hash(self) -> str:
+        return spec_hash(self.spec, self.fetched_path if self.spec.model.source else None)
 
 
 # ------------------------------------------------------------ names and labels
@@ -138,7 +150,7 @@ def owner_reference(svc: Svc) -> dict[str, Any]:
     }
 
 
-def _meta(svc: Svc, name: str, component: str, **extra: Any) -> dict[str, Any]:
+def child_meta(svc: Svc, name: str, component: str, **extra: Any) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": svc.namespace,
@@ -151,14 +163,24 @@ def _meta(svc: Svc, name: str, component: str, **extra: Any) -> dict[str, Any]:
 # ------------------------------------------------------------ replicas
 
 
-def spec_hash(spec: s.DiffusionServiceSpec) -> str:
+def spec_hash(spec: s.DiffusionServiceSpec, fetched: str | None = None) -> str:
     """Hash of everything that shapes a replica pod; a change means a rolling replace.
 
     Replica count, router and update strategy are left out: changing them must
     not restart the model servers. ``POD_SHAPE`` is in: an operator whose pods differ
-    (the wire key, the restricted security context) replaces the older ones.
+    (the wire key, the restricted security context) replaces the older ones. With a
+    model.source, the fetched entry's folder stands for the source: a new source rolls
+    the replicas once its entry is ready, not when the spec changes.
     """
     relevant = spec.model_dump(mode="json", exclude={"replicas", "router", "updateStrategy"})
+    model = relevant["model"]
+    for key in ("source", "credentials", "cache"):
+        if model.get(key) is None:
+            model.pop(key, None)  # absent as before sources existed: no roll on upgrade
+    if spec.model.source is not None:
+        model.pop("source")
+        model.pop("credentials", None)  # the fill Job's, not the replicas'
+        model["fetched"] = fetched
     keyed = {"spec": relevant, "shape": POD_SHAPE}
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -168,7 +190,7 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
     name; the options it leaves out keep the worker's defaults."""
     spec, par, rt = svc.spec, svc.spec.parallelism, svc.spec.realtime
     return {
-        "model": spec.model.path,
+        "model": svc.model_folder,
         "port": spec.schedulerPort,
         # The pod's own address, not every interface; the kubelet expands $(POD_IP).
         "bind": "$(POD_IP)",
@@ -288,7 +310,7 @@ def _wire_volume(svc: Svc) -> tuple[dict[str, Any], dict[str, Any]]:
     )
 
 
-def _scratch_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+def scratch_volume() -> tuple[dict[str, Any], dict[str, Any]]:
     return {"name": "scratch", "emptyDir": {}}, {"name": "scratch", "mountPath": SCRATCH}
 
 
@@ -297,7 +319,11 @@ def _volumes(spec: s.DiffusionServiceSpec) -> tuple[list[dict[str, Any]], list[d
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volume = spec.model.volume
-    if volume is not None and volume.persistentVolumeClaim is not None:
+    if spec.model.cache is not None:  # replicas only read the cache the fill Job wrote
+        claim = {"claimName": spec.model.cache.claimName, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": spec.model.mountPath, "readOnly": True})
+    elif volume is not None and volume.persistentVolumeClaim is not None:
         pvc = volume.persistentVolumeClaim
         volumes.append(
             {
@@ -317,7 +343,7 @@ def _volumes(spec: s.DiffusionServiceSpec) -> tuple[list[dict[str, Any]], list[d
 def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
     spec = svc.spec
     volumes, mounts = _volumes(spec)
-    for volume, mount in (_wire_volume(svc), _scratch_volume()):
+    for volume, mount in (_wire_volume(svc), scratch_volume()):
         volumes.append(volume)
         mounts.append(mount)
     env = [
@@ -369,11 +395,11 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
     ):
         if value:
             pod_spec[key] = value
-    meta = _meta(
+    meta = child_meta(
         svc,
         replica_pod_name(svc, index),
         "replica",
-        annotations={SPEC_HASH: spec_hash(spec)},
+        annotations={SPEC_HASH: svc.pod_hash},
     )
     meta["labels"][REPLICA_LABEL] = str(index)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -384,7 +410,7 @@ def build_headless_service(svc: Svc) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(svc, headless_name(svc), "replica"),
+        "metadata": child_meta(svc, headless_name(svc), "replica"),
         "spec": {
             "clusterIP": "None",
             "selector": selector(svc, "replica"),
@@ -406,7 +432,7 @@ def build_control_state(svc: Svc) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(svc, control_state_name(svc), "router"),
+        "metadata": child_meta(svc, control_state_name(svc), "router"),
         "data": {OUT_OF_SYNC_KEY: "{}"},
     }
 
@@ -421,7 +447,7 @@ def build_wire_secret(svc: Svc, secret_key: bytes) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(svc, wire_secret_name(svc), "wire"),
+        "metadata": child_meta(svc, wire_secret_name(svc), "wire"),
         "type": "Opaque",
         "stringData": {WIRE_KEY: secret_key.decode()},
     }
@@ -433,7 +459,7 @@ def build_network_policy(svc: Svc) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(svc, headless_name(svc), "replica"),
+        "metadata": child_meta(svc, headless_name(svc), "replica"),
         "spec": {
             "podSelector": {"matchLabels": selector(svc, "replica")},
             "policyTypes": ["Ingress"],
@@ -481,9 +507,9 @@ def router_args(svc: Svc) -> list[str]:
 def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
     r = svc.spec.router
     wire_volume, wire_mount = _wire_volume(svc)
-    scratch_volume, scratch_mount = _scratch_volume()
-    scratch_volume["emptyDir"] = {"sizeLimit": "64Mi"}
-    volumes, mounts = [wire_volume, scratch_volume], [wire_mount, scratch_mount]
+    scratch, scratch_mount = scratch_volume()
+    scratch["emptyDir"] = {"sizeLimit": "64Mi"}
+    volumes, mounts = [wire_volume, scratch], [wire_mount, scratch_mount]
     if r.auth:
         volumes.append(_secret_volume("auth", r.auth.secretName))
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
@@ -515,7 +541,7 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(svc, router_name(svc), "router"),
+        "metadata": child_meta(svc, router_name(svc), "router"),
         "spec": {
             "replicas": r.replicas,
             "selector": {"matchLabels": selector(svc, "router")},
@@ -529,7 +555,7 @@ def build_router_service(svc: Svc) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(svc, svc.name, "router"),
+        "metadata": child_meta(svc, svc.name, "router"),
         "spec": {
             "type": svc_spec.type,
             "selector": selector(svc, "router"),
@@ -554,17 +580,17 @@ def build_router_rbac(svc: Svc) -> list[dict[str, Any]]:
     rules = [dict(rule) for rule in ROUTER_RULES]
     rules[1] = {**rules[1], "resourceNames": [control_state_name(svc)]}
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(svc, name, "router")},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_meta(svc, name, "router")},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": _meta(svc, name, "router"),
+            "metadata": child_meta(svc, name, "router"),
             "rules": rules,
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": _meta(svc, name, "router"),
+            "metadata": child_meta(svc, name, "router"),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": svc.namespace}],
         },

@@ -70,6 +70,12 @@ def _columns() -> list[dict[str, Any]]:
             "description": "ready/desired replicas",
         },
         {"name": "Parallel", "type": "string", "jsonPath": ".status.parallel"},
+        {
+            "name": "Model",
+            "type": "string",
+            "jsonPath": ".status.model.progress",
+            "description": "model.source's fetch: Pending, Fetching 41% (…), Ready or Failed",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

@@ -10,6 +10,7 @@ with a delay. Every action is recorded as an Event on the DiffusionService.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,9 +25,17 @@ from pydantic import ValidationError
 
 from dpserve.contract.layout import LayoutError, ParallelConfig
 from dpserve.operator import builders as b
+from dpserve.operator import fill_job as f
 from dpserve.operator import spec as s
 from dpserve.operator.kube import Kube
-from dpserve.operator.plan import Note, plan, why_create, why_delete
+from dpserve.operator.model_state import (
+    FillFacts,
+    ModelStep,
+    model_step,
+    needs_fill,
+    previous_model,
+)
+from dpserve.operator.plan import Note, Plan, plan, why_create, why_delete
 from dpserve.operator.status import compute_status, known_indices, parse_control_state, pod_facts
 from dpserve.plumbing.curve import WireKey
 from dpserve.plumbing.kubeconfig import load_config
@@ -145,6 +154,9 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     except (ValidationError, LayoutError, InvalidSpec) as exc:
         await _report_invalid(kube, obj, str(exc))
         return
+    previous = obj.get("status") or {}
+    step = await _model(runtime, obj, svc, previous)
+    svc = dataclasses.replace(svc, fetched_path=step.fetched_path)
     children = b.build_children(svc, runtime.images)
     digest = hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
     if drift or runtime.applied.get((namespace, name)) != digest:
@@ -161,14 +173,19 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     pods = await kube.list_pods(namespace, selector)
     views = {v.name: v for v in (pod_facts(p).view for p in pods)}
     replicas = svc.spec.replicas
-    todo = plan(
-        replicas=replicas,
-        current_hash=b.spec_hash(svc.spec),
-        max_unavailable=svc.spec.updateStrategy.maxUnavailable,
-        max_surge=svc.spec.updateStrategy.maxSurge,
-        pods=list(views.values()),
+    # Without a model to load yet, no replica pod is made or replaced: the ones that
+    # exist keep serving what they load, and new ones wait for the fetch.
+    todo = (
+        plan(
+            replicas=replicas,
+            current_hash=svc.pod_hash,
+            max_unavailable=svc.spec.updateStrategy.maxUnavailable,
+            max_surge=svc.spec.updateStrategy.maxSurge,
+            pods=list(views.values()),
+        )
+        if step.fetched_path is not None
+        else Plan(create=(), delete=())
     )
-    previous = obj.get("status") or {}
     known = known_indices(previous)
     for pod_name in todo.delete:
         await kube.delete_pod(namespace, pod_name)
@@ -184,8 +201,51 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     control = parse_control_state(await kube.get_configmap(namespace, b.control_state_name(svc)))
     if control.problem:
         log.warning("%s/%s: control state ignored: %s", namespace, name, control.problem)
-    status = compute_status(svc, pods, previous, router=router, control=control)
+    status = compute_status(svc, pods, previous, router=router, control=control, model=step)
     await kube.patch_status(namespace, name, status)
+
+
+# Lines of a fill pod's log read for its last progress line (its log lines on stderr,
+# one every 10 s, come between the progress lines, one every 2 s).
+FILL_LOG_LINES = 20
+
+
+async def _model(
+    runtime: Runtime, obj: dict[str, Any], svc: b.Svc, previous: dict[str, Any]
+) -> ModelStep:
+    """Where model.source stands; starts (or restarts) its fill Job and records the
+    fetch's Events."""
+    kube, namespace = runtime.kube, svc.namespace
+    before = previous_model(previous)
+    facts = FillFacts()
+    if needs_fill(svc, before):
+        name = f.fill_job_name(svc)
+        job = await kube.get_job(namespace, name)
+        pod = None
+        if job is not None:
+            pods = await kube.list_pods(namespace, f.pods_selector(name))
+            pod = max(pods, key=_created, default=None)
+        tail = None
+        if pod is not None and (pod.get("status") or {}).get("phase") == "Running":
+            tail = await kube.read_log(
+                namespace, pod["metadata"]["name"], f.CONTAINER, FILL_LOG_LINES
+            )
+        facts = FillFacts(job=job, pod=pod, log_tail=tail)
+    step = model_step(svc, before, facts)
+    if step.delete_job:
+        await kube.delete_job(namespace, f.fill_job_name(svc))
+    if step.create_job and await kube.create_job(f.build_fill_job(svc, runtime.images)):
+        source = svc.spec.model.source
+        await _record(
+            kube, obj, Note("FetchStarted", f"fetching {source}: Job {f.fill_job_name(svc)}")
+        )
+    for kind, note in step.notes:
+        await _record(kube, obj, note, kind=kind)
+    return step
+
+
+def _created(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"].get("creationTimestamp") or "")
 
 
 async def _record(kube: Kube, obj: dict[str, Any], note: Note, kind: str = "Normal") -> None:
@@ -279,9 +339,14 @@ async def stop_drift(memo: Any, **_: Any) -> None:
     "configmaps",
     labels={"app.kubernetes.io/name": "dpserve", "app.kubernetes.io/component": "router"},
 )
+@kopf.on.event(
+    "pods",
+    labels={"app.kubernetes.io/name": "dpserve", "app.kubernetes.io/component": f.COMPONENT},
+)
 async def on_child(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    """A replica pod (ready, gone, failing), the router Deployment (available or not) or
-    the control state (a replica out of sync) changed: reconcile the owner now."""
+    """A replica pod (ready, gone, failing), the router Deployment (available or not),
+    the control state (a replica out of sync) or a fill pod (started, done, failed)
+    changed: reconcile the owner now."""
     owner = labels.get("app.kubernetes.io/instance")
     if owner:
         try:

@@ -207,6 +207,52 @@ class Kube:
         events = self._resource("v1", "Event")
         await self._run(events.create, body=event, namespace=event["metadata"]["namespace"])
 
+    @uses(("batch", "jobs", "get"))
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._get("batch/v1", "Job", namespace, name)
+
+    @uses(("batch", "jobs", "create"))
+    async def create_job(self, job: dict[str, Any]) -> bool:
+        """Create; False when a Job of that name exists already."""
+        jobs = self._resource("batch/v1", "Job")
+        try:
+            await self._run(jobs.create, body=job, namespace=job["metadata"]["namespace"])
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    @uses(("batch", "jobs", "delete"))
+    async def delete_job(self, namespace: str, name: str) -> None:
+        """Delete a Job and, in the background, its pods."""
+        jobs = self._resource("batch/v1", "Job")
+        try:
+            await self._run(
+                jobs.delete, name=name, namespace=namespace, propagation_policy="Background"
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    @uses(("", "pods/log", "get"))
+    async def read_log(self, namespace: str, pod: str, container: str, lines: int) -> str | None:
+        """The last ``lines`` lines of a container's log; None when there is none to read
+        (the container not started, the pod gone, the node not answering)."""
+        core = client.CoreV1Api(self.api)
+        try:
+            text = await self._run(
+                core.read_namespaced_pod_log,
+                pod,
+                namespace,
+                container=container,
+                tail_lines=lines,
+                _request_timeout=10,
+            )
+        except ApiException:
+            return None
+        return str(text)
+
     @uses(("", "configmaps", "create"), ("", "secrets", "create"))
     async def create_if_absent(self, obj: dict[str, Any]) -> None:
         """For objects made once and never read back: the control state (the routers own

@@ -11,7 +11,7 @@ queue bounds, policy) are the process's own, read from ``WorkerConfig`` and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
@@ -91,6 +91,41 @@ class ModelVolume(_Model):
     hostPath: HostPathSource | None = None
 
 
+class ModelCredentials(_Model):
+    secretName: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Secret in the service's namespace whose keys become the fill Job's "
+        "environment: the store's own variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_ENDPOINT_URL, AWS_REGION; HF_TOKEN, HF_ENDPOINT); never given to replicas",
+    )
+
+
+class ModelCache(_Model):
+    claimName: str = Field(
+        min_length=1,
+        max_length=253,
+        description="PersistentVolumeClaim the model is fetched into once, by one Job, and "
+        "that every replica mounts read-only at model.mountPath (ReadWriteMany storage "
+        "when replicas run on several nodes; writable by user 10001)",
+    )
+
+
+SOURCE_PATTERN: Final = r"^(hf|s3)://[^\s]+$"
+SOURCE_XOR_PATH = (
+    "model needs exactly one of path (a pipeline folder on a volume or in the image) or "
+    "source (hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX, fetched into model.cache)"
+)
+SOURCE_NEEDS_CACHE = (
+    "model.source needs model.cache.claimName: the claim it is fetched into once for every replica"
+)
+SOURCE_NOT_VOLUME = (
+    "model.volume is for a model already on a volume; with model.source the model is "
+    "fetched into model.cache.claimName: give one or the other"
+)
+FETCH_ONLY = "model.cache and model.credentials go with model.source"
+
+
 class ModelSource(_Model):
     model_config = ConfigDict(
         json_schema_extra=_validations(
@@ -98,20 +133,36 @@ class ModelSource(_Model):
                 "!has(self.volume) || (has(self.volume.persistentVolumeClaim) != "
                 "has(self.volume.hostPath))",
                 "model.volume needs exactly one of persistentVolumeClaim or hostPath",
-            )
+            ),
+            cel("has(self.path) != has(self.source)", SOURCE_XOR_PATH),
+            cel("!has(self.source) || has(self.cache)", SOURCE_NEEDS_CACHE),
+            cel("!has(self.source) || !has(self.volume)", SOURCE_NOT_VOLUME),
+            cel("has(self.source) || (!has(self.cache) && !has(self.credentials))", FETCH_ONLY),
         )
     )
 
-    path: str = Field(
+    path: str | None = Field(
+        None,
         min_length=1,
         description="diffusers pipeline folder inside the pod (under mountPath when a volume "
         "is given; baked into the image otherwise)",
     )
+    source: str | None = Field(
+        None,
+        max_length=1024,
+        pattern=SOURCE_PATTERN,
+        description="hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX: fetched once into "
+        "model.cache by a Job, verified, then loaded by every replica (docs/models.md)",
+    )
+    credentials: ModelCredentials | None = Field(
+        None, description="the store's credentials and endpoint, from a Secret"
+    )
+    cache: ModelCache | None = Field(None, description="where model.source is fetched into")
     volume: ModelVolume | None = Field(None, description="where the model comes from")
     mountPath: str = Field(
         "/models",
-        description="where the volume is mounted; the only folder weight and LoRA loads "
-        "may read from (the worker's --allow-path)",
+        description="where the volume (or the cache claim) is mounted; the only folder "
+        "weight and LoRA loads may read from (the worker's --allow-path)",
     )
 
 
@@ -345,12 +396,45 @@ class Condition(_Model):
 class ReplicaStatus(_Model):
     index: int
     pod: str
-    phase: str = Field(description="the pod's phase, Terminating, or Missing (being recreated)")
+    phase: str = Field(
+        description="the pod's phase, Terminating, Missing (being recreated), or "
+        "WaitingForModel (held until model.source is fetched)"
+    )
     ready: bool = Field(description="serves: pod Ready and no router reports it out of sync")
     updated: bool
     node: str | None = None
     reason: str | None = None
     message: str | None = None
+
+
+class LoadedModel(_Model):
+    """The cache entry the replicas load: fetched, verified and published."""
+
+    source: str
+    revision: str = Field(description="the hub's commit, or a digest of the S3 listing")
+    path: str = Field(description="the pipeline folder inside the pods")
+    claim: str = Field(description="the cache claim it lies on")
+    bytes: int | None = None
+
+
+class ModelFetch(_Model):
+    """The fill of model.source while it is not the loaded model."""
+
+    source: str
+    job: str
+    state: Literal["Pending", "Fetching", "Failed"]
+    revision: str | None = None
+    bytesDone: int | None = None
+    bytesTotal: int | None = None
+    bytesPerSecond: int | None = None
+    etaSeconds: int | None = None
+    message: str | None = None
+
+
+class ModelStatus(_Model):
+    loaded: LoadedModel | None = None
+    fetch: ModelFetch | None = None
+    progress: str = Field("", description="one line for kubectl get: Ready, 41% …, Failed")
 
 
 class DiffusionServiceStatus(_Model):
@@ -362,6 +446,7 @@ class DiffusionServiceStatus(_Model):
     selector: str = ""
     observedGeneration: int | None = None
     endpoint: str | None = None
+    model: ModelStatus | None = Field(None, description="model.source's fetch (absent without one)")
     replicaStatuses: list[ReplicaStatus] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
 
@@ -398,11 +483,47 @@ def problems(spec: DiffusionServiceSpec, allow_host_path: bool = False) -> list[
         found.append(HOST_PATH_REFUSED)
     if spec.updateStrategy.maxUnavailable == 0 and spec.updateStrategy.maxSurge == 0:
         found.append("updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress")
-    if not spec.model.path.startswith("/"):
-        found.append(f"model.path must be absolute inside the pod, got {spec.model.path!r}")
-    elif volume is not None and not spec.model.path.startswith(spec.model.mountPath):
+    found += _model_problems(spec.model)
+    return found
+
+
+def _model_problems(model: ModelSource) -> list[str]:
+    found = []
+    if (model.path is None) == (model.source is None):
+        found.append(SOURCE_XOR_PATH)
+    if model.source is not None:
+        if model.cache is None:
+            found.append(SOURCE_NEEDS_CACHE)
+        if model.volume is not None:
+            found.append(SOURCE_NOT_VOLUME)
+        problem = source_problem(model.source)
+        if problem:
+            found.append(f"model.source: {problem}")
+    elif model.cache is not None or model.credentials is not None:
+        found.append(FETCH_ONLY)
+    if not model.mountPath.startswith("/"):
+        found.append(f"model.mountPath must be absolute, got {model.mountPath!r}")
+    if model.path is None:
+        return found
+    if not model.path.startswith("/"):
+        found.append(f"model.path must be absolute inside the pod, got {model.path!r}")
+    elif model.volume is not None and not model.path.startswith(model.mountPath):
         found.append(
-            f"model.path {spec.model.path!r} is not under model.mountPath "
-            f"{spec.model.mountPath!r}, where the volume is mounted"
+            f"model.path {model.path!r} is not under model.mountPath "
+            f"{model.mountPath!r}, where the volume is mounted"
         )
     return found
+
+
+def source_problem(uri: str) -> str | None:
+    """What ``dpserve fetch`` would refuse in ``uri`` (the same parser), or None."""
+    from dpserve.sources.errors import SourceError
+    from dpserve.sources.uri import LocalSource, parse
+
+    try:
+        parsed = parse(uri)
+    except SourceError as exc:
+        return str(exc)
+    if isinstance(parsed, LocalSource):
+        return f"{uri!r} is a folder, not hf:// or s3://: give it as model.path"
+    return None

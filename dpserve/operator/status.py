@@ -12,6 +12,7 @@ from typing import Any, Final, TypeGuard
 
 from dpserve.contract.layout import LayoutError, replica_endpoint
 from dpserve.operator import builders as b
+from dpserve.operator.model_state import ModelStep
 from dpserve.operator.plan import PodView
 from dpserve.operator.spec import Condition, DiffusionServiceStatus, ReplicaStatus
 
@@ -197,14 +198,17 @@ def compute_status(
     previous: dict[str, Any],
     router: Mapping[str, Any] | None = None,
     control: SyncReports | None = None,
+    model: ModelStep | None = None,
 ) -> dict[str, Any]:
     """The status subresource, as the schema declares it.
 
     ``router`` is the router Deployment as read (None: absent), ``control`` what the
-    routers report in the control-state ConfigMap. A replica counts as ready when its
-    pod is Ready and no router reports it out of sync: only then does it serve.
+    routers report in the control-state ConfigMap, ``model`` where model.source stands
+    (None: as for a model in place). A replica counts as ready when its pod is Ready
+    and no router reports it out of sync: only then does it serve.
     """
-    spec, current = svc.spec, b.spec_hash(svc.spec)
+    spec, current = svc.spec, svc.pod_hash
+    held = model is not None and model.fetched_path is None
     control = control or SyncReports()
     facts = sorted((pod_facts(p) for p in pods), key=lambda f: f.view.index)
     lag = {f.view.index: u for f in facts if (u := _unsynced(f, spec.schedulerPort, control))}
@@ -218,7 +222,10 @@ def compute_status(
     )
     routed, router_says = router_available(router)
     counted = f"{ready}/{spec.replicas} replicas ready"
-    if ready < spec.replicas:
+    if ready < spec.replicas and held:
+        waiting = f"{counted}; replicas wait for the model (see ModelReady)"
+        ready_condition = ("False", "WaitingForModel", f"{waiting}; {router_says}")
+    elif ready < spec.replicas:
         ready_condition = ("False", "ReplicasNotReady", f"{counted}; {router_says}")
     elif not routed:
         ready_condition = ("False", "RouterNotAvailable", f"{counted}; {router_says}")
@@ -250,6 +257,8 @@ def compute_status(
         wanted.append(
             ("ControlStateSynced", "True", "InSync", "no router reports a replica out of sync")
         )
+    if model is not None:
+        wanted.append(("ModelReady", *model.condition))
     present = {f.view.index for f in facts}
     entries = [
         ReplicaStatus(
@@ -269,7 +278,11 @@ def compute_status(
     # status) that creating it replaces a pod rather than adding one.
     entries += [
         ReplicaStatus(
-            index=i, pod=b.replica_pod_name(svc, i), phase="Missing", ready=False, updated=False
+            index=i,
+            pod=b.replica_pod_name(svc, i),
+            phase="WaitingForModel" if held else "Missing",
+            ready=False,
+            updated=False,
         )
         for i in range(spec.replicas)
         if i not in present
@@ -284,10 +297,16 @@ def compute_status(
         selector=b.selector_string(svc),
         observedGeneration=svc.generation,
         endpoint=f"http://{svc.name}.{svc.namespace}.svc:{spec.router.service.port}",
+        model=model.status if model is not None else None,
         replicaStatuses=sorted(entries, key=lambda r: r.index),
         conditions=_conditions(previous.get("conditions") or [], wanted, svc.generation),
     )
-    return status.model_dump(mode="json", exclude_none=True)
+    out = status.model_dump(mode="json", exclude_none=True)
+    if model is not None:
+        # A merge patch keeps keys it does not name: spell the absent ones out as null
+        # (a finished fetch's progress, a dropped source) so they go.
+        out["model"] = model.status.model_dump(mode="json") if model.status else None
+    return out
 
 
 def known_indices(previous: Mapping[str, Any]) -> set[int]:
@@ -295,5 +314,7 @@ def known_indices(previous: Mapping[str, Any]) -> set[int]:
     return {
         int(r["index"])
         for r in previous.get("replicaStatuses") or []
-        if isinstance(r, dict) and isinstance(r.get("index"), int)
+        if isinstance(r, dict)
+        and isinstance(r.get("index"), int)
+        and r.get("phase") != "WaitingForModel"  # listed, never made
     }

@@ -10,3 +10,10 @@ class SourceError(Exception):
 
 class DigestMismatch(SourceError):
     """A fetched file is not what the source says it holds; it was deleted."""
+
+
+# ``dpserve fetch``'s exit codes: a fill Job retries a failure (the next try resumes)
+# but not a refusal: a digest that does not match, or a source that cannot be fetched
+# as given, fails the same way again until someone changes the source.
+EXIT_FAILED = 1
+EXIT_REFUSED = 3

@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from dpserve.sources.cache import Entry, ModelCache, default_root
-from dpserve.sources.errors import SourceError
+from dpserve.sources.cache import MARKER, Entry, ModelCache, default_root
+from dpserve.sources.errors import EXIT_FAILED, EXIT_REFUSED, DigestMismatch, SourceError
 from dpserve.sources.plan import Plan
-from dpserve.sources.progress import Meter, default_sinks
-from dpserve.sources.uri import HubSource, LocalSource, S3Source, Source, parse
+from dpserve.sources.progress import JsonLinesSink, Meter, Sink, default_sinks
+from dpserve.sources.select import NotAPipeline
+from dpserve.sources.uri import BadUri, HubSource, LocalSource, S3Source, Source, parse
 
 log = logging.getLogger("dpserve.sources")
 
@@ -39,6 +41,24 @@ def store_of(source: HubSource | S3Source, cache: ModelCache) -> Store:
     return HubStore(source, cache.root / "hf")
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """A published cache entry: the pipeline folder and what it holds."""
+
+    folder: Path
+    plan: Plan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": "ready",
+            "source": self.plan.source,
+            "revision": self.plan.revision,
+            "folder": str(self.folder),
+            "bytes_total": self.plan.total_bytes,
+            "files": len(self.plan.files),
+        }
+
+
 def local_folder(
     model: str,
     cache_root: Path | None = None,
@@ -49,15 +69,29 @@ def local_folder(
     source: Source = parse(model)
     if isinstance(source, LocalSource):
         return source.path
+    return fetched(source, cache_root, say, bar).folder
+
+
+def fetched(
+    source: HubSource | S3Source,
+    cache_root: Path | None = None,
+    say: Callable[[str], None] = lambda text: log.info("%s", text),
+    bar: bool = True,
+    sinks: Sequence[Sink] = (),
+) -> Fetched:
+    """``source``'s cache entry, filled first unless it is ready."""
     cache = ModelCache(cache_root or default_root())
     store = store_of(source, cache)
     if isinstance(source, HubSource) and is_commit(source.revision):
         # Pinned to a commit (as every replica of a rolled-out revision is): a ready
         # entry needs no hub, so replicas start while the hub is down or offline.
-        ready = cache.ready(Entry(cache.root, store.name, source.revision))
+        entry = Entry(cache.root, store.name, source.revision)
+        ready = cache.ready(entry)
         if ready is not None:
-            return ready
-    return fetch_into(store, cache, say, bar)
+            return Fetched(ready, Plan.from_json(json.loads((entry.dir / MARKER).read_text())))
+    plan = store.plan()
+    say(f"plan: {plan.summary()}")
+    return Fetched(_fill_entry(store, cache, plan, bar, sinks), plan)
 
 
 def is_commit(revision: str) -> bool:
@@ -73,12 +107,20 @@ def fetch_into(
     """``store``'s plan, said before any byte moves, then its entry filled (or reused)."""
     plan = store.plan()
     say(f"plan: {plan.summary()}")
+    return _fill_entry(store, cache, plan, bar)
+
+
+def _fill_entry(
+    store: Store, cache: ModelCache, plan: Plan, bar: bool, sinks: Sequence[Sink] = ()
+) -> Path:
     entry = cache.entry(store.name, plan)
-    return cache.fill(entry, plan, lambda p, staging: _fill(store, entry, p, staging, bar))
+    return cache.fill(entry, plan, lambda p, staging: _fill(store, entry, p, staging, bar, sinks))
 
 
-def _fill(store: Store, entry: Entry, plan: Plan, staging: Path, bar: bool) -> Path:
-    sinks = default_sinks(log, entry.progress, bar and not store.draws_own_bars)
+def _fill(
+    store: Store, entry: Entry, plan: Plan, staging: Path, bar: bool, extra: Sequence[Sink]
+) -> Path:
+    sinks = [*default_sinks(log, entry.progress, bar and not store.draws_own_bars), *extra]
     meter = Meter(plan.source, plan.revision, plan.total_bytes, sinks)
     try:
         folder = store.fill(plan, staging, meter)
@@ -108,19 +150,53 @@ def prune(
     return removed
 
 
-def fetch_main(model: str, cache_root: Path | None, dry_run: bool = False) -> int:
+def fetch_main(
+    model: str,
+    cache_root: Path | None,
+    dry_run: bool = False,
+    json_lines: bool = False,
+    result_file: Path | None = None,
+) -> int:
     """``dpserve fetch``: the plan first, progress on stderr, the folder last on stdout;
-    with ``dry_run``, only the plan, as JSON (what a fill would move)."""
+    with ``dry_run``, only the plan, as JSON (what a fill would move).
+
+    ``json_lines``: stdout carries JSON objects only, one per line: progress snapshots
+    (``"event": "progress"``) and the outcome last (``"event": "result"``), for a
+    watcher reading a fill Job's log. ``result_file``: the outcome also goes there
+    (a pod's termination message file), written whichever way the fetch ends."""
+    out: dict[str, Any]
+    code = 0
     try:
         if dry_run:
             print(json.dumps(plan_of(model, cache_root).to_json(), indent=1), flush=True)
             return 0
-        folder = local_folder(model, cache_root, say=lambda text: print(text, flush=True))
+        source = parse(model)
+        if isinstance(source, LocalSource):
+            raise SourceError(f"{model} is a local folder: there is nothing to fetch")
+        say = (lambda text: None) if json_lines else (lambda text: print(text, flush=True))
+        sinks = [JsonLinesSink(sys.stdout)] if json_lines else []
+        done = fetched(source, cache_root, say, bar=not json_lines, sinks=sinks)
+        out = done.to_json()
     except SourceError as exc:
-        print(f"dpserve fetch: {exc}", file=sys.stderr)
-        return 1
-    print(folder, flush=True)
-    return 0
+        print(f"dpserve fetch: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_FAILED if _transient(exc) else EXIT_REFUSED
+        out = {"state": "failed", "source": model, "error": str(exc), "retried": code == 1}
+    except Exception as exc:  # reported like the rest: a fill Job's status shows it
+        print(f"dpserve fetch: {exc!r}", file=sys.stderr, flush=True)
+        code = EXIT_FAILED
+        out = {"state": "failed", "source": model, "error": repr(exc), "retried": True}
+    if result_file is not None:
+        result_file.write_text(json.dumps(out) + "\n")
+    if json_lines:
+        print(json.dumps({"event": "result", **out}), flush=True)
+    elif code == 0:
+        print(out["folder"], flush=True)
+    return code
+
+
+def _transient(exc: SourceError) -> bool:
+    """Worth trying again as it is: anything but a refusal of what the source holds."""
+    return not isinstance(exc, (DigestMismatch, BadUri, NotAPipeline))
 
 
 def plan_of(model: str, cache_root: Path | None = None) -> Plan:

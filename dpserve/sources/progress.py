@@ -169,6 +169,23 @@ class JsonFileSink:
         tmp.replace(self.path)
 
 
+class JsonLinesSink:
+    """One JSON object per line (``"event": "progress"``), at most every ``every_s``
+    seconds and at the end: what a watcher of a fill Job's log reads (its last line)."""
+
+    def __init__(self, stream: TextIO, every_s: float = 2.0) -> None:
+        self.stream, self.every_s = stream, every_s
+        self._last: float | None = None
+
+    def show(self, snap: Snapshot) -> None:
+        now = time.monotonic()
+        if snap.state == "fetching" and self._last is not None and now - self._last < self.every_s:
+            return
+        self._last = now
+        self.stream.write(json.dumps({"event": "progress", **snap.to_json()}) + "\n")
+        self.stream.flush()
+
+
 class BarSink:
     """A one-line bar redrawn on a terminal (S3 fetches; the hub draws its own)."""
 

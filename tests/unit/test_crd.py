@@ -54,7 +54,8 @@ def test_schema_is_structural() -> None:
     }
     assert "status" in version["subresources"]
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Replicas", "Parallel", "Age"]
+    assert list(columns) == ["Ready", "Replicas", "Parallel", "Model", "Age"]
+    assert columns["Model"] == ".status.model.progress"
     # READY is the Ready condition (replicas and router), REPLICAS ready/desired.
     assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Replicas"] == ".status.ready"
@@ -190,3 +191,25 @@ def test_the_operator_reads_the_charts_host_path_switch(monkeypatch: pytest.Monk
         handlers._check_beyond_crd(on_host, allow_host_path=False)
     handlers._check_beyond_crd(on_host, allow_host_path=True)
     assert "hostPath" in HOST_PATH_REFUSED
+
+
+def test_cel_model_source_rules() -> None:
+    from dpserve.operator.spec import (
+        FETCH_ONLY,
+        SOURCE_NEEDS_CACHE,
+        SOURCE_NOT_VOLUME,
+        SOURCE_XOR_PATH,
+    )
+
+    fetched = {"source": "s3://b/m/", "cache": {"claimName": "c"}}
+    assert _holds(SOURCE_XOR_PATH, {"path": "/m"}) and _holds(SOURCE_XOR_PATH, fetched)
+    assert not _holds(SOURCE_XOR_PATH, {**fetched, "path": "/m"})
+    assert not _holds(SOURCE_XOR_PATH, {"mountPath": "/models"})
+    assert _holds(SOURCE_NEEDS_CACHE, fetched)
+    assert not _holds(SOURCE_NEEDS_CACHE, {"source": "s3://b/m/"})
+    claim = {"persistentVolumeClaim": {"claimName": "a"}}
+    assert not _holds(SOURCE_NOT_VOLUME, {**fetched, "volume": claim})
+    assert _holds(SOURCE_NOT_VOLUME, {"path": "/m", "volume": claim})
+    assert not _holds(FETCH_ONLY, {"path": "/m", "cache": {"claimName": "c"}})
+    assert not _holds(FETCH_ONLY, {"path": "/m", "credentials": {"secretName": "s"}})
+    assert _holds(FETCH_ONLY, fetched)
