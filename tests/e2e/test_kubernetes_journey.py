@@ -187,7 +187,7 @@ def test_journey(k8s: Backend) -> None:
     url = k8s.router_url(NS, "tiny")
     assert httpx.post(f"{url}/v1/images/generations", json=REQUEST, timeout=120).status_code == 200
     header = k8s.kubectl("-n", NS, "get", "dsvc").stdout.splitlines()[0].split()
-    assert header == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
+    assert header == ["NAME", "READY", "REPLICAS", "PARALLEL", "MODEL", "AGE"]
 
     # 2b. locked down: the wire key Secret and the NetworkPolicy exist (this network does
     # not enforce policies: docs/kubernetes.md); replica pods hold no API token.

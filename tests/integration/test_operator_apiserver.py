@@ -270,8 +270,10 @@ def test_children_status_events_scale_roll_and_cascade(
     )
     assert wait.returncode == 0, wait.stderr
     table = cluster.kubectl("-n", NS, "get", "dsvc", "tiny").stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "REPLICAS", "PARALLEL", "AGE"]
-    assert table[1].split()[:4] == ["tiny", "True", "2/2", "tp1-sp1-cfg1"]
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "PARALLEL", "MODEL", "AGE"]
+    row = table[1].split()
+    assert row[:4] == ["tiny", "True", "2/2", "tp1-sp1-cfg1"]
+    assert len(row) == 5  # MODEL is empty: nothing to fetch for a model.path
 
     # A lost pod comes back under the same name.
     uid = pods(cluster, "tiny")["tiny-replica-1"]["metadata"]["uid"]
@@ -714,3 +716,133 @@ def pods_in(cluster: ControlPlane, name: str) -> list[dict[str, Any]]:
     selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
     out = cluster.kubectl("-n", NS_FAULTS, "get", "pods", "-l", selector, "-o", "json").stdout
     return list(json.loads(out)["items"])
+
+
+FETCHED_MODEL = {
+    "source": "s3://models/tiny/",
+    "credentials": {"secretName": "store"},
+    "cache": {"claimName": "model-cache"},
+}
+V1 = "/models/entries/s3-models-tiny/listing-1/model"
+V2 = "/models/entries/s3-models-tiny-v2/listing-2/model"
+
+
+def fill_jobs(cluster: ControlPlane, name: str) -> dict[str, dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=model-fill"
+    return {j["metadata"]["name"]: j for j in get(cluster, "jobs", "-l", selector)["items"]}
+
+
+def end_fill_pod(cluster: ControlPlane, job: str, outcome: dict[str, Any], code: int) -> None:
+    """The kubelet's part for a fill pod: its container ended with ``code``, leaving
+    ``outcome`` as its termination message (what ``dpserve fetch --result-file`` writes)."""
+    found = eventually(
+        lambda: get(cluster, "pods", "-l", f"dpserve.dev/fill-job={job}")["items"],
+        what=f"{job}'s pod",
+    )
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    terminated = {
+        "exitCode": code,
+        "reason": "Completed" if code == 0 else "Error",
+        "message": json.dumps(outcome),
+        "startedAt": now,
+        "finishedAt": now,
+    }
+    container = {
+        "name": "fetch", "image": "dpserve-worker", "imageID": "", "ready": False,
+        "restartCount": 0, "state": {"terminated": terminated},
+    }  # fmt: skip
+    status = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [container]}
+    cluster.kubectl(
+        "-n", NS, "patch", "pod", found[0]["metadata"]["name"], "--subresource=status",
+        "--type=merge", "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+
+
+def model_args(pod: dict[str, Any]) -> str:
+    args = pod["spec"]["containers"][0]["args"]
+    return str(args[args.index("--model") + 1])
+
+
+def test_a_model_source_is_fetched_by_one_job_then_loaded_by_every_replica(
+    cluster: ControlPlane, operator: Operator
+) -> None:
+    """The Job controller, the podFailurePolicy and the garbage collector are the real
+    ones; the test plays the kubelet for the fill pods, as for the replicas."""
+    refused = apply(cluster, dsvc("no-cache", model={"source": "s3://models/tiny/"}), False)
+    assert refused.returncode != 0 and "needs model.cache.claimName" in refused.stderr
+    both = apply(cluster, dsvc("both", model={**FETCHED_MODEL, "path": "/m"}), check=False)
+    assert both.returncode != 0 and "exactly one of path" in both.stderr
+
+    apply(cluster, dsvc("fetched", replicas=2, model=FETCHED_MODEL))
+    (job,) = eventually(lambda: list(fill_jobs(cluster, "fetched")), what="the fill Job")
+    spec = fill_jobs(cluster, "fetched")[job]["spec"]["template"]["spec"]["containers"][0]
+    assert spec["args"][:2] == ["fetch", "s3://models/tiny/"]
+    assert spec["envFrom"] == [{"secretRef": {"name": "store"}}]
+    eventually(lambda: has_event(cluster, "fetched", "FetchStarted", job), what="FetchStarted")
+    # Held back: no replica pod asks for a GPU while its model is on the way.
+    waiting = eventually(
+        lambda: (st := status(cluster, "fetched")).get("replicaStatuses") and st,
+        what="status",
+    )
+    assert [r["phase"] for r in waiting["replicaStatuses"]] == ["WaitingForModel"] * 2
+    assert waiting["model"]["fetch"]["state"] == "Pending" and not pods(cluster, "fetched")
+    assert condition(cluster, "fetched", "Ready")["reason"] == "WaitingForModel"
+    table = cluster.kubectl("-n", NS, "get", "dsvc", "fetched").stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "PARALLEL", "MODEL", "AGE"]
+    assert table[1].split()[4] == "Pending"
+
+    ready = {"state": "ready", "revision": "listing-1", "folder": V1, "bytes_total": 5}
+    end_fill_pod(cluster, job, ready, 0)
+    eventually(lambda: len(pods(cluster, "fetched")) == 2, what="replicas made once fetched")
+    for pod in pods(cluster, "fetched").values():
+        assert model_args(pod) == V1
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+        assert volume["persistentVolumeClaim"] == {"claimName": "model-cache", "readOnly": True}
+        assert "envFrom" not in pod["spec"]["containers"][0]
+    model_ready = condition(cluster, "fetched", "ModelReady")
+    assert (model_ready["status"], model_ready["reason"]) == ("True", "Fetched")
+    loaded = status(cluster, "fetched")["model"]
+    assert loaded["loaded"]["revision"] == "listing-1" and "fetch" not in loaded
+    assert any(r == "FetchFinished" and "listing-1" in m for r, m in events(cluster, "fetched"))
+
+    # A new source: a new Job, while the replicas stay on the old entry. Its refusal
+    # (exit 3) fails the Job at once: no second pod.
+    uids = {n: p["metadata"]["uid"] for n, p in pods(cluster, "fetched").items()}
+    moved = {**FETCHED_MODEL, "source": "s3://models/tiny-v2/"}
+    apply(cluster, dsvc("fetched", replicas=2, model=moved))
+    (job2,) = eventually(
+        lambda: [j for j in fill_jobs(cluster, "fetched") if j != job], what="the second Job"
+    )
+    error = "s3://models/tiny-v2/vae/x.safetensors: md5 is 12, the store says 34"
+    end_fill_pod(cluster, job2, {"state": "failed", "error": error}, 3)
+    failed = eventually(
+        lambda: (c := condition(cluster, "fetched", "ModelReady"))["reason"] == "FetchFailed" and c,
+        what="FetchFailed",
+    )
+    assert (
+        error in failed["message"]
+        and "replicas load s3://models/tiny/ meanwhile" in failed["message"]
+    )
+    assert fill_jobs(cluster, "fetched")[job2]["status"].get("failed") == 1
+    assert any(r == "FetchFailed" and error in m for r, m in events(cluster, "fetched"))
+    assert status(cluster, "fetched")["model"]["progress"] == "Failed"
+    assert {n: p["metadata"]["uid"] for n, p in pods(cluster, "fetched").items()} == uids
+
+    # Deleting the failed Job tries again; once fetched, the replicas roll onto it.
+    cluster.kubectl("-n", NS, "delete", "job", job2)
+    eventually(
+        lambda: (
+            fill_jobs(cluster, "fetched").get(job2, {}).get("status", {}).get("failed") is None
+            and job2 in fill_jobs(cluster, "fetched")
+        ),
+        what="the Job made again",
+    )
+    end_fill_pod(cluster, job2, {**ready, "revision": "listing-2", "folder": V2}, 0)
+    eventually(
+        lambda: any(model_args(p) == V2 for p in pods(cluster, "fetched").values()),
+        what="a replica rolled onto the new entry",
+    )
+    assert status(cluster, "fetched")["model"]["loaded"]["source"] == "s3://models/tiny-v2/"
+
+    cluster.kubectl("-n", NS, "delete", "dsvc", "fetched")
+    eventually(lambda: not fill_jobs(cluster, "fetched"), what="fill Jobs collected")
