@@ -180,7 +180,12 @@ def fetch_main(
     except SourceError as exc:
         print(f"dpserve fetch: {exc}", file=sys.stderr, flush=True)
         code = EXIT_FAILED if _transient(exc) else EXIT_REFUSED
-        out = {"state": "failed", "source": model, "error": str(exc), "retried": code == 1}
+        out = {
+            "state": "failed",
+            "source": model,
+            "error": str(exc),
+            "retried": code == EXIT_FAILED,
+        }
     except Exception as exc:  # reported like the rest: a fill Job's status shows it
         print(f"dpserve fetch: {exc!r}", file=sys.stderr, flush=True)
         code = EXIT_FAILED

@@ -199,8 +199,10 @@ def test_a_missing_bucket_and_a_non_pipeline_are_clear_errors(
         local_folder(f"s3://{bucket}/m", tmp_path, bar=False)
 
 
-def _fetch(model: str, cache: Path, endpoint: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "dpserve", "fetch", model, "--model-cache", str(cache)]
+def _fetch(
+    model: str, cache: Path, endpoint: str, env: dict[str, str], *flags: str
+) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "dpserve", "fetch", model, "--model-cache", str(cache), *flags]
     child_env = {**os.environ, **env, "AWS_ENDPOINT_URL": endpoint}
     return subprocess.Popen(
         cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -242,6 +244,54 @@ def test_a_killed_fetch_resumes_where_it_stopped(
     progress = json.loads(next(cache.glob("entries/*/*.progress.json")).read_text())
     assert progress["bytes_done"] == progress["bytes_total"]
     assert progress["bytes_moved"] == size - kept
+
+
+def test_a_fill_jobs_fetch_reports_progress_lines_and_its_outcome(
+    s3_server: S3Server, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    """What the operator reads of a fill Job's pod: JSON progress lines on stdout (its
+    log), the outcome in the termination message file, and the exit code its Job's
+    podFailurePolicy tells apart: 0 fetched, 3 refused (no retry), 1 worth a retry."""
+    s3 = s3_server.client()
+    bucket = s3_server.new_bucket()
+    size = 12 * MiB
+    _synthetic(s3, bucket, "m", size=size)
+    cache, result = tmp_path / "cache", tmp_path / "termination-log"
+    flags = ["--json-lines", "--result-file", str(result)]
+    with CountingProxy(s3_server.endpoint_url, rate_bytes_per_s=4 * MiB) as proxy:
+        done = _fetch(f"s3://{bucket}/m", cache, proxy.url, aws_env, *flags)
+        out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]  # stdout is JSON only
+    progress = [x for x in lines if x["event"] == "progress"]
+    assert len(progress) >= 2 and progress[0]["bytes_total"] > size
+    assert progress[0]["revision"].startswith("listing-")
+    assert any(0 < x["bytes_done"] < x["bytes_total"] for x in progress)  # seen mid-way
+    outcome = json.loads(result.read_text())
+    assert lines[-1] == {"event": "result", **outcome}
+    assert outcome["state"] == "ready" and outcome["revision"] == progress[0]["revision"]
+    assert (Path(outcome["folder"]) / "model_index.json").is_file()
+    assert outcome["bytes_total"] == progress[0]["bytes_total"]
+    assert aws_env["AWS_SECRET_ACCESS_KEY"] not in out + err
+
+    # A corrupt object is a refusal: exit 3, the file named in the outcome.
+    bad = s3_server.new_bucket()
+    _synthetic(s3, bad, "m", size=6 * MiB)
+    on_disk = s3_server.object_path(bad, "m/transformer/diffusion_pytorch_model.safetensors")
+    data = bytearray(on_disk.read_bytes())
+    data[7] ^= 0xFF
+    on_disk.write_bytes(bytes(data))
+    refused = _fetch(f"s3://{bad}/m", cache, s3_server.endpoint_url, aws_env, *flags)
+    out, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 3
+    outcome = json.loads(result.read_text())
+    assert outcome["state"] == "failed" and not outcome["retried"]
+    assert "transformer/diffusion_pytorch_model.safetensors" in outcome["error"]
+    assert json.loads(out.splitlines()[-1])["event"] == "result"
+    # A store that does not answer may answer later: exit 1, a Job tries again.
+    unreachable = _fetch(f"s3://{bucket}/m2", cache, "http://127.0.0.1:9", aws_env, *flags)
+    unreachable.communicate(timeout=120)
+    assert unreachable.returncode == 1 and json.loads(result.read_text())["retried"]
 
 
 def test_two_concurrent_fetches_download_once_and_show_no_credentials(
