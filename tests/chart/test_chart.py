@@ -587,9 +587,9 @@ def test_gpu_example() -> None:
     spec = s.DiffusionServiceSpec.model_validate(obj["spec"])
     assert spec.replicas == 2 and spec.device == "cuda"
     assert spec.parallelism.cfg == 2 and spec.parallelism.gang_size == 2
-    assert spec.model.path == "/models/Qwen-Image" and spec.model.mountPath == "/models"
-    assert spec.model.volume is not None and spec.model.volume.persistentVolumeClaim is not None
-    assert spec.model.volume.persistentVolumeClaim.claimName == "models"
+    assert spec.model.source == "hf://Qwen/Qwen-Image" and spec.model.mountPath == "/models"
+    assert spec.model.cache is not None and spec.model.cache.claimName == "model-cache"
+    assert s.problems(spec) == []  # what the operator checks beyond the CRD, the URI too
     assert spec.gpuResource == "nvidia.com/gpu"
     assert any(t.get("key") == "nvidia.com/gpu" for t in spec.tolerations or [])
     assert spec.resources and "requests" in spec.resources
