@@ -101,6 +101,34 @@ def _add_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more")
+    return value
+
+
+def _add_prune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    f = sub.add_parser(
+        "prune-cache",
+        help="remove model cache entries: all but the --protect folders and the --keep newest",
+    )
+    add_flag(f, WorkerConfig, "model_cache")
+    f.add_argument(
+        "--keep",
+        type=_count,
+        default=1,
+        help="entries kept besides the protected, the newest (default 1: one to roll back to)",
+    )
+    f.add_argument(
+        "--protect",
+        type=Path,
+        action="append",
+        default=[],
+        help="a pipeline folder in use (repeat); its entry is never removed",
+    )
+
+
 def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t = sub.add_parser(
         "make-tiny-model",
@@ -154,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_k8s(sub)
     _add_fetch(sub)
+    _add_prune(sub)
     _add_tiny(sub)
     for command in sub.choices.values():
         command.formatter_class = _ShowDefaults
@@ -327,6 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return fetch_main(
                 str(args.model), args.model_cache, args.dry_run, args.json_lines, args.result_file
             )
+        if args.command == "prune-cache":
+            from dpserve.sources.fetch import prune_cache
+
+            for removed in prune_cache(args.model_cache, args.keep, args.protect):
+                print(f"removed {removed}", flush=True)
+            return 0
         if args.command == "make-tiny-model":
             from dpserve.worker.tiny_model import build_tiny_pipeline
 

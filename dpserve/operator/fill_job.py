@@ -1,5 +1,6 @@
-"""The fill Job: ``dpserve fetch`` of model.source into the cache claim, once for every
-replica (docs/models.md, On Kubernetes). Pure builders, like ``builders``.
+"""The cache claim's Jobs (docs/models.md, On Kubernetes): the fill, ``dpserve fetch`` of
+model.source into the claim once for every replica, and the prune after a roll,
+``dpserve prune-cache``. Pure builders, like ``builders``.
 
 One Job per source and claim (its name hashes both), so a new source is a new Job
 and the old one's outcome stays readable until it expires. The pod reports on two
@@ -17,6 +18,7 @@ from dpserve.operator import builders as b
 from dpserve.sources.errors import EXIT_REFUSED
 
 COMPONENT: Final = "model-fill"
+PRUNE_COMPONENT: Final = "model-prune"
 CONTAINER: Final = "fetch"
 SOURCE_ANNOTATION: Final = "dpserve.dev/model-source"
 JOB_LABEL: Final = "dpserve.dev/fill-job"  # on the Job's pods: the operator lists them by it
@@ -68,68 +70,94 @@ def fill_env(svc: b.Svc) -> list[dict[str, Any]]:
 
 
 def build_fill_job(svc: b.Svc, images: b.Images) -> dict[str, Any]:
+    model = svc.spec.model
+    assert model.source is not None
+    job = _cache_job(svc, images, fill_job_name(svc), COMPONENT, fill_args(svc), fill_env(svc))
+    job["metadata"]["annotations"] = {SOURCE_ANNOTATION: model.source}
+    pod = job["spec"]["template"]
+    pod["metadata"]["annotations"] = {SOURCE_ANNOTATION: model.source}
+    if model.credentials is not None:
+        # The Secret's keys become variables of this pod only: never arguments, never
+        # the replicas' (they read the claim, not the store).
+        secret = {"secretRef": {"name": model.credentials.secretName}}
+        pod["spec"]["containers"][0]["envFrom"] = [secret]
+    job["spec"]["backoffLimit"] = BACKOFF_LIMIT
+    job["spec"]["podFailurePolicy"] = {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": [EXIT_REFUSED],
+                },
+            },
+            # A pod evicted or preempted is no failed try: the next resumes.
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        ]
+    }
+    return job
+
+
+def prune_job_name(svc: b.Svc, loaded: str) -> str:
+    return f"{svc.name}-prune-{hashlib.sha256(loaded.encode()).hexdigest()[:10]}"
+
+
+def build_prune_job(
+    svc: b.Svc, images: b.Images, loaded: str, protect: list[str]
+) -> dict[str, Any]:
+    """``dpserve prune-cache`` after the replicas rolled onto ``loaded``: ``protect`` is
+    every folder a DiffusionService of the namespace loads from the claim."""
+    model = svc.spec.model
+    assert model.cache is not None
+    args = ["prune-cache", "--model-cache", model.mountPath, "--keep", str(model.cache.keep)]
+    for folder in sorted({loaded, *protect}):
+        args += ["--protect", folder]
+    job = _cache_job(
+        svc, images, prune_job_name(svc, loaded), PRUNE_COMPONENT, args, b.scratch_env()
+    )
+    job["spec"]["backoffLimit"] = 2
+    return job
+
+
+def _cache_job(
+    svc: b.Svc,
+    images: b.Images,
+    name: str,
+    component: str,
+    args: list[str],
+    env: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """A Job of one ``dpserve`` pod with the claim mounted read-write at mountPath."""
     spec, model = svc.spec, svc.spec.model
-    assert model.source is not None and model.cache is not None
-    name = fill_job_name(svc)
-    scratch_volume, scratch_mount = b.scratch_volume()
+    assert model.cache is not None
+    scratch, scratch_mount = b.scratch_volume()
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image or images.worker,
         "imagePullPolicy": images.pull_policy,
         "command": ["dpserve"],
-        "args": fill_args(svc),
-        "env": fill_env(svc),
-        "volumeMounts": [
-            {"name": "cache", "mountPath": model.mountPath},
-            scratch_mount,
-        ],
+        "args": args,
+        "env": env,
+        "volumeMounts": [{"name": "cache", "mountPath": model.mountPath}, scratch_mount],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": b.container_security(),
     }
-    if model.credentials is not None:
-        # The Secret's keys become variables of this pod only: never arguments, never
-        # the replicas' (they read the claim, not the store).
-        container["envFrom"] = [{"secretRef": {"name": model.credentials.secretName}}]
-    meta = b.child_meta(svc, name, COMPONENT, annotations={SOURCE_ANNOTATION: model.source})
-    pod_labels = {**b.labels(svc, COMPONENT), JOB_LABEL: name}
+    claim = {"claimName": model.cache.claimName}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": meta,
+        "metadata": b.child_meta(svc, name, component),
         "spec": {
-            "backoffLimit": BACKOFF_LIMIT,
             "ttlSecondsAfterFinished": TTL_AFTER_FINISHED_S,
-            "podFailurePolicy": {
-                "rules": [
-                    {
-                        "action": "FailJob",
-                        "onExitCodes": {
-                            "containerName": CONTAINER,
-                            "operator": "In",
-                            "values": [EXIT_REFUSED],
-                        },
-                    },
-                    # A pod evicted or preempted is no failed try: the next resumes.
-                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
-                ]
-            },
             "template": {
-                "metadata": {
-                    "labels": pod_labels,
-                    "annotations": {SOURCE_ANNOTATION: model.source},
-                },
+                "metadata": {"labels": {**b.labels(svc, component), JOB_LABEL: name}},
                 "spec": {
                     "restartPolicy": "Never",  # podFailurePolicy needs it
                     "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "cache",
-                            "persistentVolumeClaim": {"claimName": model.cache.claimName},
-                        },
-                        scratch_volume,
-                    ],
+                    "volumes": [{"name": "cache", "persistentVolumeClaim": claim}, scratch],
                     "securityContext": b.pod_security(),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,

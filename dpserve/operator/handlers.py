@@ -34,6 +34,7 @@ from dpserve.operator.model_state import (
     model_step,
     needs_fill,
     previous_model,
+    prune_due,
 )
 from dpserve.operator.plan import Note, Plan, plan, why_create, why_delete
 from dpserve.operator.status import compute_status, known_indices, parse_control_state, pod_facts
@@ -202,7 +203,28 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     if control.problem:
         log.warning("%s/%s: control state ignored: %s", namespace, name, control.problem)
     status = compute_status(svc, pods, previous, router=router, control=control, model=step)
+    pruned = prune_due(svc, step, status)
+    if pruned is not None:
+        await _prune(runtime, obj, svc, pruned)
+        status["model"]["pruned"] = pruned
     await kube.patch_status(namespace, name, status)
+
+
+async def _prune(runtime: Runtime, obj: dict[str, Any], svc: b.Svc, loaded: str) -> None:
+    """After a roll onto ``loaded``: the cache claim's clean-up Job, sparing every folder
+    a DiffusionService of the namespace loads from that claim."""
+    claim = svc.spec.model.cache.claimName if svc.spec.model.cache else ""
+    protect = [
+        str(found.loaded.path)
+        for other in await runtime.kube.list_services(svc.namespace)
+        if (found := previous_model(other.get("status") or {})) is not None
+        and found.loaded is not None
+        and found.loaded.claim == claim
+    ]
+    job = f.build_prune_job(svc, runtime.images, loaded, protect)
+    if await runtime.kube.create_job(job):
+        note = Note("CachePruning", f"pruning claim {claim}: Job {job['metadata']['name']}")
+        await _record(runtime.kube, obj, note)
 
 
 # Lines of a fill pod's log read for its last progress line (its log lines on stderr,

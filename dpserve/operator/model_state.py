@@ -68,6 +68,29 @@ def needs_fill(svc: b.Svc, previous: ModelStatus | None) -> bool:
 
 
 def model_step(svc: b.Svc, previous: ModelStatus | None, facts: FillFacts) -> ModelStep:
+    step = _step(svc, previous, facts)
+    if step.status is not None and previous is not None:
+        step.status.pruned = previous.pruned  # the clean-up's own record, kept
+    return step
+
+
+def prune_due(svc: b.Svc, step: ModelStep, status: Mapping[str, Any]) -> str | None:
+    """The loaded folder, when every replica runs on it and the cache was not pruned
+    since it was loaded: time for the clean-up Job (``status``: as just computed)."""
+    model, replicas = svc.spec.model, svc.spec.replicas
+    loaded = step.status.loaded if step.status else None
+    if model.source is None or loaded is None or step.status is None or step.status.fetch:
+        return None  # nothing loaded yet, or a fetch under way (its roll comes next)
+    rolled = status.get("updatedReplicas") == replicas == status.get("readyReplicas")
+    done = (
+        rolled
+        and step.fetched_path == loaded.path
+        and len(status.get("replicaStatuses") or []) == replicas
+    )  # no outdated pod left
+    return loaded.path if done and step.status.pruned != loaded.path else None
+
+
+def _step(svc: b.Svc, previous: ModelStatus | None, facts: FillFacts) -> ModelStep:
     model = svc.spec.model
     if model.source is None or model.cache is None:
         where = model.path or "?"

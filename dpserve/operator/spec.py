@@ -109,6 +109,14 @@ class ModelCache(_Model):
         "that every replica mounts read-only at model.mountPath (ReadWriteMany storage "
         "when replicas run on several nodes; writable by user 10001)",
     )
+    keep: int = Field(
+        1,
+        ge=0,
+        le=100,
+        description="entries kept in the claim after a roll besides the ones loaded, the "
+        "newest first (1: the previous model, to roll back to); entries any "
+        "DiffusionService of this namespace loads from the claim are never removed",
+    )
 
 
 SOURCE_PATTERN: Final = r"^(hf|s3)://[^\s]+$"
@@ -434,6 +442,9 @@ class ModelFetch(_Model):
 class ModelStatus(_Model):
     loaded: LoadedModel | None = None
     fetch: ModelFetch | None = None
+    pruned: str | None = Field(
+        None, description="the loaded folder after whose roll the cache was last pruned"
+    )
     progress: str = Field("", description="one line for kubectl get: Ready, 41% …, Failed")
 
 

@@ -139,15 +139,16 @@ class ModelCache:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def entries(self, name: str) -> list[tuple[Entry, dict[str, object]]]:
-        """A source's published entries with their records, the newest first."""
+    def entries(self, name: str = "*") -> list[tuple[Entry, dict[str, object]]]:
+        """A source's published entries (every source's: ``*``) with their records, the
+        newest first."""
         found = []
-        for marker in (self.root / "entries" / name).glob(f"*/{MARKER}"):
+        for marker in self.root.glob(f"entries/{name}/*/{MARKER}"):
             try:
                 record = json.loads(marker.read_text())
             except (OSError, ValueError):
                 continue
-            found.append((Entry(self.root, name, marker.parent.name), record))
+            found.append((Entry(self.root, marker.parent.parent.name, marker.parent.name), record))
         return sorted(found, key=lambda e: float(e[1].get("fetched_at", 0)), reverse=True)
 
     def prune(self, name: str, keep: int, protect: frozenset[str] = frozenset()) -> list[Entry]:
@@ -155,24 +156,35 @@ class ModelCache:
         revision is in ``protect`` (in use) nor one being filled or read under its
         lock. Returns what was removed (a hub entry's snapshot is the caller's: see
         hub.forget)."""
-        removed = []
-        for entry, _ in self.entries(name)[keep:]:
-            if entry.revision in protect:
-                continue
-            with entry.lock.open("a+") as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                gone = entry.dir.with_name(entry.revision + ".removing")
-                entry.dir.rename(gone)  # unpublished first: no reader finds half an entry
-                shutil.rmtree(gone)
-                shutil.rmtree(entry.staging, ignore_errors=True)
-                entry.progress.unlink(missing_ok=True)
-                # The lock file stays: unlinked, a waiter on it and a newcomer on a new
-                # file would both take "the" lock and fill at once.
-                removed.append(entry)
-        return removed
+        doomed = [e for e, _ in self.entries(name)[keep:] if e.revision not in protect]
+        return [e for e in doomed if self._remove(e)]
+
+    def prune_all(
+        self, keep: int, protect: frozenset[Path] = frozenset()
+    ) -> list[tuple[Entry, dict[str, object]]]:
+        """Every source's entries but the ``protect``ed pipeline folders (those loaded)
+        and the ``keep`` newest others (to roll back to); entries under a lock (being
+        filled) are kept too. Returns the removed entries with their records."""
+        wanted = {p.absolute() for p in protect}
+        others = [
+            (e, r) for e, r in self.entries() if (self.root / str(r.get("folder"))) not in wanted
+        ]
+        return [(e, r) for e, r in others[keep:] if self._remove(e)]
+
+    def _remove(self, entry: Entry) -> bool:
+        with entry.lock.open("a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            gone = entry.dir.with_name(entry.revision + ".removing")
+            entry.dir.rename(gone)  # unpublished first: no reader finds half an entry
+            shutil.rmtree(gone)
+            shutil.rmtree(entry.staging, ignore_errors=True)
+            entry.progress.unlink(missing_ok=True)
+            # The lock file stays: unlinked, a waiter on it and a newcomer on a new
+            # file would both take "the" lock and fill at once.
+            return True
 
 
 def _write(path: Path, text: str) -> None:

@@ -150,6 +150,21 @@ def prune(
     return removed
 
 
+def prune_cache(cache_root: Path | None, keep: int, protect: Sequence[Path]) -> list[str]:
+    """Remove every entry of the cache but the ``protect``ed pipeline folders and the
+    ``keep`` newest others (``dpserve prune-cache``: a roll's clean-up); a hub entry's
+    snapshot goes from huggingface_hub's cache too. Returns the removed entries'
+    sources and revisions."""
+    cache = ModelCache(cache_root or default_root())
+    removed = cache.prune_all(keep, frozenset(protect))
+    hub = [e.revision for e, r in removed if str(r.get("source", "")).startswith("hf://")]
+    if hub:
+        from dpserve.sources.hub import forget
+
+        forget(cache.root / "hf", hub)
+    return [f"{r.get('source')}@{e.revision}" for e, r in removed]
+
+
 def fetch_main(
     model: str,
     cache_root: Path | None,

@@ -844,5 +844,22 @@ def test_a_model_source_is_fetched_by_one_job_then_loaded_by_every_replica(
     )
     assert status(cluster, "fetched")["model"]["loaded"]["source"] == "s3://models/tiny-v2/"
 
+    # Once every replica runs on it, one clean-up Job prunes the claim, sparing it.
+    def rolled() -> bool:
+        current = pods(cluster, "fetched")
+        for name, pod in current.items():
+            if model_args(pod) == V2 and pod.get("status", {}).get("phase") != "Running":
+                mark_ready(cluster, name)
+        return len(current) == 2 and all(model_args(p) == V2 for p in current.values())
+
+    eventually(rolled, what="both replicas on the new entry")
+    selector = "app.kubernetes.io/instance=fetched,app.kubernetes.io/component=model-prune"
+    (prune,) = eventually(lambda: get(cluster, "jobs", "-l", selector)["items"], what="prune")
+    args = prune["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:5] == ["prune-cache", "--model-cache", "/models", "--keep", "1"]
+    assert args[args.index("--protect") + 1] == V2
+    eventually(lambda: status(cluster, "fetched")["model"].get("pruned") == V2, what="recorded")
+    assert any(r == "CachePruning" for r, _ in events(cluster, "fetched"))
+
     cluster.kubectl("-n", NS, "delete", "dsvc", "fetched")
     eventually(lambda: not fill_jobs(cluster, "fetched"), what="fill Jobs collected")

@@ -11,7 +11,13 @@ from pydantic import ValidationError
 
 from dpserve.operator import builders as b
 from dpserve.operator import fill_job as f
-from dpserve.operator.model_state import FillFacts, model_step, needs_fill, previous_model
+from dpserve.operator.model_state import (
+    FillFacts,
+    model_step,
+    needs_fill,
+    previous_model,
+    prune_due,
+)
 from dpserve.operator.spec import DiffusionServiceSpec, LoadedModel, ModelStatus, problems
 from dpserve.operator.status import compute_status, known_indices
 
@@ -283,3 +289,38 @@ def test_status_shows_replicas_waiting_for_their_model() -> None:
     assert conditions["ModelReady"]["status"] == "False"
     assert status["model"]["progress"] == "Pending"
     assert known_indices(status) == set()  # listed, never made: their creation is new
+
+
+# ------------------------------------------------------------ the clean-up after a roll
+
+
+def test_the_prune_job_spares_every_loaded_folder_and_keeps_the_newest() -> None:
+    service = svc({**MODEL, "cache": {"claimName": "model-cache", "keep": 2}})
+    other = "/models/entries/s3-team-b/listing-9/model"
+    job = f.build_prune_job(service, IMAGES, FOLDER, [other, FOLDER])
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == [
+        "prune-cache", "--model-cache", "/models", "--keep", "2",
+        "--protect", FOLDER, "--protect", other,
+    ]  # fmt: skip
+    assert "envFrom" not in container  # no credentials: it reads only the claim
+    assert job["metadata"]["name"] == f.prune_job_name(service, FOLDER)
+    assert f.prune_job_name(service, FOLDER) != f.prune_job_name(service, other)
+
+
+def test_the_cache_is_pruned_once_the_replicas_rolled_onto_the_loaded_entry() -> None:
+    service = svc()
+    before = ModelStatus(loaded=loaded(), progress="Ready")
+    step = model_step(service, before, FillFacts())
+    entries = [{"index": i} for i in range(2)]
+    rolled = {"updatedReplicas": 2, "readyReplicas": 2, "replicaStatuses": entries}
+    assert prune_due(service, step, rolled) == FOLDER
+    assert prune_due(service, step, {**rolled, "readyReplicas": 1}) is None
+    assert prune_due(service, step, {**rolled, "replicaStatuses": [*entries, {"index": 0}]}) is None
+    done = ModelStatus(loaded=loaded(), progress="Ready", pruned=FOLDER)
+    again = model_step(service, done, FillFacts())
+    assert again.status is not None and again.status.pruned == FOLDER  # kept across steps
+    assert prune_due(service, again, rolled) is None
+    # While a new source is fetched, the replicas run the old entry: not yet.
+    moved = svc({**MODEL, "source": "s3://models/flux-v2/"})
+    assert prune_due(moved, model_step(moved, before, FillFacts()), rolled) is None

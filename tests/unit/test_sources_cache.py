@@ -138,6 +138,44 @@ def test_pruning_keeps_the_newest_and_those_in_use(folder: Path, tmp_path: Path)
     assert kept == [revisions[3], revisions[2], revisions[0]]
 
 
+def test_prune_cache_keeps_what_is_loaded_the_newest_others_and_fills_under_way(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dpserve prune-cache``, what a roll's clean-up Job runs: over every source."""
+    import fcntl
+
+    from dpserve.cli import main
+
+    cache = ModelCache(tmp_path / "cache")
+    made = []
+    for i, source in enumerate(["s3://m/v1/", "s3://m/v2/", "s3://m/v3/", "s3://m/v4/"]):
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "X", "v": i}))
+        plan = _plan_of(folder, source)
+        entry = cache.entry(source.replace("/", "-"), plan)
+        made.append((entry, cache.fill(entry, plan, _copier(folder, []))))
+    (v1, v1_folder), (v2, _), (v3, _), (v4, v4_folder) = made
+    root = str(cache.root)
+    with v2.lock.open("a+") as held:  # a fetch of v2's entry under way elsewhere
+        fcntl.flock(held, fcntl.LOCK_EX)
+        args = ["prune-cache", "--model-cache", root, "--keep", "1", "--protect", str(v1_folder)]
+        assert main([*args, "--protect", str(v4_folder)]) == 0
+    # Loaded: v1 and v4 (protected). The newest other, v3, is kept to roll back to;
+    # v2 is locked. Nothing is removed.
+    assert capsys.readouterr().out == ""
+    assert (
+        main(["prune-cache", "--model-cache", root, "--keep", "0", "--protect", str(v4_folder)])
+        == 0
+    )
+    removed = capsys.readouterr().out.splitlines()
+    assert sorted(removed) == sorted(
+        f"removed s3://m/{v}/@{e.revision}" for v, e in (("v1", v1), ("v2", v2), ("v3", v3))
+    )
+    assert [e.revision for e, _ in cache.entries()] == [v4.revision]
+    assert (v4_folder / "model_index.json").is_file()
+    with pytest.raises(SystemExit):
+        main(["prune-cache", "--model-cache", root, "--keep", "-1"])
+
+
 def test_digests(tmp_path: Path) -> None:
     data = bytes(range(256)) * 40000  # 10 MB
     path = tmp_path / "f"
