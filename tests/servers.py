@@ -19,7 +19,12 @@ from tests.workers import free_port
 
 class ServeProcess:
     def __init__(
-        self, model: Path | str, dp_size: int, *args: str, timeout_s: float = 180.0
+        self,
+        model: Path | str,
+        dp_size: int,
+        *args: str,
+        timeout_s: float = 180.0,
+        log: Path | None = None,
     ) -> None:
         self.port = free_port()
         self.scheduler_port = free_port() + 0  # replicas bind scheduler_port + r
@@ -29,7 +34,11 @@ class ServeProcess:
         cmd = [sys.executable, "-m", "dpserve", "serve", "--model", str(model)]
         cmd += ["--dp-size", str(dp_size), "--port", str(self.port)]
         cmd += ["--scheduler-port", str(self.scheduler_port), *args]
-        self.proc = subprocess.Popen(cmd)
+        if log is None:
+            self.proc = subprocess.Popen(cmd)
+        else:  # a benchmark keeps its own output to its figures
+            with log.open("ab") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=120)
         try:
             self.wait_healthy(timeout_s)
