@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,10 @@ def dry_run_revision(server: S3Server, source: str, cache: Path) -> str:
     return str(json.loads(done.stdout)["revision"])
 
 
+def _time(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+
+
 def model_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -371,9 +376,13 @@ def test_a_source_is_fetched_once_then_both_replicas_serve_it(
     assert container["envFrom"] == [{"secretRef": {"name": SECRET}}]
     for pod in pods.values():
         assert SECRET not in json.dumps(pod["spec"])
+    began, ended = (_time(job["status"][k]) for k in ("startTime", "completionTime"))
+    shown = [c for i, c in enumerate(watch.columns) if i == 0 or c != watch.columns[i - 1]]
     seen.figures += [
-        f"first fill: Fetching seen {fetched - (watch.fetching_since or fetched):.1f} s "
-        f"before ModelReady; apply to ModelReady {fetched - applied:.1f} s",
+        f"first fill: Job {ended - began:.0f} s (start to completion); Fetching seen "
+        f"{fetched - (watch.fetching_since or fetched):.1f} s before ModelReady; apply to "
+        f"ModelReady {fetched - applied:.1f} s",
+        "MODEL column during it: " + " | ".join(shown),
         f"apply to Ready (2 replicas + router): {ready - applied:.1f} s",
         f"bytes through the proxy: {moved} for a model of {total} (+{moved - total})",
     ]
