@@ -243,6 +243,13 @@ def job_finished(job: dict[str, Any] | None, kind: str) -> bool:
     return any(c["type"] == kind and c["status"] == "True" for c in conds)
 
 
+def fill_exited_0(pod: dict[str, Any]) -> bool:
+    states = [
+        cs.get("state") or {} for cs in (pod.get("status") or {}).get("containerStatuses") or []
+    ]
+    return any((st.get("terminated") or {}).get("exitCode") == 0 for st in states)
+
+
 def events(k8s: NodeBackend, reason: str) -> list[dict[str, Any]]:
     items = k8s.get(NS, "events")["items"]
     return [e for e in items if e["involvedObject"]["name"] == NAME and e["reason"] == reason]
@@ -287,13 +294,13 @@ class FirstFill:
     fetching_since: float | None = None
 
     def look(self) -> bool:
-        # Pods first, then the Job: a Job not complete when read after the pods was not
-        # complete when they were listed, so no replica pod may have existed then.
+        # Replica pods first, then the fill pod: one that had not exited 0 when read
+        # after them had not when they were listed, so no replica pod may have existed.
         pods = replica_pods(self.k8s)
-        jobs = fill_jobs(self.k8s)
-        st = status(self.k8s)
-        if not any(job_finished(j, "Complete") for j in jobs.values()):
+        fill = self.k8s.get(NS, "pods", "-l", "app.kubernetes.io/component=model-fill")
+        if not any(fill_exited_0(p) for p in fill["items"]):
             self.early_pods += list(pods)
+        st = status(self.k8s)
         fetch = (st.get("model") or {}).get("fetch") or {}
         if fetch.get("state") == "Fetching":
             self.fetching_since = self.fetching_since or time.monotonic()
