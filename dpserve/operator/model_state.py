@@ -2,8 +2,8 @@
 Job, its newest pod and that pod's last log line. Pure, so tested on dicts.
 
 The replicas load the entry recorded in ``status.model.loaded``. It changes only when
-a fill Job for the spec's source has completed and its pod's termination message
-names the published folder; until then replicas keep loading the previous entry
+a fill pod for the spec's source has exited 0 (or its Job has completed) and the pod's
+termination message names the published folder; until then replicas keep loading the previous entry
 (a deleted replica comes back on it), or, with none yet, are held back: no pod asks
 for GPUs while its model is on the way.
 """
@@ -122,7 +122,11 @@ def _step(svc: b.Svc, previous: ModelStatus | None, facts: FillFacts) -> ModelSt
             create_job=True,
         )
     outcome = _outcome(facts.pod)
-    if _finished(facts.job, "Complete"):
+    # The fetch's own word, once its pod has exited 0, is enough: the entry is published
+    # before it writes the result. The Job is marked Complete a second or more later (its
+    # controller batches pod updates), and the operator hears of that only at the next
+    # drift check: waiting for it would show a finished fill as Pending meanwhile.
+    if _finished(facts.job, "Complete") or _published(facts.pod, outcome):
         if outcome is None or outcome.get("state") != "ready" or not outcome.get("folder"):
             # Its pod (and the outcome) went with the Job's history: ask again. The entry
             # is published, so the new Job only confirms it and moves nothing.
@@ -196,6 +200,11 @@ def _fetch_state(pod: Mapping[str, Any] | None) -> Mapping[str, Any]:
         if cs.get("name") == f.CONTAINER:
             return cs.get("state") or {}
     return {}
+
+
+def _published(pod: Mapping[str, Any] | None, outcome: Mapping[str, Any] | None) -> bool:
+    exited = (_fetch_state(pod).get("terminated") or {}).get("exitCode")
+    return exited == 0 and outcome is not None and outcome.get("state") == "ready"
 
 
 def _outcome(pod: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ import pytest
 
 from dpserve.router.sessions import session_owner
 from tests.e2e.backends import Backend
+from tests.e2e.operator_install import OPERATOR_NS, operator_installed
 from tests.polling import eventually
 from tests.realtime_client import RealtimeSocket
 
@@ -39,11 +40,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(2400)]
 REPO = Path(__file__).resolve().parents[2]
 NS = "journey"
 REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
-OPERATOR_NS = "dpserve-system"
-RESTRICTED = {
-    "pod-security.kubernetes.io/enforce": "restricted",
-    "pod-security.kubernetes.io/enforce-version": "latest",
-}
 LORA = "/models/loras/tiny"  # baked into the worker image (Dockerfile)
 API_KEY, ADMIN_KEY = "journey-inference-key", "journey-admin-key"
 
@@ -99,11 +95,6 @@ def stage_models(root: Path, tiny_model: Path, tiny_lora: Path, tiny_video: Path
     return root
 
 
-def restricted_namespace(backend: Backend, name: str) -> None:
-    backend.kubectl("create", "namespace", name)
-    backend.kubectl("label", "namespace", name, *(f"{k}={v}" for k, v in RESTRICTED.items()))
-
-
 @pytest.fixture(scope="module")
 def k8s(
     backend: Backend,
@@ -115,19 +106,8 @@ def k8s(
     root = tmp_path_factory.mktemp("image-models")
     models = stage_models(root, tiny_model, tiny_lora, tiny_video_model)
     backend.provide_files({"/models": models})
-    restricted_namespace(backend, OPERATOR_NS)
-    restricted_namespace(backend, NS)
-    # Namespaced: the operator holds a Role in NS and nothing cluster-wide.
-    backend.helm("install", "dpserve", str(REPO / "charts/dpserve"), "-n", OPERATOR_NS,
-                 f"--set=watchNamespaces={{{NS}}}", *backend.helm_values())  # fmt: skip
-    eventually(
-        lambda: backend.pod_ready(OPERATOR_NS, "app.kubernetes.io/name=dpserve"),
-        what="the operator pod",
-    )
-    eventually(lambda: backend.kubectl("-n", NS, "get", "sa", "default", check=False)
-               .returncode == 0, what="default service account")  # fmt: skip
-    yield backend
-    backend.helm("uninstall", "dpserve", "-n", OPERATOR_NS, check=False)
+    with operator_installed(backend, NS):
+        yield backend
 
 
 def status(k8s: Backend, name: str = "tiny") -> dict[str, Any]:

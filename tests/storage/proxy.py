@@ -16,14 +16,17 @@ from types import TracebackType
 
 
 class CountingProxy:
-    def __init__(self, target: str, rate_bytes_per_s: float | None = None) -> None:
+    def __init__(
+        self, target: str, rate_bytes_per_s: float | None = None, listen_host: str = "127.0.0.1"
+    ) -> None:
+        """``listen_host``: where clients reach it (a test node's bridge gateway for pods)."""
         host, port = target.removeprefix("http://").rsplit(":", 1)
         self.target = (host, int(port))
         self.rate = rate_bytes_per_s  # None: as fast as it comes; may change while running
         self._lock = threading.Lock()
         self._sent = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._listener = socket.create_server((listen_host, 0))
+        self.url = f"http://{listen_host}:{self._listener.getsockname()[1]}"
         self._closed = threading.Event()
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()

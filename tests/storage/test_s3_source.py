@@ -19,20 +19,12 @@ from dpserve.sources.fetch import local_folder
 from tests.polling import eventually
 from tests.servers import ServeProcess
 from tests.storage.proxy import CountingProxy
-from tests.storage.s3 import S3Server
+from tests.storage.s3 import S3Server, upload_folder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3]
 
 MiB = 1024 * 1024
 INDEX = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}
-
-
-def _upload_folder(s3: Any, bucket: str, prefix: str, folder: Path, sha256: bool = False) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            extra = {"ChecksumAlgorithm": "SHA256"} if sha256 else {}
-            key = f"{prefix}/{path.relative_to(folder)}"
-            s3.put_object(Bucket=bucket, Key=key, Body=path.read_bytes(), **extra)
 
 
 def _multipart(s3: Any, bucket: str, key: str, data: bytes, part: int = 5 * MiB) -> None:
@@ -79,7 +71,7 @@ def test_a_fetch_plans_verifies_each_digest_and_publishes(
 ) -> None:
     s3 = s3_server.client()
     bucket = s3_server.new_bucket()
-    _upload_folder(s3, bucket, "tiny", tiny_model, sha256=True)
+    upload_folder(s3, bucket, "tiny", tiny_model, sha256=True)
     s3.put_object(Bucket=bucket, Key="tiny/tiny.safetensors", Body=b"a single-file duplicate")
     s3.put_object(Bucket=bucket, Key="tiny/vae/diffusion_pytorch_model.bin", Body=b"pickle")
     said: list[str] = []
@@ -325,7 +317,7 @@ def test_serve_fetches_once_for_its_replicas_and_answers(
 ) -> None:
     s3 = s3_server.client()
     bucket = s3_server.new_bucket()
-    _upload_folder(s3, bucket, "tiny", tiny_model)
+    upload_folder(s3, bucket, "tiny", tiny_model)
     total = sum(p.stat().st_size for p in tiny_model.rglob("*") if p.is_file())
     with CountingProxy(s3_server.endpoint_url) as proxy:
         os.environ["AWS_ENDPOINT_URL"] = proxy.url  # (restored by aws_env's monkeypatch)
@@ -355,7 +347,7 @@ def test_two_workers_on_one_cache_fetch_once_then_serve(
 
     s3 = s3_server.client()
     bucket = s3_server.new_bucket()
-    _upload_folder(s3, bucket, "tiny", tiny_model)
+    upload_folder(s3, bucket, "tiny", tiny_model)
     total = sum(p.stat().st_size for p in tiny_model.rglob("*") if p.is_file())
     cache = tmp_path / "cache"
     model = f"s3://{bucket}/tiny"

@@ -242,6 +242,22 @@ def test_a_completed_job_loads_the_folder_it_published() -> None:
     assert not needs_fill(svc(), step.status)
 
 
+def test_a_fill_pod_that_exited_0_loads_its_folder_before_the_job_is_marked() -> None:
+    """The Job controller marks the Job Complete a moment after its pod ends, and no
+    event tells the operator: meanwhile the fill is done, not Pending."""
+    pod = result(state="ready", source=SOURCE, revision="listing-abc", folder=FOLDER)
+    step = model_step(svc(), None, FillFacts(job=job(), pod=pod))
+    assert step.fetched_path == FOLDER and step.status is not None
+    assert step.status.progress == "Ready" and step.condition[:2] == ("True", "Fetched")
+    assert [n.reason for _, n in step.notes] == ["FetchFinished"]
+    # A pod that failed with an outcome (its error) waits for the Job's verdict.
+    failed = fill_pod(
+        terminated={"exitCode": 1, "message": json.dumps({"state": "failed", "error": "x"})}
+    )
+    running = model_step(svc(), None, FillFacts(job=job(), pod=failed))
+    assert running.fetched_path is None and running.condition[0] == "False"
+
+
 def test_a_completed_job_whose_outcome_is_gone_is_made_again() -> None:
     step = model_step(svc(), None, FillFacts(job=job("Complete"), pod=None))
     assert step.delete_job and step.fetched_path is None
