@@ -12,7 +12,13 @@ shift
 LOG=$(mktemp --suffix=.journeys.log)
 trap 'rm -f "$LOG"' EXIT
 
-"$PY" -m pytest tests -m journeys "$@" >"$LOG" 2>&1 &
+# A background job of a script starts with SIGINT ignored, and Python then never turns it
+# into KeyboardInterrupt: the lane would run on after Ctrl-C. The wrapper hands SIGINT
+# back to its default before exec, so pytest installs its handler and tears down.
+"$PY" -c 'import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]])' \
+    tests -m journeys "$@" >"$LOG" 2>&1 &
 JOURNEYS=$!
 # Ctrl-C or a CI kill stops the journeys lane too (its fixtures tear down on SIGINT).
 trap 'kill -INT "$JOURNEYS" 2>/dev/null; wait "$JOURNEYS"; rm -f "$LOG"; exit 130' INT TERM
