@@ -113,14 +113,19 @@ def _step(svc: b.Svc, previous: ModelStatus | None, facts: FillFacts) -> ModelSt
         else "; replicas wait for it"
     )
     old_path = loaded.path if loaded is not None else None
-    if facts.job is None:
-        fetch = ModelFetch(source=model.source, job=job_name, state="Pending")
+
+    def pending(why: str, create: bool = False, delete: bool = False) -> ModelStep:
+        fetch = ModelFetch(source=str(model.source), job=job_name, state="Pending")
         return ModelStep(
             fetched_path=old_path,
             status=ModelStatus(loaded=loaded, fetch=fetch, progress="Pending"),
-            condition=("False", "FetchPending", f"starting the fill Job {job_name}{meanwhile}"),
-            create_job=True,
+            condition=("False", "FetchPending", f"{why}{meanwhile}"),
+            create_job=create,
+            delete_job=delete,
         )
+
+    if facts.job is None:
+        return pending(f"starting the fill Job {job_name}", create=True)
     outcome = _outcome(facts.pod)
     # The fetch's own word, once its pod has exited 0, is enough: the entry is published
     # before it writes the result. The Job is marked Complete a second or more later (its
@@ -130,13 +135,7 @@ def _step(svc: b.Svc, previous: ModelStatus | None, facts: FillFacts) -> ModelSt
         if outcome is None or outcome.get("state") != "ready" or not outcome.get("folder"):
             # Its pod (and the outcome) went with the Job's history: ask again. The entry
             # is published, so the new Job only confirms it and moves nothing.
-            fetch = ModelFetch(source=model.source, job=job_name, state="Pending")
-            return ModelStep(
-                fetched_path=old_path,
-                status=ModelStatus(loaded=loaded, fetch=fetch, progress="Pending"),
-                condition=("False", "FetchPending", f"confirming the fetched entry{meanwhile}"),
-                delete_job=True,
-            )
+            return pending("confirming the fetched entry", delete=True)
         new = LoadedModel(
             source=model.source,
             revision=str(outcome.get("revision") or "?"),

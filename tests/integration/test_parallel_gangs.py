@@ -22,20 +22,13 @@ from dpserve.contract import realtime as rt
 from dpserve.contract.protocol import (
     RequestError,
 )
+from tests.parallel_harness import REQUEST as GANG_REQUEST
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang
 
 TOKENS = ("--max-sequence-length", "64")
-REQUEST = dict(
-    prompt="a red fox in the snow",
-    negative_prompt="blurry",
-    true_cfg_scale=4.0,
-    width=64,
-    height=64,
-    num_inference_steps=3,
-    seed=21,
-)
+REQUEST = {**GANG_REQUEST, "seed": 21}  # the gang-math request, through a real driver
 LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2"), "ring2": ("--sp", "2", "--ring", "2")}
 
 
