@@ -115,6 +115,17 @@ class Kube:
             raise
         return obj.to_dict()
 
+    async def _create(self, obj: dict[str, Any]) -> bool:
+        """Create ``obj``; False when one of its name exists already (409)."""
+        resource = self._resource(obj["apiVersion"], obj["kind"])
+        try:
+            await self._run(resource.create, body=obj, namespace=obj["metadata"]["namespace"])
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
     @uses((s.GROUP, s.PLURAL, "get"))
     async def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self._get(f"{s.GROUP}/{s.VERSION}", s.KIND, namespace, name)
@@ -148,14 +159,7 @@ class Kube:
     @uses(("", "pods", "create"))
     async def create_pod(self, pod: dict[str, Any]) -> bool:
         """Create; False when a pod of that name still exists (e.g. terminating)."""
-        pods = self._resource("v1", "Pod")
-        try:
-            await self._run(pods.create, body=pod, namespace=pod["metadata"]["namespace"])
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-        return True
+        return await self._create(pod)
 
     @uses(("", "pods", "delete"))
     async def delete_pod(self, namespace: str, name: str) -> None:
@@ -214,14 +218,7 @@ class Kube:
     @uses(("batch", "jobs", "create"))
     async def create_job(self, job: dict[str, Any]) -> bool:
         """Create; False when a Job of that name exists already."""
-        jobs = self._resource("batch/v1", "Job")
-        try:
-            await self._run(jobs.create, body=job, namespace=job["metadata"]["namespace"])
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-        return True
+        return await self._create(job)
 
     @uses(("batch", "jobs", "delete"))
     async def delete_job(self, namespace: str, name: str) -> None:
@@ -257,9 +254,4 @@ class Kube:
     async def create_if_absent(self, obj: dict[str, Any]) -> None:
         """For objects made once and never read back: the control state (the routers own
         its content) and the wire Secret (create-only: no read access is needed)."""
-        resource = self._resource(obj["apiVersion"], obj["kind"])
-        try:
-            await self._run(resource.create, body=obj, namespace=obj["metadata"]["namespace"])
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
+        await self._create(obj)
