@@ -312,12 +312,16 @@ def test_a_pin_names_the_revision_and_folder_then_a_node_fetches_only_that(
     folder = Path(pinned["folder"])
     assert folder == cache / "entries" / folder.parent.parent.name / pinned["revision"] / "model"
 
+    # Two replicas' init containers on one node, at once: one fill between them.
     flags = ["--json-lines", "--expect-revision", pinned["revision"], "--prune-keep", "0"]
-    done = _fetch(pinned["fetch"], cache, s3_server.endpoint_url, aws_env, *flags)
-    out, err = done.communicate(timeout=120)
-    assert done.returncode == 0, err
-    outcome = json.loads(out.splitlines()[-1])
-    assert Path(outcome["folder"]) == folder and (folder / "model_index.json").is_file()
+    with CountingProxy(s3_server.endpoint_url, rate_bytes_per_s=4 * MiB) as proxy:
+        fetches = [_fetch(pinned["fetch"], cache, proxy.url, aws_env, *flags) for _ in range(2)]
+        outputs = [f.communicate(timeout=120) for f in fetches]
+        assert [f.returncode for f in fetches] == [0, 0], outputs
+        assert pinned["bytes_total"] <= proxy.sent < pinned["bytes_total"] + 64 * 1024
+    for out, _ in outputs:
+        outcome = json.loads(out.splitlines()[-1])
+        assert Path(outcome["folder"]) == folder and (folder / "model_index.json").is_file()
 
     # The bucket changes after the pin: a node that fetches now refuses, naming both.
     put = s3.put_object
