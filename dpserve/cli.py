@@ -99,6 +99,26 @@ def _add_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="also write the result (folder, revision, bytes; or the error) here as JSON",
     )
+    f.add_argument(
+        "--pin",
+        action="store_true",
+        help="resolve the revision and say where its entry will lie under --model-cache "
+        "(the result: revision, folder, bytes, the URI naming that revision); fetch nothing",
+    )
+    f.add_argument(
+        "--expect-revision",
+        default=None,
+        metavar="REVISION",
+        help="the revision the source was pinned to: refuse (exit 3) one now at another",
+    )
+    f.add_argument(
+        "--prune-keep",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="once fetched, remove this source's other entries but the N newest "
+        "(never one being filled)",
+    )
 
 
 def _count(text: str) -> int:
@@ -351,11 +371,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "worker":
             return _worker(args)
         if args.command == "fetch":
-            from dpserve.sources.fetch import fetch_main
+            from dpserve.sources.fetch import FetchOptions, fetch_main
 
-            return fetch_main(
-                str(args.model), args.model_cache, args.dry_run, args.json_lines, args.result_file
+            opts = FetchOptions(
+                dry_run=args.dry_run,
+                json_lines=args.json_lines,
+                result_file=args.result_file,
+                pin=args.pin,
+                expect_revision=args.expect_revision,
+                prune_keep=args.prune_keep,
             )
+            return fetch_main(str(args.model), args.model_cache, opts)
         if args.command == "prune-cache":
             from dpserve.sources.fetch import prune_cache
 

@@ -40,6 +40,10 @@ ADMIN_KEYS: Final = "admin-keys"
 # The root filesystem is read-only: every write goes to an emptyDir here, and the
 # caches torch, diffusers, Hugging Face and Triton keep in $HOME are pointed at it.
 SCRATCH: Final = "/tmp"
+# The container that runs ``dpserve fetch`` (a fill Job's, a node-local replica's init
+# container); it reports its outcome in the termination message.
+FETCH_CONTAINER: Final = "fetch"
+TERMINATION_LOG: Final = "/dev/termination-log"
 # Bumped when the operator changes replica pods in a way old ones lack (2: wire key,
 # pod-IP bind, restricted security): the spec hash changes, so they are rolled.
 POD_SHAPE: Final = 2
@@ -62,6 +66,16 @@ class Images:
 
 
 @dataclass(frozen=True)
+class NodeFetch:
+    """What a node-local replica's init container fetches: the source pinned to the
+    revision the operator resolved (the hub's commit in the URI; for S3 the listing
+    digest, refused if the bucket changed since)."""
+
+    uri: str
+    revision: str
+
+
+@dataclass(frozen=True)
 class Svc:
     """The parts of a DiffusionService object the builders need."""
 
@@ -73,6 +87,8 @@ class Svc:
     # The pipeline folder a model.source resolved to (its cache entry in the claim);
     # None until one is fetched. Without a source, model.path is the folder.
     fetched_path: str | None = None
+    # With a node-local cache: what each replica's init container fetches into its node.
+    node_fetch: NodeFetch | None = None
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> Svc:
@@ -177,6 +193,8 @@ def spec_hash(spec: s.DiffusionServiceSpec, fetched: str | None = None) -> str:
     for key in ("source", "credentials", "cache"):
         if model.get(key) is None:
             model.pop(key, None)  # absent as before sources existed: no roll on upgrade
+    if model.get("cache"):  # a claim's hashes as before node-local caches existed
+        model["cache"] = {k: v for k, v in model["cache"].items() if v is not None}
     if spec.model.source is not None:
         model.pop("source")
         model.pop("credentials", None)  # the fill Job's, not the replicas'
@@ -319,8 +337,14 @@ def _volumes(spec: s.DiffusionServiceSpec) -> tuple[list[dict[str, Any]], list[d
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volume = spec.model.volume
-    if spec.model.cache is not None:  # replicas only read the cache the fill Job wrote
-        claim = {"claimName": spec.model.cache.claimName, "readOnly": True}
+    cache = spec.model.cache
+    if cache is not None and cache.nodeLocal is not None:
+        # Written by the init container only (fetch_init_container); the worker reads.
+        host = {"path": cache.nodeLocal.path, "type": "Directory"}
+        volumes.append({"name": "model", "hostPath": host})
+        mounts.append({"name": "model", "mountPath": spec.model.mountPath, "readOnly": True})
+    elif cache is not None:  # replicas only read the cache the fill Job wrote
+        claim = {"claimName": cache.claimName, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": spec.model.mountPath, "readOnly": True})
     elif volume is not None and volume.persistentVolumeClaim is not None:
@@ -338,6 +362,70 @@ def _volumes(spec: s.DiffusionServiceSpec) -> tuple[list[dict[str, Any]], list[d
         )
         mounts.append({"name": "model", "mountPath": spec.model.mountPath, "readOnly": True})
     return volumes, mounts
+
+
+def fetch_env(spec: s.DiffusionServiceSpec) -> list[dict[str, Any]]:
+    """A ``dpserve fetch`` container's variables: the scratch ones, the hub switched back
+    online (the worker image sets it offline for replicas) without its bars in the log,
+    then the user's."""
+    return [
+        *scratch_env(),
+        {"name": "HF_HUB_OFFLINE", "value": "0"},
+        {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"},
+        *(e.model_dump(exclude_none=True) for e in spec.env or []),
+    ]
+
+
+def fetch_container(
+    spec: s.DiffusionServiceSpec, images: Images, args: list[str], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A ``dpserve fetch`` container: the worker image (it holds the clients), the store's
+    Secret as its environment (the only containers that get it), the outcome as its
+    termination message, progress as JSON lines in its log."""
+    container: dict[str, Any] = {
+        "name": FETCH_CONTAINER,
+        "image": spec.image or images.worker,
+        "imagePullPolicy": images.pull_policy,
+        "command": ["dpserve"],
+        "args": args,
+        "env": fetch_env(spec),
+        "volumeMounts": mounts,
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": container_security(),
+    }
+    if spec.model.credentials is not None:
+        # Variables of this container only: never arguments, never the worker's.
+        container["envFrom"] = [{"secretRef": {"name": spec.model.credentials.secretName}}]
+    return container
+
+
+def node_fetch_args(svc: Svc) -> list[str]:
+    """The init container's fetch: the pinned revision into the node's folder, refused
+    if the source moved on, then the source's older entries there pruned."""
+    model, pinned = svc.spec.model, svc.node_fetch
+    assert pinned is not None and model.cache is not None
+    return [
+        "fetch",
+        pinned.uri,
+        "--model-cache",
+        model.mountPath,
+        "--json-lines",
+        "--result-file",
+        TERMINATION_LOG,
+        "--expect-revision",
+        pinned.revision,
+        "--prune-keep",
+        str(model.cache.keep),
+    ]
+
+
+def fetch_init_container(svc: Svc, images: Images) -> dict[str, Any]:
+    """A node-local replica's first step: the node's cache filled (or found ready, or
+    waited for under the entry's lock while another replica there fills it)."""
+    mounts = [{"name": "model", "mountPath": svc.spec.model.mountPath}, scratch_volume()[1]]
+    return fetch_container(svc.spec, images, node_fetch_args(svc), mounts)
 
 
 def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
@@ -376,6 +464,7 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
         "securityContext": container_security(),
     }
     pod_spec: dict[str, Any] = {
+        **({"initContainers": [fetch_init_container(svc, images)]} if svc.node_fetch else {}),
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",

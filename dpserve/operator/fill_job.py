@@ -1,6 +1,7 @@
-"""The cache claim's Jobs (docs/models.md, On Kubernetes): the fill, ``dpserve fetch`` of
+"""The model cache's Jobs (docs/models.md, On Kubernetes): the fill, ``dpserve fetch`` of
 model.source into the claim once for every replica, and the prune after a roll,
-``dpserve prune-cache``. Pure builders, like ``builders``.
+``dpserve prune-cache``; with a node-local cache, the pin, ``dpserve fetch --pin``: the
+revision every node's replicas then fetch. Pure builders, like ``builders``.
 
 One Job per source and claim (its name hashes both), so a new source is a new Job
 and the old one's outcome stays readable until it expires. The pod reports on two
@@ -19,10 +20,10 @@ from dpserve.sources.errors import EXIT_REFUSED
 
 COMPONENT: Final = "model-fill"
 PRUNE_COMPONENT: Final = "model-prune"
-CONTAINER: Final = "fetch"
+CONTAINER: Final = b.FETCH_CONTAINER
 SOURCE_ANNOTATION: Final = "dpserve.dev/model-source"
 JOB_LABEL: Final = "dpserve.dev/fill-job"  # on the Job's pods: the operator lists them by it
-TERMINATION_LOG: Final = "/dev/termination-log"
+TERMINATION_LOG: Final = b.TERMINATION_LOG
 # Tries of a fetch that failed for a reason that may pass (the store unreachable, a
 # pod lost); each resumes where the last stopped. A refusal (exit EXIT_REFUSED: a
 # digest that does not match, not a pipeline) fails the Job at once.
@@ -34,10 +35,14 @@ TTL_AFTER_FINISHED_S: Final = 24 * 3600
 
 
 def fill_job_name(svc: b.Svc) -> str:
+    """``<name>-fill-<hash>`` into a claim, ``<name>-pin-<hash>`` for a node-local cache."""
     model = svc.spec.model
     assert model.source is not None and model.cache is not None
-    key = f"{model.source}\0{model.cache.claimName}\0{model.mountPath}"
-    return f"{svc.name}-fill-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    node = model.cache.nodeLocal
+    where = f"node:{node.path}" if node is not None else model.cache.claimName
+    key = f"{model.source}\0{where}\0{model.mountPath}"
+    kind = "pin" if node is not None else "fill"
+    return f"{svc.name}-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def pods_selector(job_name: str) -> str:
@@ -45,42 +50,30 @@ def pods_selector(job_name: str) -> str:
 
 
 def fill_args(svc: b.Svc) -> list[str]:
+    """Into the claim; or, node-local, only the pin: nothing fetched, no volume, the
+    folder named as the replicas will see it under mountPath."""
     model = svc.spec.model
-    assert model.source is not None
-    return [
-        "fetch",
-        model.source,
-        "--model-cache",
-        model.mountPath,
-        "--json-lines",
-        "--result-file",
-        TERMINATION_LOG,
-    ]
-
-
-def fill_env(svc: b.Svc) -> list[dict[str, Any]]:
-    """The scratch variables, the hub switched back online (the worker image sets it
-    offline for replicas) without its bars in the log, then the user's variables."""
-    return [
-        *b.scratch_env(),
-        {"name": "HF_HUB_OFFLINE", "value": "0"},
-        {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"},
-        *(e.model_dump(exclude_none=True) for e in svc.spec.env or []),
-    ]
+    assert model.source is not None and model.cache is not None
+    pin = ["--pin"] if model.cache.nodeLocal is not None else ["--json-lines"]
+    return ["fetch", model.source, "--model-cache", model.mountPath, *pin,
+            "--result-file", TERMINATION_LOG]  # fmt: skip
 
 
 def build_fill_job(svc: b.Svc, images: b.Images) -> dict[str, Any]:
+    """The fill Job (the pin Job, node-local): the Secret's keys become variables of its
+    pod only, never arguments, never the replicas' (they read the cache, not the store)."""
     model = svc.spec.model
-    assert model.source is not None
-    job = _cache_job(svc, images, fill_job_name(svc), COMPONENT, fill_args(svc), fill_env(svc))
+    assert model.source is not None and model.cache is not None
+    scratch, scratch_mount = b.scratch_volume()
+    if model.cache.nodeLocal is not None:
+        volumes, mounts = [scratch], [scratch_mount]
+    else:
+        volumes, mounts = _claim_volume(svc, scratch, scratch_mount)
+    container = b.fetch_container(svc.spec, images, fill_args(svc), mounts)
+    job = _job(svc, images, fill_job_name(svc), COMPONENT, container, volumes)
     job["metadata"]["annotations"] = {SOURCE_ANNOTATION: model.source}
     pod = job["spec"]["template"]
     pod["metadata"]["annotations"] = {SOURCE_ANNOTATION: model.source}
-    if model.credentials is not None:
-        # The Secret's keys become variables of this pod only: never arguments, never
-        # the replicas' (they read the claim, not the store).
-        secret = {"secretRef": {"name": model.credentials.secretName}}
-        pod["spec"]["containers"][0]["envFrom"] = [secret]
     job["spec"]["backoffLimit"] = BACKOFF_LIMIT
     job["spec"]["podFailurePolicy"] = {
         "rules": [
@@ -113,39 +106,36 @@ def build_prune_job(
     args = ["prune-cache", "--model-cache", model.mountPath, "--keep", str(model.cache.keep)]
     for folder in sorted({loaded, *protect}):
         args += ["--protect", folder]
-    job = _cache_job(
-        svc, images, prune_job_name(svc, loaded), PRUNE_COMPONENT, args, b.scratch_env()
-    )
+    volumes, mounts = _claim_volume(svc, *b.scratch_volume())
+    container = {
+        **b.fetch_container(svc.spec, images, args, mounts),
+        "env": b.scratch_env(),  # nor the hub's switches: it reads the claim only
+    }
+    container.pop("envFrom", None)
+    job = _job(svc, images, prune_job_name(svc, loaded), PRUNE_COMPONENT, container, volumes)
     job["spec"]["backoffLimit"] = 2
     return job
 
 
-def _cache_job(
+def _claim_volume(
+    svc: b.Svc, scratch: dict[str, Any], scratch_mount: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The cache claim mounted read-write at mountPath, and the scratch folder."""
+    model = svc.spec.model
+    assert model.cache is not None and model.cache.claimName is not None
+    claim = {"name": "cache", "persistentVolumeClaim": {"claimName": model.cache.claimName}}
+    return [claim, scratch], [{"name": "cache", "mountPath": model.mountPath}, scratch_mount]
+
+
+def _job(
     svc: b.Svc,
     images: b.Images,
     name: str,
     component: str,
-    args: list[str],
-    env: list[dict[str, Any]],
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """A Job of one ``dpserve`` pod with the claim mounted read-write at mountPath."""
-    spec, model = svc.spec, svc.spec.model
-    assert model.cache is not None
-    scratch, scratch_mount = b.scratch_volume()
-    container: dict[str, Any] = {
-        "name": CONTAINER,
-        "image": spec.image or images.worker,
-        "imagePullPolicy": images.pull_policy,
-        "command": ["dpserve"],
-        "args": args,
-        "env": env,
-        "volumeMounts": [{"name": "cache", "mountPath": model.mountPath}, scratch_mount],
-        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
-        "terminationMessagePath": TERMINATION_LOG,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": b.container_security(),
-    }
-    claim = {"claimName": model.cache.claimName}
+    """A Job of one ``dpserve`` pod."""
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -157,7 +147,7 @@ def _cache_job(
                 "spec": {
                     "restartPolicy": "Never",  # podFailurePolicy needs it
                     "containers": [container],
-                    "volumes": [{"name": "cache", "persistentVolumeClaim": claim}, scratch],
+                    "volumes": volumes,
                     "securityContext": b.pod_security(),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,

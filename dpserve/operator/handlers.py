@@ -31,8 +31,10 @@ from dpserve.operator.kube import Kube
 from dpserve.operator.model_state import (
     FillFacts,
     ModelStep,
+    fetching_now,
     model_step,
     needs_fill,
+    node_step,
     previous_model,
     prune_due,
 )
@@ -157,7 +159,7 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
         return
     previous = obj.get("status") or {}
     step = await _model(runtime, obj, svc, previous)
-    svc = dataclasses.replace(svc, fetched_path=step.fetched_path)
+    svc = dataclasses.replace(svc, fetched_path=step.fetched_path, node_fetch=step.node_fetch)
     children = b.build_children(svc, runtime.images)
     digest = hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
     if drift or runtime.applied.get((namespace, name)) != digest:
@@ -198,6 +200,7 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
             await _record(kube, obj, note)
     if not todo.empty:
         pods = await kube.list_pods(namespace, selector)
+    step = await _node_fetches(runtime, obj, svc, step, pods)
     router = await kube.get_deployment(namespace, b.router_name(svc))
     control = parse_control_state(await kube.get_configmap(namespace, b.control_state_name(svc)))
     if control.problem:
@@ -257,13 +260,37 @@ async def _model(
     if step.delete_job:
         await kube.delete_job(namespace, f.fill_job_name(svc))
     if step.create_job and await kube.create_job(f.build_fill_job(svc, runtime.images)):
-        source = svc.spec.model.source
-        await _record(
-            kube, obj, Note("FetchStarted", f"fetching {source}: Job {f.fill_job_name(svc)}")
+        source, made = svc.spec.model.source, f.fill_job_name(svc)
+        node = svc.spec.model.cache.nodeLocal if svc.spec.model.cache else None
+        started = (
+            f"pinning {source}: Job {made}; then each node's first replica fetches it into "
+            f"{node.path}"
+            if node is not None
+            else f"fetching {source}: Job {made}"
         )
+        await _record(kube, obj, Note("FetchStarted", started))
     for kind, note in step.notes:
         await _record(kube, obj, note, kind=kind)
     return step
+
+
+async def _node_fetches(
+    runtime: Runtime, obj: dict[str, Any], svc: b.Svc, step: ModelStep, pods: list[dict[str, Any]]
+) -> ModelStep:
+    """Node-local: the replicas' fetches into their nodes, read from their init
+    containers (the newest progress line of each running one's log); records the
+    Events. Any other step is returned as it is."""
+    if step.node_fetch is None:
+        return step
+    tails = {
+        name: await runtime.kube.read_log(svc.namespace, name, f.CONTAINER, FILL_LOG_LINES)
+        for name in fetching_now(svc, pods)
+    }
+    before = previous_model(obj.get("status") or {})
+    refined = node_step(svc, step, before, pods, tails)
+    for kind, note in refined.notes[len(step.notes) :]:
+        await _record(runtime.kube, obj, note, kind=kind)
+    return refined
 
 
 def _created(pod: dict[str, Any]) -> str:

@@ -101,21 +101,53 @@ class ModelCredentials(_Model):
     )
 
 
+class NodeLocalCache(_Model):
+    path: str = Field(
+        min_length=2,
+        max_length=4096,
+        pattern=r"^/",
+        description="folder on each node (a hostPath, made beforehand and writable by user "
+        "10001) that the first replica scheduled there fetches the model into; the others "
+        "there find it ready",
+    )
+
+
+CACHE_ONE_OF = (
+    "model.cache needs exactly one of claimName (a claim filled once by a Job) or nodeLocal "
+    "(a folder on each node, filled once per node by its first replica)"
+)
+
+
 class ModelCache(_Model):
-    claimName: str = Field(
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel("has(self.claimName) != has(self.nodeLocal)", CACHE_ONE_OF),
+        )
+    )
+
+    claimName: str | None = Field(
+        None,
         min_length=1,
         max_length=253,
         description="PersistentVolumeClaim the model is fetched into once, by one Job, and "
         "that every replica mounts read-only at model.mountPath (ReadWriteMany storage "
         "when replicas run on several nodes; writable by user 10001)",
     )
+    nodeLocal: NodeLocalCache | None = Field(
+        None,
+        description="for clusters without shared storage: each replica's init container "
+        "fetches the revision the operator pinned into this host folder, once per node, "
+        "and the replica mounts it read-only (needs the operator's allowHostPathModels and "
+        "a namespace whose Pod Security level allows hostPath)",
+    )
     keep: int = Field(
         1,
         ge=0,
         le=100,
-        description="entries kept in the claim after a roll besides the ones loaded, the "
-        "newest first (1: the previous model, to roll back to); entries any "
-        "DiffusionService of this namespace loads from the claim are never removed",
+        description="entries kept after a roll besides the ones loaded, the newest first "
+        "(1: the previous model, to roll back to); in a claim, entries any "
+        "DiffusionService of this namespace loads are never removed; on a node, the init "
+        "container keeps this many of the source's other entries",
     )
 
 
@@ -125,11 +157,12 @@ SOURCE_XOR_PATH = (
     "source (hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX, fetched into model.cache)"
 )
 SOURCE_NEEDS_CACHE = (
-    "model.source needs model.cache.claimName: the claim it is fetched into once for every replica"
+    "model.source needs model.cache: claimName (a claim it is fetched into once for every "
+    "replica) or nodeLocal (a folder on each node, fetched into once per node)"
 )
 SOURCE_NOT_VOLUME = (
     "model.volume is for a model already on a volume; with model.source the model is "
-    "fetched into model.cache.claimName: give one or the other"
+    "fetched into model.cache: give one or the other"
 )
 FETCH_ONLY = "model.cache and model.credentials go with model.source"
 
@@ -405,8 +438,9 @@ class ReplicaStatus(_Model):
     index: int
     pod: str
     phase: str = Field(
-        description="the pod's phase, Terminating, Missing (being recreated), or "
-        "WaitingForModel (held until model.source is fetched)"
+        description="the pod's phase, Terminating, Missing (being recreated), "
+        "WaitingForModel (held until model.source is fetched) or FetchingModel (its init "
+        "container fetches the model into its node's cache)"
     )
     ready: bool = Field(description="serves: pod Ready and no router reports it out of sync")
     updated: bool
@@ -421,15 +455,19 @@ class LoadedModel(_Model):
     source: str
     revision: str = Field(description="the hub's commit, or a digest of the S3 listing")
     path: str = Field(description="the pipeline folder inside the pods")
-    claim: str = Field(description="the cache claim it lies on")
+    claim: str | None = Field(None, description="the cache claim it lies on")
+    nodeLocal: str | None = Field(
+        None, description="the host folder of each node it is fetched into (model.cache.nodeLocal)"
+    )
     bytes: int | None = None
 
 
 class ModelFetch(_Model):
-    """The fill of model.source while it is not the loaded model."""
+    """The fill of model.source while it is not loaded (node-local: the replicas' too)."""
 
     source: str
-    job: str
+    job: str | None = Field(None, description="the fill (or pin) Job")
+    pod: str | None = Field(None, description="node-local: the replica whose fetch is shown")
     state: Literal["Pending", "Fetching", "Failed"]
     revision: str | None = None
     bytesDone: int | None = None
@@ -462,6 +500,11 @@ class DiffusionServiceStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list)
 
 
+NODE_LOCAL_REFUSED = (
+    "model.cache.nodeLocal is not allowed by this operator (chart value allowHostPathModels "
+    "is false): a node-local cache is a hostPath volume the replicas' init containers write "
+    "to; use model.cache.claimName, or ask the cluster's admin to allow it"
+)
 HOST_PATH_REFUSED = (
     "model.volume.hostPath is not allowed by this operator (chart value "
     "allowHostPathModels is false; the restricted Pod Security Standard forbids hostPath "
@@ -492,6 +535,9 @@ def problems(spec: DiffusionServiceSpec, allow_host_path: bool = False) -> list[
         found.append("model.volume needs exactly one of persistentVolumeClaim or hostPath")
     if volume is not None and volume.hostPath is not None and not allow_host_path:
         found.append(HOST_PATH_REFUSED)
+    cache = spec.model.cache
+    if cache is not None and cache.nodeLocal is not None and not allow_host_path:
+        found.append(NODE_LOCAL_REFUSED)
     if spec.updateStrategy.maxUnavailable == 0 and spec.updateStrategy.maxSurge == 0:
         found.append("updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress")
     found += _model_problems(spec.model)
@@ -502,6 +548,15 @@ def _model_problems(model: ModelSource) -> list[str]:
     found = []
     if (model.path is None) == (model.source is None):
         found.append(SOURCE_XOR_PATH)
+    cache = model.cache
+    if cache is not None and (cache.claimName is None) == (cache.nodeLocal is None):
+        found.append(CACHE_ONE_OF)
+    if (
+        cache is not None
+        and cache.nodeLocal is not None
+        and not cache.nodeLocal.path.startswith("/")
+    ):
+        found.append(f"model.cache.nodeLocal.path must be absolute, got {cache.nodeLocal.path!r}")
     if model.source is not None:
         if model.cache is None:
             found.append(SOURCE_NEEDS_CACHE)

@@ -135,7 +135,13 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
     scheduled = _condition(pod, "PodScheduled")
     if scheduled and scheduled.get("status") == "False":
         reason, message = scheduled.get("reason") or "Unschedulable", scheduled.get("message")
-    for cs in status.get("containerStatuses") or []:
+    # A node-local replica's fetch (an init container) first: a failure there is why
+    # its worker never starts.
+    statuses = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for cs in statuses:
         state = cs.get("state") or {}
         waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
         last = (cs.get("lastState") or {}).get("terminated") or {}
@@ -146,14 +152,26 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         elif terminated and terminated.get("exitCode", 0) != 0:
             reason = terminated.get("reason") or "Error"
             message = _exit(terminated)
+    phase = status.get("phase") or "Pending"
+    if phase == "Pending" and _fetching(status):
+        phase = "FetchingModel"
     return PodFacts(
         view=view,
-        phase=status.get("phase") or "Pending",
+        phase=phase,
         node=(pod.get("spec") or {}).get("nodeName"),
         reason=reason,
         message=(message or "").strip() or None,
         ip=status.get("podIP") or None,
     )
+
+
+def _fetching(status: Mapping[str, Any]) -> bool:
+    """A node-local replica's init container fetches its model: it has not exited 0 yet
+    (it runs, starts, or waits to try again)."""
+    for cs in status.get("initContainerStatuses") or []:
+        if cs.get("name") == b.FETCH_CONTAINER:
+            return ((cs.get("state") or {}).get("terminated") or {}).get("exitCode") != 0
+    return False
 
 
 def _unsynced(facts: PodFacts, port: int, state: SyncReports) -> Unsynced | None:

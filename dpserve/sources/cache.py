@@ -152,12 +152,11 @@ class ModelCache:
         return sorted(found, key=lambda e: float(e[1].get("fetched_at", 0)), reverse=True)
 
     def prune(self, name: str, keep: int, protect: frozenset[str] = frozenset()) -> list[Entry]:
-        """Remove a source's entries beyond the ``keep`` newest, never one whose
-        revision is in ``protect`` (in use) nor one being filled or read under its
-        lock. Returns what was removed (a hub entry's snapshot is the caller's: see
-        hub.forget)."""
-        doomed = [e for e, _ in self.entries(name)[keep:] if e.revision not in protect]
-        return [e for e in doomed if self._remove(e)]
+        """Remove a source's entries but those whose revision is in ``protect`` (in use)
+        and the ``keep`` newest others, never one being filled under its lock. Returns
+        what was removed (a hub entry's snapshot is the caller's: see hub.forget)."""
+        others = [e for e, _ in self.entries(name) if e.revision not in protect]
+        return [e for e in others[keep:] if self._remove(e)]
 
     def prune_all(
         self, keep: int, protect: frozenset[Path] = frozenset()

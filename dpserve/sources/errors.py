@@ -12,6 +12,11 @@ class DigestMismatch(SourceError):
     """A fetched file is not what the source says it holds; it was deleted."""
 
 
+class RevisionChanged(SourceError):
+    """The source is no longer at the revision it was pinned to (a bucket prefix whose
+    objects changed since): fetching it would give some nodes other weights."""
+
+
 # ``dpserve fetch``'s exit codes: a fill Job retries a failure (the next try resumes)
 # but not a refusal: a digest that does not match, or a source that cannot be fetched
 # as given, fails the same way again until someone changes the source.

@@ -7,13 +7,20 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from dpserve.sources.cache import MARKER, Entry, ModelCache, default_root
-from dpserve.sources.errors import EXIT_FAILED, EXIT_REFUSED, DigestMismatch, SourceError
+from dpserve.sources.errors import (
+    EXIT_FAILED,
+    EXIT_REFUSED,
+    DigestMismatch,
+    RevisionChanged,
+    SourceError,
+)
 from dpserve.sources.plan import Plan
 from dpserve.sources.progress import JsonLinesSink, Meter, Sink, default_sinks
 from dpserve.sources.select import NotAPipeline
@@ -27,6 +34,8 @@ class Store(Protocol):
     draws_own_bars: bool  # the hub's client shows its own (huggingface_hub's tqdm)
 
     def plan(self) -> Plan: ...
+
+    def folder(self, root: Path, revision: str) -> Path: ...
 
     def fill(self, plan: Plan, staging: Path, meter: Meter) -> Path: ...
 
@@ -78,20 +87,53 @@ def fetched(
     say: Callable[[str], None] = lambda text: log.info("%s", text),
     bar: bool = True,
     sinks: Sequence[Sink] = (),
+    expect: str | None = None,
 ) -> Fetched:
-    """``source``'s cache entry, filled first unless it is ready."""
+    """``source``'s cache entry, filled first unless it is ready. ``expect``: the
+    revision it was pinned to; a source now at another is refused (``RevisionChanged``)."""
     cache = ModelCache(cache_root or default_root())
     store = store_of(source, cache)
-    if isinstance(source, HubSource) and is_commit(source.revision):
-        # Pinned to a commit (as every replica of a rolled-out revision is): a ready
-        # entry needs no hub, so replicas start while the hub is down or offline.
-        entry = Entry(cache.root, store.name, source.revision)
+    if expect is None and isinstance(source, HubSource) and is_commit(source.revision):
+        expect = source.revision
+    if expect is not None:
+        # Pinned (as every replica of a rolled-out revision is): a ready entry needs no
+        # store, so replicas start while the hub or the bucket is down.
+        entry = Entry(cache.root, store.name, expect)
         ready = cache.ready(entry)
         if ready is not None:
             return Fetched(ready, Plan.from_json(json.loads((entry.dir / MARKER).read_text())))
     plan = store.plan()
     say(f"plan: {plan.summary()}")
+    if expect is not None and plan.revision != expect:
+        raise RevisionChanged(
+            f"{plan.source} is at {plan.revision} now, not at {expect}, the revision it was "
+            "pinned to: its objects changed since; upload a changed model under a new prefix "
+            "and point the source at it"
+        )
     return Fetched(_fill_entry(store, cache, plan, bar, sinks), plan)
+
+
+def pinned(model: str, cache_root: Path) -> dict[str, Any]:
+    """What every node fetches of ``model``: the revision it resolves to now, the URI
+    that names that revision (a hub source pinned to its commit), the pipeline folder
+    its entry will have under ``cache_root`` and its size. The source is asked; nothing
+    is written under ``cache_root`` (the hub's index download goes to a scratch folder)."""
+    source = parse(model)
+    if isinstance(source, LocalSource):
+        raise SourceError(f"{model} is a local folder: there is nothing to fetch")
+    with tempfile.TemporaryDirectory(prefix="dpserve-pin-") as scratch:
+        plan = store_of(source, ModelCache(Path(scratch))).plan()
+    cache = ModelCache(cache_root)
+    at = HubSource(source.repo_id, plan.revision) if isinstance(source, HubSource) else source
+    return {
+        "state": "pinned",
+        "source": plan.source,
+        "revision": plan.revision,
+        "fetch": str(at),
+        "folder": str(store_of(source, cache).folder(cache.root, plan.revision)),
+        "bytes_total": plan.total_bytes,
+        "files": len(plan.files),
+    }
 
 
 def is_commit(revision: str) -> bool:
@@ -134,8 +176,8 @@ def _fill(
 def prune(
     model: str, cache_root: Path | None, keep: int, protect: frozenset[str] = frozenset()
 ) -> list[Entry]:
-    """Remove ``model``'s cache entries beyond the ``keep`` newest, never a revision in
-    ``protect`` (the one replicas load), for a roll to call once it is done; a hub
+    """Remove ``model``'s cache entries but a revision in ``protect`` (the one replicas
+    load) and the ``keep`` newest others, for a roll to call once it is done; a hub
     entry's snapshot goes from huggingface_hub's cache too."""
     source = parse(model)
     if isinstance(source, LocalSource):
@@ -165,33 +207,43 @@ def prune_cache(cache_root: Path | None, keep: int, protect: Sequence[Path]) -> 
     return [f"{r.get('source')}@{e.revision}" for e, r in removed]
 
 
-def fetch_main(
-    model: str,
-    cache_root: Path | None,
-    dry_run: bool = False,
-    json_lines: bool = False,
-    result_file: Path | None = None,
-) -> int:
+@dataclass(frozen=True)
+class FetchOptions:
+    """``dpserve fetch``'s switches beyond the model and the cache."""
+
+    dry_run: bool = False
+    json_lines: bool = False
+    result_file: Path | None = None
+    pin: bool = False
+    expect_revision: str | None = None
+    prune_keep: int | None = None
+
+
+def fetch_main(model: str, cache_root: Path | None, opts: FetchOptions | None = None) -> int:
     """``dpserve fetch``: the plan first, progress on stderr, the folder last on stdout;
     with ``dry_run``, only the plan, as JSON (what a fill would move).
 
     ``json_lines``: stdout carries JSON objects only, one per line: progress snapshots
     (``"event": "progress"``) and the outcome last (``"event": "result"``), for a
     watcher reading a fill Job's log. ``result_file``: the outcome also goes there
-    (a pod's termination message file), written whichever way the fetch ends."""
+    (a pod's termination message file), written whichever way the fetch ends.
+
+    ``pin``: fetch nothing; the outcome is ``pinned`` (what every node of a node-local
+    cache fetches). ``expect_revision``: refuse (exit 3) a source no longer at it.
+    ``prune_keep``: once fetched, remove this source's other entries beyond the N
+    newest (never one being filled)."""
+    opts = opts or FetchOptions()
+    json_lines, result_file = opts.json_lines, opts.result_file
     out: dict[str, Any]
     code = 0
     try:
-        if dry_run:
+        if opts.dry_run:
             print(json.dumps(plan_of(model, cache_root).to_json(), indent=1), flush=True)
             return 0
-        source = parse(model)
-        if isinstance(source, LocalSource):
-            raise SourceError(f"{model} is a local folder: there is nothing to fetch")
-        say = (lambda text: None) if json_lines else (lambda text: print(text, flush=True))
-        sinks = [JsonLinesSink(sys.stdout)] if json_lines else []
-        done = fetched(source, cache_root, say, bar=not json_lines, sinks=sinks)
-        out = done.to_json()
+        if opts.pin:
+            out = pinned(model, cache_root or default_root())
+        else:
+            out = _fetch(model, cache_root, opts)
     except SourceError as exc:
         print(f"dpserve fetch: {exc}", file=sys.stderr, flush=True)
         code = EXIT_FAILED if _transient(exc) else EXIT_REFUSED
@@ -214,9 +266,24 @@ def fetch_main(
     return code
 
 
+def _fetch(model: str, cache_root: Path | None, opts: FetchOptions) -> dict[str, Any]:
+    source = parse(model)
+    if isinstance(source, LocalSource):
+        raise SourceError(f"{model} is a local folder: there is nothing to fetch")
+    quiet = opts.json_lines
+    say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+    sinks = [JsonLinesSink(sys.stdout)] if quiet else []
+    done = fetched(source, cache_root, say, not quiet, sinks, opts.expect_revision)
+    if opts.prune_keep is not None:
+        protect = frozenset({done.plan.revision})
+        for gone in prune(model, cache_root, opts.prune_keep, protect):
+            log.info("pruned %s@%s from the cache", done.plan.source, gone.revision)
+    return done.to_json()
+
+
 def _transient(exc: SourceError) -> bool:
     """Worth trying again as it is: anything but a refusal of what the source holds."""
-    return not isinstance(exc, (DigestMismatch, BadUri, NotAPipeline))
+    return not isinstance(exc, (DigestMismatch, BadUri, NotAPipeline, RevisionChanged))
 
 
 def plan_of(model: str, cache_root: Path | None = None) -> Plan:

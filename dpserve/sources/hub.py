@@ -95,9 +95,18 @@ class HubStore:
                 raise
         return snapshot
 
+    @property
+    def _repo(self) -> Path:
+        return self.cache_dir / ("models--" + self.source.repo_id.replace("/", "--"))
+
+    def folder(self, root: Path, revision: str) -> Path:
+        """Where a fill of ``revision`` (a commit) leaves the pipeline: huggingface_hub's
+        snapshot of it (``root``: the model cache, whose ``hf`` is ``cache_dir``)."""
+        return root / "hf" / self._repo.name / "snapshots" / revision
+
     def on_disk(self, plan: Plan) -> int:
         """Bytes of the plan's files that huggingface_hub holds now, whole or partial."""
-        repo = self.cache_dir / ("models--" + self.source.repo_id.replace("/", "--"))
+        repo = self._repo
         snapshot = repo / "snapshots" / plan.revision
         done = 0
         for f in plan.files:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dpserve.sources import select
+from dpserve.sources.cache import Entry
 from dpserve.sources.digest import Hasher, verify
 from dpserve.sources.errors import SourceError
 from dpserve.sources.plan import Digest, Plan, PlannedFile, listing_revision
@@ -35,6 +36,7 @@ log = logging.getLogger("dpserve.sources")
 _CHUNK = 1 << 20
 _MULTIPART = re.compile(r"^[0-9a-f]{32}-(\d+)$")
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
+FOLDER = "model"  # the pipeline folder inside an entry
 
 
 def entry_name(source: S3Source) -> str:
@@ -121,14 +123,18 @@ class S3Store:
             f"{etag!r}, no SHA-256 checksum): upload it with ChecksumAlgorithm='SHA256'"
         )
 
+    def folder(self, root: Path, revision: str) -> Path:
+        """Where a fill of ``revision`` publishes the pipeline, under the cache ``root``."""
+        return Entry(root, self.name, revision).dir / FOLDER
+
     def fill(self, plan: Plan, staging: Path, meter: Meter) -> Path:
         """Every planned file under ``staging/model``, verified; returns ``model``."""
-        folder = staging / "model"
+        folder = staging / FOLDER
         with ThreadPoolExecutor(self.threads, thread_name_prefix="s3-fetch") as pool:
             done = [pool.submit(self._file, f, folder / f.path, meter) for f in plan.files]
             for future in done:
                 future.result()  # the first failure, after the others stopped or finished
-        return Path("model")
+        return Path(FOLDER)
 
     def _file(self, planned: PlannedFile, final: Path, meter: Meter) -> None:
         if final.is_file() and final.stat().st_size == planned.size:

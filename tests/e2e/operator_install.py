@@ -33,12 +33,14 @@ def restricted_namespace(backend: Backend, name: str) -> None:
 
 
 @contextmanager
-def operator_installed(backend: B, namespace: str) -> Iterator[B]:
-    """The operator watching ``namespace`` only: a Role there and nothing cluster-wide."""
+def operator_installed(backend: B, namespace: str, *values: str) -> Iterator[B]:
+    """The operator watching ``namespace`` only: a Role there and nothing cluster-wide
+    (``values``: more ``--set`` flags for the chart)."""
     restricted_namespace(backend, OPERATOR_NS)
     restricted_namespace(backend, namespace)
     backend.helm("install", "dpserve", str(REPO / "charts/dpserve"), "-n", OPERATOR_NS,
-                 f"--set=watchNamespaces={{{namespace}}}", *backend.helm_values())  # fmt: skip
+                 f"--set=watchNamespaces={{{namespace}}}", *values,
+                 *backend.helm_values())  # fmt: skip
     try:
         eventually(
             lambda: backend.pod_ready(OPERATOR_NS, "app.kubernetes.io/name=dpserve"),

@@ -12,7 +12,9 @@ dsvc``, the pods' specs, and images through the router:
 2. a new source fills a new entry while the replicas serve the old one (a replica
    lost meanwhile comes back on it), then they roll onto it;
 3. a corrupt object fails the fill at once and the replicas keep serving;
-4. deleting the DiffusionService takes its fill Jobs with it.
+4. deleting the DiffusionService takes its fill Jobs with it;
+5. a node-local cache (a host folder, no claim): two replicas on the one node, each
+   fetching in its init container, move one model's bytes between them.
 
 Only ``--cluster node``: pods of the test kubelet or kind reach neither the gateway
 nor a hostPath volume of this host.
@@ -94,7 +96,8 @@ def node(request: pytest.FixtureRequest) -> NodeBackend:
 
 @pytest.fixture(scope="module")
 def k8s(node: NodeBackend) -> Iterator[NodeBackend]:
-    with operator_installed(node, NS):
+    # Node-local caches are hostPath volumes: the chart's switch allows them (step 5).
+    with operator_installed(node, NS, "--set=allowHostPathModels=true"):
         yield node
 
 
@@ -205,8 +208,8 @@ def model_column(k8s: NodeBackend) -> str:
     return row[start:end].strip()
 
 
-def replica_pods(k8s: NodeBackend) -> dict[str, dict[str, Any]]:
-    selector = f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component=replica"
+def replica_pods(k8s: NodeBackend, name: str = NAME) -> dict[str, dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=replica"
     items = k8s.get(NS, "pods", "-l", selector)["items"]
     return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
 
@@ -250,14 +253,14 @@ def fill_exited_0(pod: dict[str, Any]) -> bool:
     return any((st.get("terminated") or {}).get("exitCode") == 0 for st in states)
 
 
-def events(k8s: NodeBackend, reason: str) -> list[dict[str, Any]]:
+def events(k8s: NodeBackend, reason: str, name: str = NAME) -> list[dict[str, Any]]:
     items = k8s.get(NS, "events")["items"]
-    return [e for e in items if e["involvedObject"]["name"] == NAME and e["reason"] == reason]
+    return [e for e in items if e["involvedObject"]["name"] == name and e["reason"] == reason]
 
 
-def generate(k8s: NodeBackend) -> bytes:
+def generate(k8s: NodeBackend, name: str = NAME) -> bytes:
     reply = httpx.post(
-        f"{k8s.router_url(NS, NAME)}/v1/images/generations", json=REQUEST, timeout=120
+        f"{k8s.router_url(NS, name)}/v1/images/generations", json=REQUEST, timeout=120
     )
     assert reply.status_code == 200, reply.text
     return base64.b64decode(reply.json()["data"][0]["b64_json"])
@@ -511,3 +514,99 @@ def test_delete_takes_the_fill_jobs_too(k8s: NodeBackend, seen: Seen) -> None:
 
     eventually(lambda: leftovers() == [], 180, "garbage collection")
     print("\n".join(["", "model.source journey figures:", *seen.figures]))
+
+
+# ------------------------------------------------------------------ a node-local cache
+
+NODE_NAME = "tiny-node"
+
+
+@pytest.fixture
+def node_folder(k8s: NodeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh host folder for the node-local cache, writable by the pods' user, in a
+    namespace whose Pod Security level admits hostPath volumes (restricted and baseline
+    both refuse them; docs/models.md): "privileged" enforced, "restricted" still warned."""
+    folder = tmp_path_factory.mktemp("node-cache")
+    os.chown(folder, POD_USER, POD_USER)
+    folder.chmod(0o755)
+    labels = ["pod-security.kubernetes.io/enforce=privileged",
+              "pod-security.kubernetes.io/warn=restricted"]  # fmt: skip
+    k8s.kubectl("label", "ns", NS, "--overwrite", *labels)
+    try:
+        yield folder
+    finally:
+        k8s.kubectl("-n", NS, "delete", "dsvc", NODE_NAME, "--ignore-not-found",
+                    "--timeout=120s", check=False)  # fmt: skip
+        k8s.kubectl("label", "ns", NS, "--overwrite",
+                    "pod-security.kubernetes.io/enforce=restricted",
+                    "pod-security.kubernetes.io/warn-")  # fmt: skip
+
+
+def test_a_node_local_cache_is_filled_once_for_two_replicas_on_the_node(
+    k8s: NodeBackend,
+    store: Store,
+    credentials: str,
+    node_folder: Path,
+    seen: Seen,
+    tiny_model: Path,
+) -> None:
+    source = store.source("tiny-v1")
+    store.proxy.rate = FILL_RATE
+    before = store.proxy.sent
+    body = service(source)
+    body["metadata"]["name"] = NODE_NAME
+    body["spec"]["model"]["cache"] = {"nodeLocal": {"path": str(node_folder)}}
+    applied = time.monotonic()
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(body))
+    phases: set[str] = set()
+    partial: list[dict[str, Any]] = []
+
+    def serving() -> bool:
+        st = k8s.get(NS, "dsvc", NODE_NAME).get("status") or {}
+        phases.update(r["phase"] for r in st.get("replicaStatuses") or [])
+        fetch = (st.get("model") or {}).get("fetch") or {}
+        if fetch.get("state") == "Fetching" and fetch["bytesDone"] < fetch["bytesTotal"]:
+            partial.append(fetch)
+        return condition(st, "Ready").get("status") == "True"
+
+    eventually(serving, 300, "the node-local service Ready", poll_s=0.5)
+    ready = time.monotonic()
+    image = generate(k8s, NODE_NAME)
+
+    # Seen while it ran: a replica fetching in its init container, with progress.
+    assert "FetchingModel" in phases, phases
+    assert partial and all(f["pod"].startswith(f"{NODE_NAME}-replica-") for f in partial)
+    st = k8s.get(NS, "dsvc", NODE_NAME)["status"]
+    loaded = st["model"]["loaded"]
+    assert loaded["nodeLocal"] == str(node_folder) and "claim" not in loaded
+    assert condition(st, "ModelReady")["reason"] == "Fetched"
+    assert st["readyReplicas"] == 2 and "fetch" not in st["model"]
+    # The entry lies in the host folder, written by the pods' user.
+    (index,) = node_folder.glob(f"entries/*/{loaded['revision']}/model/model_index.json")
+    assert index.stat().st_uid == POD_USER
+    pods = replica_pods(k8s, NODE_NAME)
+    assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods.values()}) == 1
+    for pod in pods.values():
+        assert model_arg(pod) == loaded["path"]
+        (init,) = pod["spec"]["initContainers"]
+        assert init["envFrom"] == [{"secretRef": {"name": SECRET}}]
+        assert SECRET not in json.dumps(pod["spec"]["containers"])  # not the worker's
+    if seen.v1_image:
+        assert image == seen.v1_image  # the same weights as the claim's replicas served
+
+    # One model's bytes through the proxy, though two pods fetched on the node.
+    moved = store.proxy.sent - before
+    total = model_bytes(tiny_model)
+    assert total <= moved < total + 256 * KiB, (moved, total)
+    secret_key = store.server.secret_key
+    for what in ("events", f"dsvc/{NODE_NAME}", "pods", "jobs"):
+        assert secret_key not in k8s.kubectl("-n", NS, "get", what, "-o", "json").stdout, what
+    for reason in ("FetchStarted", "FetchPinned", "FetchFinished"):
+        assert len(events(k8s, reason, NODE_NAME)) == 1, reason
+    print(
+        "\nnode-local cache figures:\n"
+        f"apply to Ready (pin Job, 2 replicas fetching on one node, router): "
+        f"{ready - applied:.1f} s\n"
+        f"bytes through the proxy: {moved} for a model of {total} "
+        f"(ratio {moved / total:.3f}, 2 replicas on one node)"
+    )

@@ -213,3 +213,32 @@ def test_a_private_repository_takes_huggingface_hubs_token_and_never_shows_it(
     ours = [p.read_text() for p in cache.rglob("*.json") if "/hf/" not in str(p)]
     outputs = [o for done in (refused, by_file, by_env) for o in (done.stdout, done.stderr)]
     assert not [text for text in [*ours, *outputs] if token in text]
+
+
+def test_a_pin_names_the_commit_and_the_snapshot_a_node_fetch_then_fills(
+    hub_server: Hub, tmp_path: Path
+) -> None:
+    """A node-local cache's two steps against the hub (docs/models.md, Node-local
+    caches): ``--pin`` resolves the tag to its commit and names the snapshot folder
+    without writing under the cache; the node's fetch of the pinned URI fills exactly it."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "HF_ENDPOINT": hub_server.endpoint, "HF_HUB_OFFLINE": "0"}
+    pin = subprocess.run(
+        [sys.executable, "-m", "dpserve", "fetch", f"hf://{TINY_REPO}@v1",
+         "--model-cache", str(cache), "--pin", "--result-file", str(tmp_path / "pin.json")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert pin.returncode == 0, pin.stderr
+    pinned = json.loads((tmp_path / "pin.json").read_text())
+    commit = hub_server.repo.refs["v1"]
+    assert (pinned["state"], pinned["revision"]) == ("pinned", commit)
+    assert pinned["fetch"] == f"hf://{TINY_REPO}@{commit}"
+    assert pinned["folder"] == str(cache / "hf" / "models--dpserve--tiny" / "snapshots" / commit)
+    assert not cache.exists()
+    fetched = subprocess.run(
+        [sys.executable, "-m", "dpserve", "fetch", pinned["fetch"], "--model-cache", str(cache),
+         "--expect-revision", commit, "--prune-keep", "1"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout.splitlines()[-1] == pinned["folder"]

@@ -69,6 +69,8 @@ class Operator:
         self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
         self.env["DPSERVE_WORKER_IMAGE"] = "example.invalid/dpserve-worker:test"
         self.env["DPSERVE_ROUTER_IMAGE"] = "example.invalid/dpserve-router:test"
+        # As the chart's allowHostPathModels=true: node-local caches are hostPath volumes.
+        self.env["DPSERVE_ALLOW_HOSTPATH_MODELS"] = "true"
         self.cmd = [sys.executable, "-m", "dpserve", "operator", "--namespace", namespace]
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -769,7 +771,7 @@ def test_a_model_source_is_fetched_by_one_job_then_loaded_by_every_replica(
     """The Job controller, the podFailurePolicy and the garbage collector are the real
     ones; the test plays the kubelet for the fill pods, as for the replicas."""
     refused = apply(cluster, dsvc("no-cache", model={"source": "s3://models/tiny/"}), False)
-    assert refused.returncode != 0 and "needs model.cache.claimName" in refused.stderr
+    assert refused.returncode != 0 and "needs model.cache: claimName" in refused.stderr
     both = apply(cluster, dsvc("both", model={**FETCHED_MODEL, "path": "/m"}), check=False)
     assert both.returncode != 0 and "exactly one of path" in both.stderr
 
@@ -863,3 +865,125 @@ def test_a_model_source_is_fetched_by_one_job_then_loaded_by_every_replica(
 
     cluster.kubectl("-n", NS, "delete", "dsvc", "fetched")
     eventually(lambda: not fill_jobs(cluster, "fetched"), what="fill Jobs collected")
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+HOST = "/var/lib/dpserve/models"
+NODE_MODEL = {
+    "source": "hf://org/tiny@main",
+    "credentials": {"secretName": "store"},
+    "cache": {"nodeLocal": {"path": HOST}},
+}
+HF_FOLDER = f"/models/hf/models--org--tiny/snapshots/{COMMIT}"
+
+
+def set_fetch(cluster: ControlPlane, pod: str, state: dict[str, Any], **extra: Any) -> None:
+    """The kubelet's part for a replica's fetch init container: its state now."""
+    init = {"name": "fetch", "image": "dpserve-worker", "imageID": "", "ready": False,
+            "restartCount": 0, "state": state, **extra}  # fmt: skip
+    status = {"phase": "Pending", "initContainerStatuses": [init]}
+    cluster.kubectl("-n", NS, "patch", "pod", pod, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": status}))  # fmt: skip
+
+
+def test_a_node_local_cache_is_pinned_by_one_job_then_fetched_by_each_replica(
+    cluster: ControlPlane, operator: Operator
+) -> None:
+    """The pin Job, then replicas made at once, each with the init container that
+    fetches the pinned commit into its node's folder; status follows those init
+    containers (the test plays the kubelet, as for the fill pods)."""
+    both = {**NODE_MODEL, "cache": {"nodeLocal": {"path": HOST}, "claimName": "c"}}
+    refused = apply(cluster, dsvc("both-caches", model=both), check=False)
+    assert refused.returncode != 0 and "exactly one of claimName" in refused.stderr
+
+    apply(cluster, dsvc("nodes", replicas=2, model=NODE_MODEL))
+    (job,) = eventually(lambda: list(fill_jobs(cluster, "nodes")), what="the pin Job")
+    assert job.startswith("nodes-pin-")
+    template = fill_jobs(cluster, "nodes")[job]["spec"]["template"]["spec"]
+    assert template["containers"][0]["args"][:5] == [
+        "fetch", "hf://org/tiny@main", "--model-cache", "/models", "--pin"]  # fmt: skip
+    assert not any("hostPath" in v for v in template["volumes"])
+    eventually(lambda: has_event(cluster, "nodes", "FetchStarted", job), what="FetchStarted")
+    held = eventually(lambda: (st := status(cluster, "nodes")).get("replicaStatuses") and st,
+                      what="status")  # fmt: skip
+    assert [r["phase"] for r in held["replicaStatuses"]] == ["WaitingForModel"] * 2
+    assert not pods(cluster, "nodes")
+
+    pinned = {"state": "pinned", "revision": COMMIT, "folder": HF_FOLDER, "bytes_total": 5,
+              "fetch": f"hf://org/tiny@{COMMIT}"}  # fmt: skip
+    end_fill_pod(cluster, job, pinned, 0)
+    made = eventually(lambda: len(pods(cluster, "nodes")) == 2 and pods(cluster, "nodes"),
+                      what="replicas made once pinned")  # fmt: skip
+    for pod in made.values():
+        spec = pod["spec"]
+        (init,) = spec["initContainers"]
+        assert init["args"][:2] == ["fetch", f"hf://org/tiny@{COMMIT}"]
+        assert init["args"][init["args"].index("--expect-revision") + 1] == COMMIT
+        assert init["envFrom"] == [{"secretRef": {"name": "store"}}]
+        assert "store" not in json.dumps(spec["containers"])
+        assert model_args(pod) == HF_FOLDER
+        volume = next(v for v in spec["volumes"] if v["name"] == "model")
+        assert volume["hostPath"]["path"] == HOST
+        mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "model")
+        assert mount["readOnly"] is True
+    assert status(cluster, "nodes")["model"]["loaded"]["nodeLocal"] == HOST
+    assert any(r == "FetchPinned" and COMMIT in m for r, m in events(cluster, "nodes"))
+
+    # Both fetch: phase FetchingModel, ModelReady not yet.
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for name in made:
+        set_fetch(cluster, name, {"running": {"startedAt": now}})
+
+    def phases() -> list[str]:
+        return [r["phase"] for r in status(cluster, "nodes").get("replicaStatuses") or []]
+
+    eventually(lambda: phases() == ["FetchingModel"] * 2, what="FetchingModel")
+    model_ready = condition(cluster, "nodes", "ModelReady")
+    assert model_ready["status"] == "False" and "0/2 replicas fetched" in model_ready["message"]
+    assert status(cluster, "nodes")["model"]["fetch"]["pod"] in made
+
+    # Replica 1's fetch is refused: FetchFailed names the file.
+    error = f"hf://org/tiny@{COMMIT}: vae/x.safetensors: sha256 is 12, the hub says 34"
+    refusal = {
+        "exitCode": 3,
+        "reason": "Error",
+        "startedAt": now,
+        "finishedAt": now,
+        "message": json.dumps({"state": "failed", "error": error, "retried": False}),
+    }
+    set_fetch(cluster, "nodes-replica-1", {"waiting": {"reason": "CrashLoopBackOff"}},
+              lastState={"terminated": refusal})  # fmt: skip
+    failed = eventually(
+        lambda: (c := condition(cluster, "nodes", "ModelReady"))["reason"] == "FetchFailed" and c,
+        what="FetchFailed",
+    )
+    assert "nodes-replica-1" in failed["message"] and "vae/x.safetensors" in failed["message"]
+    assert any(r == "FetchFailed" and error in m for r, m in events(cluster, "nodes"))
+
+    # Both past their fetch (fixed, tried again): Fetched, and FetchFinished once.
+    done = {"exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now}
+    for name in made:
+        set_fetch(cluster, name, {"terminated": done})
+        mark_ready(cluster, name)
+    eventually(lambda: condition(cluster, "nodes", "ModelReady")["reason"] == "Fetched",
+               what="Fetched")  # fmt: skip
+    assert "fetch" not in status(cluster, "nodes")["model"]
+    eventually(lambda: has_event(cluster, "nodes", "FetchFinished", COMMIT), what="finished")
+
+    # A new source: a new pin; the replicas roll onto it, one at a time.
+    moved = {**NODE_MODEL, "source": "s3://models/tiny-v2/"}
+    apply(cluster, dsvc("nodes", replicas=2, model=moved))
+    (job2,) = eventually(lambda: [j for j in fill_jobs(cluster, "nodes") if j != job],
+                         what="the second pin Job")  # fmt: skip
+    end_fill_pod(cluster, job2, {"state": "pinned", "revision": "listing-2", "folder": V2}, 0)
+
+    def rolled_one() -> bool:
+        for pod in pods(cluster, "nodes").values():
+            if model_args(pod) == V2:
+                args = pod["spec"]["initContainers"][0]["args"]
+                return args[1] == "s3://models/tiny-v2/" and "listing-2" in args
+        return False
+
+    eventually(rolled_one, what="a replica rolled onto the new pin")
+    cluster.kubectl("-n", NS, "delete", "dsvc", "nodes")
+    eventually(lambda: not fill_jobs(cluster, "nodes"), what="pin Jobs collected")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -284,6 +285,66 @@ def test_a_fill_jobs_fetch_reports_progress_lines_and_its_outcome(
     unreachable = _fetch(f"s3://{bucket}/m2", cache, "http://127.0.0.1:9", aws_env, *flags)
     unreachable.communicate(timeout=120)
     assert unreachable.returncode == 1 and json.loads(result.read_text())["retried"]
+
+
+def test_a_pin_names_the_revision_and_folder_then_a_node_fetches_only_that(
+    s3_server: S3Server, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A node-local cache's two steps (docs/models.md, Node-local caches): the operator's
+    Job pins (``--pin``: nothing fetched, nothing written), each node's init container
+    fetches that revision (``--expect-revision``) and prunes its older entries
+    (``--prune-keep``); a bucket changed since the pin is refused (exit 3)."""
+    s3 = s3_server.client()
+    bucket = s3_server.new_bucket()
+    _synthetic(s3, bucket, "m", size=1 * MiB)
+    cache, result = tmp_path / "cache", tmp_path / "termination-log"
+    with CountingProxy(s3_server.endpoint_url) as proxy:
+        pin = _fetch(f"s3://{bucket}/m", cache, proxy.url, aws_env, "--pin",
+                     "--result-file", str(result))  # fmt: skip
+        _, err = pin.communicate(timeout=120)
+        assert pin.returncode == 0, err
+        assert proxy.sent < 64 * 1024  # the listing and model_index.json only
+    pinned = json.loads(result.read_text())
+    assert not cache.exists()
+    assert pinned["state"] == "pinned" and pinned["revision"].startswith("listing-")
+    assert pinned["fetch"] == f"s3://{bucket}/m/"
+    assert pinned["bytes_total"] > MiB and pinned["files"] == 3
+    folder = Path(pinned["folder"])
+    assert folder == cache / "entries" / folder.parent.parent.name / pinned["revision"] / "model"
+
+    # Two replicas' init containers on one node, at once: one fill between them.
+    flags = ["--json-lines", "--expect-revision", pinned["revision"], "--prune-keep", "0"]
+    with CountingProxy(s3_server.endpoint_url, rate_bytes_per_s=4 * MiB) as proxy:
+        fetches = [_fetch(pinned["fetch"], cache, proxy.url, aws_env, *flags) for _ in range(2)]
+        outputs = [f.communicate(timeout=120) for f in fetches]
+        assert [f.returncode for f in fetches] == [0, 0], outputs
+        assert pinned["bytes_total"] <= proxy.sent < pinned["bytes_total"] + 64 * 1024
+    for out, _ in outputs:
+        outcome = json.loads(out.splitlines()[-1])
+        assert Path(outcome["folder"]) == folder and (folder / "model_index.json").is_file()
+
+    # The bucket changes after the pin: a node that fetches now refuses, naming both.
+    put = s3.put_object
+    put(Bucket=bucket, Key="m/transformer/config.json", Body=b'{"changed": 1}')
+    shutil.rmtree(cache)
+    refused = _fetch(pinned["fetch"], cache, s3_server.endpoint_url, aws_env, *flags)
+    out, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 3
+    error = json.loads(out.splitlines()[-1])["error"]
+    assert "pinned to" in error and pinned["revision"] in error
+
+    # A ready pinned entry needs no store at all; a new revision's fetch prunes the old.
+    first = local_folder(pinned["fetch"], cache)  # fetches the changed listing's entry
+    again = _fetch(pinned["fetch"], cache, "http://127.0.0.1:9", aws_env,
+                   "--expect-revision", first.parent.name)  # fmt: skip
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0 and out.strip() == str(first), err
+    put(Bucket=bucket, Key="m/transformer/config.json", Body=b'{"changed": 2}')
+    newest = _fetch(pinned["fetch"], cache, s3_server.endpoint_url, aws_env, "--prune-keep", "0")
+    out, err = newest.communicate(timeout=120)
+    assert newest.returncode == 0, err
+    entries = sorted(p.name for p in first.parent.parent.iterdir() if p.is_dir())
+    assert entries == [Path(out.strip()).parent.name], entries
 
 
 def test_two_concurrent_fetches_download_once_and_show_no_credentials(

@@ -213,3 +213,14 @@ def test_cel_model_source_rules() -> None:
     assert not _holds(FETCH_ONLY, {"path": "/m", "cache": {"claimName": "c"}})
     assert not _holds(FETCH_ONLY, {"path": "/m", "credentials": {"secretName": "s"}})
     assert _holds(FETCH_ONLY, fetched)
+
+
+def test_cel_a_cache_is_a_claim_or_a_node_folder() -> None:
+    from dpserve.operator.spec import CACHE_ONE_OF
+
+    node = {"nodeLocal": {"path": "/var/lib/dpserve/models"}}
+    assert _holds(CACHE_ONE_OF, {"claimName": "c"}) and _holds(CACHE_ONE_OF, node)
+    assert not _holds(CACHE_ONE_OF, {**node, "claimName": "c"})
+    assert not _holds(CACHE_ONE_OF, {"keep": 1})
+    fetched = {"source": "s3://b/m/", "cache": node}
+    assert DiffusionServiceSpec.model_validate({"model": fetched}).model.cache is not None

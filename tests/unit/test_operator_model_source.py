@@ -72,7 +72,7 @@ def test_a_source_needs_a_cache_and_excludes_path_and_volume() -> None:
     with_path = svc({**MODEL, "path": "/models/x"}).spec
     assert any("exactly one of path" in p for p in problems(with_path))
     no_cache = svc({"source": SOURCE}).spec
-    assert any("needs model.cache.claimName" in p for p in problems(no_cache))
+    assert any("needs model.cache: claimName" in p for p in problems(no_cache))
     volume = {"persistentVolumeClaim": {"claimName": "m"}}
     both = svc({**MODEL, "volume": volume}).spec
     assert any("model.volume is for a model already on a volume" in p for p in problems(both))
