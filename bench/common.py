@@ -16,6 +16,7 @@ import httpx
 import psutil
 
 from dpserve.local import WorkerProcess
+from tests.workers import gang_ranks
 
 T = TypeVar("T")
 CACHE = Path(os.environ.get("DPSERVE_CACHE", Path.home() / ".cache" / "dpserve"))
@@ -95,8 +96,7 @@ def wait_ready(
 
 
 def rank_processes(worker: WorkerProcess) -> list[psutil.Process]:
-    children = psutil.Process(worker.proc.pid).children()
-    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    return gang_ranks(psutil.Process(worker.proc.pid))
 
 
 def _machine_busy() -> float:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import cached_lora, cached_model
 from dpserve.plumbing.ports import free_port
 from dpserve.router.metrics import read_accounting
+from tests.workers import gang_ranks
 
 REQUEST = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 4}
 ROUTE = "/v1/images/generations"
@@ -125,9 +126,7 @@ class Serve:
         raise LookupError(replica)
 
     def ranks(self, replica: int) -> list[psutil.Process]:
-        children = self.supervisor(replica).children()
-        ranks = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-        return sorted(ranks, key=lambda c: c.create_time())
+        return gang_ranks(self.supervisor(replica))
 
     def lora_everywhere(self) -> bool:
         listed = self.http.get("/v1/list_loras").json()

@@ -154,12 +154,12 @@ def real_cluster() -> Iterator[RealCluster]:
 # `make test` runs the suite as two pytest processes side by side, one lane each
 # (tests/lanes.sh). The journeys lane holds what needs a machine-wide resource (the test
 # network and its clusters, the Docker images: one user at a time) and the `dpserve
-# serve` journeys, in collection order; the other lane runs the fast tier and the worker
-# gangs beside it. The split is by measured time: each lane takes about half the suite.
-JOURNEY_MARKERS = ("e2e", "cluster", "images")
-JOURNEY_FIXTURES = frozenset(
-    {"control_plane", "local_cluster", "real_cluster", "built_images", "backend"}
-)
+# serve` journeys, in collection order; the other lane runs the fast tier, the worker
+# gangs and the apiserver-only tests (a control plane on free ports: each lane may start
+# its own). The split is by measured time: each lane takes about half the suite, and a
+# `dpserve serve` journey marked `rest_lane` runs in the other lane to keep it so.
+JOURNEY_MARKERS = ("e2e", "images")
+JOURNEY_FIXTURES = frozenset({"local_cluster", "real_cluster", "built_images", "backend"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the lane marker
@@ -167,7 +167,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark the journeys lane's tests ``journeys``."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if any(item.get_closest_marker(m) for m in JOURNEY_MARKERS) or JOURNEY_FIXTURES & fixtures:
+        if JOURNEY_FIXTURES & fixtures or (
+            any(item.get_closest_marker(m) for m in JOURNEY_MARKERS)
+            and not item.get_closest_marker("rest_lane")
+        ):
             item.add_marker(pytest.mark.journeys)
 
 

@@ -9,19 +9,28 @@ import psutil
 from dpserve.client import ReplicaClient
 from dpserve.local import WorkerProcess
 from dpserve.plumbing.ports import free_port
+from dpserve.plumbing.proc import RANK_PROCESS_PREFIX
 
-__all__ = ["WorkerProcess", "free_port", "ranks", "until_denoising"]
+__all__ = ["WorkerProcess", "free_port", "gang_ranks", "ranks", "until_denoising"]
 
 
 def ranks(worker: WorkerProcess) -> list[psutil.Process]:
-    """The gang's rank processes, driver (rank 0) first; spawn's helpers excluded."""
-    children = psutil.Process(worker.proc.pid).children()
-    found = [
-        c
-        for c in children
-        if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())
-    ]
-    return sorted(found, key=lambda c: (c.create_time(), c.pid))
+    """The gang's rank processes, driver (rank 0) first."""
+    return gang_ranks(psutil.Process(worker.proc.pid))
+
+
+def gang_ranks(supervisor: psutil.Process) -> list[psutil.Process]:
+    """A supervisor's ranks, by the name each rank gives its process (spawned ones are
+    its children, a CPU gang's forked ones its fork server's), rank 0 first."""
+    found = []
+    for child in supervisor.children(recursive=True):
+        try:
+            name = child.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith(RANK_PROCESS_PREFIX):
+            found.append((int(name.removeprefix(RANK_PROCESS_PREFIX)), child))
+    return [proc for _, proc in sorted(found, key=lambda found: found[0])]
 
 
 def until_denoising(pinger: ReplicaClient, timeout_s: float = 30) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpserve.worker")
 
 
-def import_libraries(model: Path) -> str:
+def import_libraries(model: Path | None) -> str:
     """The imports every rank pays once before it can load anything, done up front so
     the log times them apart from the load; the pipeline class the model folder names
     too (diffusers imports its module, and transformers' encoders, on first use)."""
@@ -49,6 +49,8 @@ def import_libraries(model: Path) -> str:
     importlib.import_module("diffusers.pipelines.auto_pipeline")
 
     try:
+        if model is None:  # a CPU gang's fork server (``preload``): the model is the ranks'
+            raise KeyError("no model")
         name = json.loads((model / "model_index.json").read_text())["_class_name"]
         getattr(diffusers, name)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -18,6 +18,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Sequence
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
@@ -61,6 +62,19 @@ def _gpus_visible(device: str) -> int:
     return torch.cuda.device_count()  # through NVML: no CUDA context in this process
 
 
+def _context(gang_size: int, on_gpus: bool) -> SpawnContext | ForkServerContext:
+    """How the ranks start. A CPU gang forks them from one server process that imported
+    torch, diffusers and transformers once (``preload``): the gang pays those imports
+    once, not once per rank. GPU ranks are spawned fresh, since a process that touched
+    the CUDA driver (the libraries may ask it for devices at import) cannot fork
+    children that use it; so is a gang of one, which has nothing to share."""
+    if on_gpus or gang_size == 1:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["dpserve.worker.preload"])
+    return ctx
+
+
 def run_gang(cfg: WorkerConfig) -> int:
     """Run the replica until it is stopped; the return value is the process's exit code."""
     cfg.parallel.validate()
@@ -85,7 +99,7 @@ def run_gang(cfg: WorkerConfig) -> int:
             )
         cfg = dataclasses.replace(cfg, first_gpu=first)
     _rank_env(cfg.threads_per_rank)
-    ctx = mp.get_context("spawn")
+    ctx = _context(cfg.gang_size, on_gpus=bool(visible) and cfg.device != "cpu")
     store_dir = tempfile.mkdtemp(prefix="dpserve-gang-")
     store = os.path.join(store_dir, "store")
     beats = Heartbeats(ctx, cfg.gang_size)

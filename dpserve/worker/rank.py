@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dpserve.config.worker import WorkerConfig
 from dpserve.contract import protocol as p
 from dpserve.contract import realtime as rt
-from dpserve.plumbing.proc import die_with_parent
+from dpserve.plumbing.proc import RANK_PROCESS_PREFIX, die_with_parent, name_this_process
 from dpserve.worker import boot
 from dpserve.worker.commands import STOP, TICK, GangCommand, decode_command
 from dpserve.worker.commands import encode_command as _encode
@@ -53,10 +53,12 @@ class RankArgs:
 def rank_main(args: RankArgs) -> None:
     """Process entry point (multiprocessing spawn target)."""
     die_with_parent()
+    name_this_process(f"{RANK_PROCESS_PREFIX}{args.rank}")
+    # The supervisor died before we could ask: its sentinel, not our parent's PID, says
+    # so (a CPU gang's ranks are forked by a server process, and in a container the
+    # supervisor is PID 1). That server exits with the supervisor, and we with it.
     parent = mp.parent_process()
-    # Reparented: the supervisor died before we could ask. (Not "parent is PID 1":
-    # in a container the supervisor is PID 1.)
-    if parent is None or os.getppid() != parent.pid:
+    if parent is None or not parent.is_alive():
         sys.exit(1)
     cfg = args.config
     # First of all: loading the model takes long, and the supervisor counts silence.

@@ -31,7 +31,7 @@ from PIL import Image
 from tests.pixels import psnr_db
 from tests.servers import ServeProcess
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.rest_lane]  # no machine-wide resource (conftest)
 
 # Eight steps: TaylorSeer computes its first three in full, then predicts between.
 BASE: dict[str, Any] = {

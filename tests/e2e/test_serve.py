@@ -17,6 +17,7 @@ from dpserve.worker.paths import REFUSED
 from tests.polling import eventually
 from tests.readme_examples import run_readme_example
 from tests.servers import ServeProcess, assert_all_answered
+from tests.workers import gang_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +44,7 @@ def test_each_replica_binds_its_own_driver_port(dp2: ServeProcess) -> None:
         supervisor = dp2.replica_supervisor(r)
         listening = {
             c.laddr.port
-            for child in supervisor.children()
+            for child in gang_ranks(supervisor)
             for c in child.net_connections(kind="tcp")
             if c.status == psutil.CONN_LISTEN
         }
@@ -295,12 +296,7 @@ def test_killed_replica_costs_latency_not_requests(dp2: ServeProcess, tiny_lora:
 def test_stopped_driver_costs_seconds_not_requests(dp2: ServeProcess) -> None:
     """SIGSTOP a driver under load: what it held is retried on the other replica after
     two missed pings (seconds, not the request timeout); SIGCONT: it serves again."""
-    ranks = [
-        c
-        for c in dp2.replica_supervisor(0).children()
-        if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())
-    ]
-    driver = min(ranks, key=lambda c: c.create_time())
+    driver = gang_ranks(dp2.replica_supervisor(0))[0]
     with _Load(dp2) as load:
         stopped = time.monotonic()
         driver.suspend()

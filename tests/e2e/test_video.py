@@ -214,7 +214,10 @@ def test_a_job_whose_owner_dies_is_run_again_elsewhere(
     job = client.videos.create(**BIG_JOB, extra_body=long)
     running = eventually(lambda: _running(client, job.id), 120, "the job to start")
     owner = _extra(running, "replica")
-    for process in [dp2.replica_supervisor(owner), *dp2.replica_supervisor(owner).children()]:
+    for process in [
+        dp2.replica_supervisor(owner),
+        *dp2.replica_supervisor(owner).children(recursive=True),
+    ]:
         process.send_signal(signal.SIGKILL)
     done = _poll(client, job.id, timeout_s=300)
     assert done.status == "completed", done

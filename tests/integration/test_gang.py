@@ -132,6 +132,21 @@ def test_killed_rank_takes_the_gang_down(tiny_model: Path) -> None:
         worker.kill()
 
 
+def test_a_killed_supervisor_leaves_no_process_behind(tiny_model: Path) -> None:
+    """SIGKILL the supervisor: its ranks (named ``dpserve-rankN``) and the fork server a
+    CPU gang starts them from go with it, whoever holds whose pipes."""
+    worker = WorkerProcess(tiny_model, "--cfg", "2")
+    try:
+        rank_procs = ranks(worker)
+        assert [r.name() for r in rank_procs] == ["dpserve-rank0", "dpserve-rank1"]
+        everything = psutil.Process(worker.proc.pid).children(recursive=True)
+        worker.proc.send_signal(signal.SIGKILL)
+        _, alive = psutil.wait_procs(everything, timeout=15)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        worker.kill()
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_model: Path) -> None:
     worker = WorkerProcess(tiny_model, "--cfg", "2")
     results: list[object] = []
