@@ -14,7 +14,6 @@ header. Parsing is pure and names every bad field, like ``parse_generate``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -33,10 +32,9 @@ from dpserve.contract.validation import (
     check_format,
     check_seeds,
     check_sides,
-    invalid_fields,
-    parse_size,
+    size_fields,
 )
-from dpserve.plumbing.untrusted import MAX_DEPTH, too_deep
+from dpserve.plumbing.untrusted import MAX_DEPTH
 
 # Actions of a SESSION message.
 OPEN: Final = "open"
@@ -49,7 +47,6 @@ ACTIONS: Final = frozenset({OPEN, STEP, RESUME, CLOSE})
 # given); "step" renders one frame per ``step`` message.
 MODES: Final = ("stream", "step")
 MAX_FIRST_FRAME_BYTES: Final = 8 << 20
-MAX_MESSAGE_BYTES: Final = 16 << 20  # the router's WebSocket closes with 1009 above this
 MAX_SESSION_ID_CHARS: Final = 200
 
 
@@ -146,6 +143,82 @@ def check_session(params: SessionParams, limits: Limits) -> None:
 
 # ---------------------------------------------------------------- client messages
 
+# A client message is a small map; only ``init`` may carry an image (its first
+# frame). The router's WebSocket refuses a larger message before reading it (1009):
+# frames the server sends are capped apart from these (they are big), and a client
+# message is never decoded into untyped Python values, which for 16 MiB of empty
+# arrays cost the router 26 s of CPU and 1.2 GB.
+MAX_TEXT_MESSAGE_BYTES: Final = 256 << 10  # two prompts of 10,000 characters of 4-byte UTF-8
+MAX_MESSAGE_BYTES: Final = MAX_FIRST_FRAME_BYTES + MAX_TEXT_MESSAGE_BYTES  # an init, at most
+
+# Close codes for a message that cannot be read (RFC 6455).
+UNREADABLE: Final = 1007  # not a message of the shape its type has
+TOO_BIG: Final = 1009
+
+
+class Malformed(RequestError):
+    """A message that is not one of the client messages' shapes: the socket closes
+    with ``close_code`` after an ``error`` that says why."""
+
+    def __init__(self, message: str, close_code: int = UNREADABLE) -> None:
+        super().__init__(INVALID_REQUEST, message)
+        self.close_code = close_code
+
+
+class InitMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """``init``: opens a session. Values are bounded by :func:`parse_init`."""
+
+    type: str
+    model: str | None = None
+    prompt: str | None = None  # required; checked with the bounds, so a retry can fix it
+    negative_prompt: str | None = None
+    seed: int | None = None
+    size: str | None = None
+    width: int | None = None
+    height: int | None = None
+    mode: str | None = None
+    first_frame: bytes | None = None  # an image file's bytes (msgpack bin)
+    num_inference_steps: int | None = None
+    frame_steps: int | None = None
+    strength: float | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    output_format: str | None = None
+    realtime_output_format: str | None = None  # SGLang's name for output_format
+    fps: float | None = None
+    max_frames: int | None = None
+    max_chunks: int | None = None  # SGLang's name for max_frames
+
+
+class ResumeMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """``resume``: attaches to a session by the id ``init_ack`` gave."""
+
+    type: str
+    session_id: str | None = None
+    mode: str | None = None
+    fps: float | None = None
+    max_frames: int | None = None
+    max_chunks: int | None = None
+
+
+# SGLang's clients may send more than these fields with the messages below: the
+# decoder skips the rest without building them.
+class PromptMessage(msgspec.Struct, kw_only=True, frozen=True):
+    """``prompt``: the prompt from the next frame on; SGLang puts it in ``action_content``."""
+
+    type: str
+    action_content: str | None = None
+    prompt: str | None = None
+
+
+class PlainMessage(msgspec.Struct, kw_only=True, frozen=True):
+    """``step``, ``close``, ``video``: the type says all the router reads."""
+
+    type: str
+
+
+ClientMessage = InitMessage | ResumeMessage | PromptMessage | PlainMessage
+
 
 @dataclass(frozen=True)
 class StreamOptions:
@@ -162,78 +235,70 @@ class ClientInit:
     options: StreamOptions
     first_frame: bytes | None = None
 
-
-_INIT_FIELDS: Final = frozenset(
-    {
-        "type",
-        "prompt",
-        "negative_prompt",
-        "seed",
-        "size",
-        "width",
-        "height",
-        "mode",
-        "first_frame",
-        "num_inference_steps",
-        "frame_steps",
-        "strength",
-        "guidance_scale",
-        "true_cfg_scale",
-        "output_format",
-        "realtime_output_format",  # SGLang's name for output_format
-        "fps",
-        "max_frames",
-        "max_chunks",  # SGLang's name for max_frames
-    }
-)
+_KIND: Final = msgspec.msgpack.Decoder(PlainMessage)
+_DECODERS: Final[dict[str, msgspec.msgpack.Decoder[Any]]] = {
+    "init": msgspec.msgpack.Decoder(InitMessage),
+    "resume": msgspec.msgpack.Decoder(ResumeMessage),
+    "prompt": msgspec.msgpack.Decoder(PromptMessage),
+}
 
 
-_TOO_DEEP: Final = f"a message may nest maps and arrays at most {MAX_DEPTH} levels deep"
+def decode_client(raw: bytes | str) -> ClientMessage:
+    """One client message, typed by its ``type``: a message of another type than the
+    known ones comes back as a :class:`PlainMessage` (the connection says what it takes).
 
-
-def decode_client(raw: bytes | str) -> dict[str, Any]:
-    """One client message: a msgpack map with a string ``type``."""
+    Raises :class:`Malformed` for anything else: text, more bytes than its type may
+    have, not msgpack, not a map with a string ``type``, a field of the wrong type or
+    one its type does not have.
+    """
     if isinstance(raw, str):
-        raise RequestError(INVALID_REQUEST, "messages must be binary msgpack, not text")
+        raise Malformed("messages must be binary msgpack, not text")
+    if len(raw) > MAX_MESSAGE_BYTES:  # the server refuses these first; checked here too
+        raise Malformed(f"a message may be at most {MAX_MESSAGE_BYTES} bytes", TOO_BIG)
     try:
-        message = msgspec.msgpack.decode(raw)
+        kind = _KIND.decode(raw).type
+        if kind != "init" and len(raw) > MAX_TEXT_MESSAGE_BYTES:
+            limit = MAX_TEXT_MESSAGE_BYTES
+            raise Malformed(f"a {kind[:40]!r} message may be at most {limit} bytes", TOO_BIG)
+        decoder = _DECODERS.get(kind)
+        if decoder is None:
+            return PlainMessage(type=kind)
+        message: ClientMessage = decoder.decode(raw)
+        return message
+    except msgspec.ValidationError as exc:
+        raise Malformed(f"not a client message: {_shape(exc)}") from None
     except msgspec.DecodeError as exc:  # invalid UTF-8 (lone surrogates too) included
-        raise RequestError(INVALID_REQUEST, f"message is not valid msgpack: {exc}") from None
-    except RecursionError:  # msgspec's own limit, far past ours
-        raise RequestError(INVALID_REQUEST, _TOO_DEEP) from None
-    if too_deep(message):
-        raise RequestError(INVALID_REQUEST, _TOO_DEEP)
-    if not isinstance(message, dict):
-        raise RequestError(INVALID_REQUEST, "a message must be a msgpack map")
-    kind = message.get("type")
-    if not isinstance(kind, str):
-        raise RequestError(INVALID_REQUEST, 'a message needs a string "type"')
-    return message
+        raise Malformed(f"message is not valid msgpack: {exc}") from None
+    except RecursionError:  # msgspec's own limit, met while skipping a field
+        raise Malformed(f"a message may nest at most {MAX_DEPTH} levels") from None
 
 
-def parse_init(message: Mapping[str, Any], limits: Limits) -> ClientInit:
-    """Validate an ``init`` message; raise :class:`RequestError` naming every bad field."""
-    check = FieldChecker(message)
-    for key in sorted(str(k) for k in message if k not in _INIT_FIELDS):
-        check.bad(key, "is not a known field")
-    prompt = check.text("prompt", required=True)
-    negative = check.text("negative_prompt", required=False)
-    seed = check.integer("seed", 0, MAX_SEED)
-    width, height = parse_size(check, limits)
-    steps = check.integer("num_inference_steps", 1, limits.max_steps)
-    frame_steps = check.integer("frame_steps", 1, limits.max_steps)
-    strength = check.number("strength", 0.01, 1.0)
-    guidance = check.number("guidance_scale", 0.0, limits.max_scale)
-    true_cfg = check.number("true_cfg_scale", 0.0, limits.max_scale)
-    fmt = _format(check)
-    options = _options(check)
-    first = message.get("first_frame")
-    if first is not None and not isinstance(first, bytes):
-        check.bad("first_frame", "must be the image file's bytes (msgpack bin)")
-    elif first is not None and len(first) > MAX_FIRST_FRAME_BYTES:
+def _shape(exc: msgspec.ValidationError) -> str:
+    """msgspec's words, in a client's terms: ``object`` is a msgpack map."""
+    text = str(exc).replace("`object`", "a msgpack map")[:300]  # it may quote a client's field name
+    if "$.type" in text or "missing required field `type`" in text:
+        return f'a message is a msgpack map with a string "type" ({text})'
+    return text
+
+
+def parse_init(message: InitMessage, limits: Limits) -> ClientInit:
+    """Check an ``init`` message's values; raise :class:`RequestError` naming every bad field."""
+    check = FieldChecker()
+    prompt = check.bounded_text("prompt", message.prompt, required=True)
+    negative = check.bounded_text("negative_prompt", message.negative_prompt, required=False)
+    seed = check.count("seed", message.seed, 0, MAX_SEED)
+    width, height = size_fields(check, message.size, message.width, message.height, limits)
+    steps = check.count("num_inference_steps", message.num_inference_steps, 1, limits.max_steps)
+    frame_steps = check.count("frame_steps", message.frame_steps, 1, limits.max_steps)
+    strength = check.amount("strength", message.strength, 0.01, 1.0)
+    guidance = check.amount("guidance_scale", message.guidance_scale, 0.0, limits.max_scale)
+    true_cfg = check.amount("true_cfg_scale", message.true_cfg_scale, 0.0, limits.max_scale)
+    fmt = _format(check, message)
+    options = _options(check, message)
+    first = message.first_frame
+    if first is not None and len(first) > MAX_FIRST_FRAME_BYTES:
         check.bad("first_frame", f"must be at most {MAX_FIRST_FRAME_BYTES} bytes")
-    if check.errors:
-        raise invalid_fields(check.errors)
+    check.raise_errors()
     assert prompt is not None  # a missing prompt was recorded above
     params = SessionParams(
         prompt=prompt,
@@ -251,58 +316,57 @@ def parse_init(message: Mapping[str, Any], limits: Limits) -> ClientInit:
     return ClientInit(params, options, first)
 
 
-def _options(check: FieldChecker) -> StreamOptions:
-    mode = check.body.get("mode", "stream")
+def _options(check: FieldChecker, message: InitMessage | ResumeMessage) -> StreamOptions:
+    mode = "stream" if message.mode is None else message.mode
     if mode not in MODES:
-        check.bad("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
-    fps = check.number("fps", 0.01, 1000.0)
-    max_frames = _alias_int(check, "max_frames", "max_chunks")
-    return StreamOptions(mode=str(mode), fps=fps, max_frames=max_frames)
+        check.bad("mode", f"must be one of {', '.join(MODES)}, got {mode[:40]!r}")
+    fps = check.amount("fps", message.fps, 0.01, 1000.0)
+    frames, chunks = message.max_frames, message.max_chunks
+    if frames is not None and chunks is not None:
+        check.bad("max_frames", "give either max_frames or max_chunks, not both")
+        max_frames = None
+    elif chunks is not None:
+        max_frames = check.count("max_chunks", chunks, 1, 10**9)
+    else:
+        max_frames = check.count("max_frames", frames, 1, 10**9)
+    return StreamOptions(mode=mode, fps=fps, max_frames=max_frames)
 
 
-_RESUME_FIELDS: Final = frozenset({"type", "session_id", "mode", "fps", "max_frames", "max_chunks"})
-
-
-def parse_resume(message: Mapping[str, Any]) -> tuple[str, StreamOptions]:
+def parse_resume(message: ResumeMessage) -> tuple[str, StreamOptions]:
     """A ``resume`` message: the session id ``init_ack`` gave, and how to pace it now."""
-    check = FieldChecker(message)
-    for key in sorted(str(k) for k in message if k not in _RESUME_FIELDS):
-        check.bad(key, "is not a known field")
-    session_id = message.get("session_id")
-    if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+    check = FieldChecker()
+    session_id = message.session_id
+    if session_id is None or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
         check.bad("session_id", "must be the session_id that init_ack returned")
-    options = _options(check)
-    if check.errors:
-        raise invalid_fields(check.errors)
-    assert isinstance(session_id, str)
+    options = _options(check, message)
+    check.raise_errors()
+    assert session_id is not None
     return session_id, options
 
 
-def _format(check: FieldChecker) -> str:
-    for field in ("output_format", "realtime_output_format"):
-        value = check.body.get(field)
+def _format(check: FieldChecker, message: InitMessage) -> str:
+    for field, value in (
+        ("output_format", message.output_format),
+        ("realtime_output_format", message.realtime_output_format),
+    ):
         if value is None:
             continue
         if value not in OUTPUT_FORMATS:
-            check.bad(field, f"must be one of {', '.join(OUTPUT_FORMATS)}, got {value!r}")
+            check.bad(field, f"must be one of {', '.join(OUTPUT_FORMATS)}, got {value[:40]!r}")
             return "png"
-        return str(value)
+        return value
     return "png"
 
 
-def _alias_int(check: FieldChecker, name: str, alias: str) -> int | None:
-    if name in check.body and alias in check.body:
-        check.bad(name, f"give either {name} or {alias}, not both")
-        return None
-    return check.integer(name, 1, 10**9) or check.integer(alias, 1, 10**9)
-
-
-def parse_prompt(message: Mapping[str, Any]) -> str:
+def parse_prompt(message: PromptMessage) -> str:
     """A ``prompt`` message: SGLang puts the text in ``action_content``."""
-    check = FieldChecker(message)
-    field = "action_content" if "action_content" in message else "prompt"
-    text = check.text(field, required=True)
-    if check.errors:
-        raise invalid_fields(check.errors)
+    check = FieldChecker()
+    field, value = (
+        ("action_content", message.action_content)
+        if message.action_content is not None
+        else ("prompt", message.prompt)
+    )
+    text = check.bounded_text(field, value, required=True)
+    check.raise_errors()
     assert text is not None
     return text

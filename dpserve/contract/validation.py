@@ -182,15 +182,40 @@ class FieldChecker:
 def parse_size(check: FieldChecker, limits: Limits) -> tuple[int | None, int | None]:
     width = check.side("width", limits)
     height = check.side("height", limits)
-    size = check.body.get("size")
+    given = "width" in check.body or "height" in check.body
+    return _sized(check, check.body.get("size"), width, height, given, limits)
+
+
+def size_fields(
+    check: FieldChecker,
+    size: str | None,
+    width: int | None,
+    height: int | None,
+    limits: Limits,
+) -> tuple[int | None, int | None]:
+    """``parse_size`` for a request that arrives typed (a realtime ``init``)."""
+    given = width is not None or height is not None
+    width, height = check.side_of("width", width, limits), check.side_of("height", height, limits)
+    return _sized(check, size, width, height, given, limits)
+
+
+def _sized(
+    check: FieldChecker,
+    size: Any,
+    width: int | None,
+    height: int | None,
+    given: bool,
+    limits: Limits,
+) -> tuple[int | None, int | None]:
+    """``size`` ("WxH" or "auto") against width/height checked already (``given``: sent)."""
     if size is None or size == "auto":
         _check_tokens(check, width, height, limits, "width")
         return width, height
     match = _SIZE_RE.match(size) if isinstance(size, str) else None
     if match is None:
-        check.bad("size", f'must look like "1024x1024", got {size!r}')
+        check.bad("size", f'must look like "1024x1024", got {str(size)[:40]!r}')
         return width, height
-    if "width" in check.body or "height" in check.body:
+    if given:
         check.bad("size", "give either size or width/height, not both")
         return width, height
     sized = FieldChecker({"width": int(match[1]), "height": int(match[2])})

@@ -3,8 +3,10 @@
 The first valid ``init`` (or ``resume``) attaches the socket to a session on its
 owner replica. Then two tasks share the socket: a reader that takes prompt
 changes and step requests, and a stepper that asks the owner for frames and
-sends them as binary ``frame`` messages. A bad message gets an ``error`` and
-the socket stays usable. A client that has not sent a valid ``init`` (or
+sends them as binary ``frame`` messages. A message with bad values gets an
+``error`` and the socket stays usable (a bad ``init`` can be corrected); one that
+is not a client message's shape at all (``rt.Malformed``) gets an ``error`` and
+the socket closes (1007, or 1009 past its size). A client that has not sent a valid ``init`` (or
 ``resume``) within ``init_timeout_s`` of waiting is sent an ``init_timeout`` error
 and closed (4008): an open socket that says nothing holds a connection slot. A
 client that closes (or goes away) releases the session on its owner; a router
@@ -136,17 +138,17 @@ class RealtimeConnection:
                 await self._end(why, "init_timeout", INIT_TIMEOUT)
                 raise WebSocketDisconnect(INIT_TIMEOUT, why) from None
             left -= time.monotonic() - started
-            kind = message["type"]
+            kind = message.type
             try:
-                if kind == "init":
-                    check_model(message.pop("model", None), self.served())
+                if isinstance(message, rt.InitMessage):
+                    check_model(message.model, self.served())
                     init = rt.parse_init(message, self.limits())
                     self.attached, first = await self.sessions.open(init)
                     replica = first.meta.replica
                     await self._ack(self.attached, replica, init.options, resumed=False, frames=1)
                     await self._send(frame_message(first))
                     return _Drive(init.options, frames=1)
-                if kind == "resume":
+                if isinstance(message, rt.ResumeMessage):
                     session_id, options = rt.parse_resume(message)
                     self.attached, info = await self.sessions.resume(session_id)
                     await self._ack(
@@ -155,7 +157,7 @@ class RealtimeConnection:
                     return _Drive(options)
                 if kind == "close":
                     return None
-                await self._error(f"send init (or resume) first; got {kind!r}")
+                await self._error(f"send init (or resume) first; got {kind[:40]!r}")
             except p.RequestError as exc:
                 await self._error(str(exc), exc.code)
             except SessionLost as exc:
@@ -203,9 +205,9 @@ class RealtimeConnection:
     async def _read(self, drive: _Drive) -> bool:
         while True:
             message = await self._receive()
-            kind = message["type"]
+            kind = message.type
             try:
-                if kind == "prompt":
+                if isinstance(message, rt.PromptMessage):
                     drive.prompt = rt.parse_prompt(message)
                 elif kind == "step":
                     if drive.options.mode != "step":
@@ -226,7 +228,7 @@ class RealtimeConnection:
                 else:
                     raise p.RequestError(
                         p.INVALID_REQUEST,
-                        f"unknown message type {kind!r}; known: prompt, step, close",
+                        f"unknown message type {kind[:40]!r}; known: prompt, step, close",
                     )
             except p.RequestError as exc:
                 await self._error(str(exc), exc.code)
@@ -267,17 +269,18 @@ class RealtimeConnection:
 
     # ------------------------------------------------------------ socket
 
-    async def _receive(self) -> dict[str, Any]:
-        """The next well-formed message; a malformed one is answered with an error."""
-        while True:
-            event = await self.ws.receive()
-            if event["type"] == "websocket.disconnect":
-                raise WebSocketDisconnect(event.get("code", 1000), event.get("reason"))
-            raw = event.get("bytes")
-            try:
-                return rt.decode_client(raw if raw is not None else event.get("text", ""))
-            except p.RequestError as exc:
-                await self._error(str(exc), exc.code)
+    async def _receive(self) -> rt.ClientMessage:
+        """The next message, typed; a malformed one ends the connection: an ``error``
+        that says why, then a close (``WebSocketDisconnect`` for ``run``)."""
+        event = await self.ws.receive()
+        if event["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(event.get("code", 1000), event.get("reason"))
+        raw = event.get("bytes")
+        try:
+            return rt.decode_client(raw if raw is not None else event.get("text", ""))
+        except rt.Malformed as exc:
+            await self._end(str(exc), exc.code, exc.close_code)
+            raise WebSocketDisconnect(exc.close_code, str(exc)) from None
 
     async def _send(self, data: bytes) -> None:
         try:
@@ -292,4 +295,6 @@ class RealtimeConnection:
     async def _end(self, message: str, code: str, close_code: int) -> None:
         await self._error(message, code)
         if self.ws.application_state == WebSocketState.CONNECTED:
-            await self.ws.close(close_code, message[:120])
+            # A close reason is at most 123 bytes of UTF-8.
+            reason = message.encode()[:120].decode(errors="ignore")
+            await self.ws.close(close_code, reason)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -19,8 +21,19 @@ def _fields(exc: pytest.ExceptionInfo[p.RequestError]) -> set[str]:
     return {f.field for f in exc.value.fields}
 
 
+def _decoded(**fields: object) -> Any:
+    """A client message as the router gets it: msgpack bytes, decoded to its type."""
+    return rt.decode_client(msgspec.msgpack.encode(fields))
+
+
+def _init(**fields: object) -> rt.ClientInit:
+    message = _decoded(type="init", **fields)
+    assert isinstance(message, rt.InitMessage)
+    return rt.parse_init(message, LIMITS)
+
+
 def test_init_defaults_follow_sglang() -> None:
-    init = rt.parse_init({"type": "init", "prompt": "a fox"}, LIMITS)
+    init = _init(prompt="a fox")
     assert init.params.seed == 42
     assert init.params.output_format == "png"
     assert init.params.frame_steps == 2 and init.params.strength == 0.5
@@ -29,18 +42,14 @@ def test_init_defaults_follow_sglang() -> None:
 
 
 def test_init_takes_sglang_aliases_and_size() -> None:
-    init = rt.parse_init(
-        {
-            "type": "init",
-            "prompt": "a fox",
-            "size": "128x64",
-            "seed": 7,
-            "realtime_output_format": "jpeg",
-            "max_chunks": 5,
-            "mode": "step",
-            "first_frame": b"\x89PNG...",
-        },
-        LIMITS,
+    init = _init(
+        prompt="a fox",
+        size="128x64",
+        seed=7,
+        realtime_output_format="jpeg",
+        max_chunks=5,
+        mode="step",
+        first_frame=b"\x89PNG...",
     )
     assert (init.params.width, init.params.height, init.params.seed) == (128, 64, 7)
     assert init.params.output_format == "jpeg"
@@ -48,22 +57,20 @@ def test_init_takes_sglang_aliases_and_size() -> None:
     assert init.first_frame == b"\x89PNG..."
 
 
-def test_init_names_every_bad_field() -> None:
-    message = {
-        "type": "init",
-        "size": "100x64",
-        "seed": -1,
-        "mode": "burst",
-        "strength": 2.0,
-        "frame_steps": 0,
-        "fps": "fast",
-        "first_frame": "not bytes",
-        "output_format": "gif",
-        "colour": "red",
-    }
+def test_init_names_every_bad_value() -> None:
     with pytest.raises(p.RequestError) as exc:
-        rt.parse_init(message, LIMITS)
+        _init(
+            size="100x64",
+            seed=-1,
+            mode="burst",
+            strength=2.0,
+            frame_steps=0,
+            fps=0.0,
+            first_frame=bytes(rt.MAX_FIRST_FRAME_BYTES + 1),
+            output_format="gif",
+        )
     assert exc.value.code == p.INVALID_REQUEST
+    assert not isinstance(exc.value, rt.Malformed)  # well-formed: the socket stays open
     assert _fields(exc) == {
         "prompt",
         "size",
@@ -74,49 +81,70 @@ def test_init_names_every_bad_field() -> None:
         "fps",
         "first_frame",
         "output_format",
-        "colour",
     }
     assert "multiple of 16" in str(exc.value)
 
 
 def test_max_frames_and_its_alias_are_exclusive() -> None:
     with pytest.raises(p.RequestError) as exc:
-        rt.parse_init({"type": "init", "prompt": "x", "max_frames": 2, "max_chunks": 3}, LIMITS)
+        _init(prompt="x", max_frames=2, max_chunks=3)
     assert _fields(exc) == {"max_frames"}
 
 
 @pytest.mark.parametrize(
-    ("raw", "needle"),
+    ("raw", "needle", "close_code"),
     [
-        (b"\xc1", "not valid msgpack"),
-        (msgspec.msgpack.encode([1, 2]), "msgpack map"),
-        (msgspec.msgpack.encode({"prompt": "x"}), '"type"'),
-        (msgspec.msgpack.encode({"type": 3}), '"type"'),
-        ('{"type": "init"}', "binary msgpack"),
+        (b"\xc1", "not valid msgpack", rt.UNREADABLE),
+        (msgspec.msgpack.encode([1, 2]), "msgpack map", rt.UNREADABLE),
+        (msgspec.msgpack.encode({"prompt": "x"}), '"type"', rt.UNREADABLE),
+        (msgspec.msgpack.encode({"type": 3}), '"type"', rt.UNREADABLE),
+        ('{"type": "init"}', "binary msgpack", rt.UNREADABLE),
+        # A field of the wrong type, or one its type lacks: not a client message.
+        (msgspec.msgpack.encode({"type": "init", "seed": "7"}), "$.seed", rt.UNREADABLE),
+        (msgspec.msgpack.encode({"type": "init", "prompt": [[]]}), "$.prompt", rt.UNREADABLE),
+        (msgspec.msgpack.encode({"type": "init", "colour": "red"}), "colour", rt.UNREADABLE),
+        (msgspec.msgpack.encode({"type": "resume", "prompt": "x"}), "prompt", rt.UNREADABLE),
+        (msgspec.msgpack.encode({"type": "prompt", "prompt": 5}), "$.prompt", rt.UNREADABLE),
+        (b"\x82\xa4type\xa4step\xa1x" + b"\x91" * 100_000 + b"\x01", "nest", rt.UNREADABLE),
+        (msgspec.msgpack.encode({"type": "init", "prompt": "x" * (9 << 20)}), "at most", rt.TOO_BIG),
+        (msgspec.msgpack.encode({"type": "step", "x": bytes(300_000)}), "at most", rt.TOO_BIG),
     ],
 )
-def test_malformed_client_messages_are_refused_clearly(raw: bytes | str, needle: str) -> None:
-    with pytest.raises(p.RequestError) as exc:
+def test_malformed_client_messages_are_refused_clearly(
+    raw: bytes | str, needle: str, close_code: int
+) -> None:
+    with pytest.raises(rt.Malformed) as exc:
         rt.decode_client(raw)
     assert needle in str(exc.value)
+    assert exc.value.close_code == close_code
+
+
+def test_fields_a_message_does_not_read_are_skipped_unbuilt() -> None:
+    """A step (or prompt) may carry fields SGLang's clients add; the router builds none of
+    them, so 200 KB of empty arrays costs what reading them does."""
+    junk = b"\xa4junk\xdd" + (200_000).to_bytes(4, "big") + b"\x90" * 200_000
+    assert rt.decode_client(b"\x82\xa4type\xa4step" + junk) == rt.PlainMessage(type="step")
+    prompt = b"\x83\xa4type\xa6prompt\xa6prompt\xa3cat" + junk
+    assert rt.parse_prompt(rt.decode_client(prompt)) == "cat"
+    assert rt.decode_client(msgspec.msgpack.encode({"type": "dance"})) == rt.PlainMessage(
+        type="dance"
+    )  # an unknown type is the connection's to answer (an error; the socket stays)
 
 
 def test_prompt_messages_take_action_content_or_prompt() -> None:
-    assert rt.parse_prompt({"type": "prompt", "action_content": "a cat"}) == "a cat"
-    assert rt.parse_prompt({"type": "prompt", "prompt": "a dog"}) == "a dog"
+    assert rt.parse_prompt(_decoded(type="prompt", action_content="a cat")) == "a cat"
+    assert rt.parse_prompt(_decoded(type="prompt", prompt="a dog")) == "a dog"
     with pytest.raises(p.RequestError) as exc:
-        rt.parse_prompt({"type": "prompt", "action_content": 5})
+        rt.parse_prompt(_decoded(type="prompt", action_content="x" * 20_000))
     assert _fields(exc) == {"action_content"}
 
 
 def test_resume_needs_a_session_id() -> None:
-    session_id, options = rt.parse_resume(
-        {"type": "resume", "session_id": "abc.def", "mode": "step"}
-    )
+    session_id, options = rt.parse_resume(_decoded(type="resume", session_id="abc.def", mode="step"))
     assert session_id == "abc.def" and options.mode == "step"
     with pytest.raises(p.RequestError) as exc:
-        rt.parse_resume({"type": "resume", "prompt": "x"})
-    assert _fields(exc) == {"session_id", "prompt"}
+        rt.parse_resume(_decoded(type="resume", fps=5000))
+    assert _fields(exc) == {"session_id", "fps"}
 
 
 def test_session_request_checks_what_each_action_needs() -> None:

@@ -94,7 +94,7 @@ def test_a_websocket_that_sends_no_init_is_closed_with_a_reason() -> None:
             url = f"ws://{address}/v1/realtime_video/generate"
             async with connect(url) as ws:
                 started = time.monotonic()
-                await ws.send(b"\xc1")  # malformed: an error, and no more time
+                await ws.send(msgspec.msgpack.encode({"type": "init"}))  # an error, no more time
                 assert msgspec.msgpack.decode(await ws.recv())["type"] == "error"
                 message = msgspec.msgpack.decode(await asyncio.wait_for(ws.recv(), 5))
                 waited = time.monotonic() - started

@@ -407,13 +407,18 @@ def test_deep_realtime_messages_are_errors_not_crashes() -> None:
     deep: Any = 1
     for _ in range(40):
         deep = [deep]
-    for raw in (
-        b"\x91" * 100_000 + b"\x01",  # past msgspec's own recursion limit
-        msgspec.msgpack.encode({"type": "init", "prompt": deep}),
+    for raw, needle in (
+        (b"\x91" * 100_000 + b"\x01", "got `array`"),  # refused before any nesting is read
+        (msgspec.msgpack.encode({"type": "init", "prompt": deep}), "got `array`"),
+        (msgspec.msgpack.encode({"type": "step", "skipped": deep}), None),
+        (b"\x82\xa4type\xa4step\xa1x" + b"\x91" * 100_000 + b"\x01", "at most 32 levels"),
     ):
-        with pytest.raises(p.RequestError, match="at most 32 levels"):
+        if needle is None:
+            assert rt.decode_client(raw) == rt.PlainMessage(type="step")
+            continue
+        with pytest.raises(rt.Malformed, match=needle):
             rt.decode_client(raw)
-    with pytest.raises(p.RequestError, match="not valid msgpack"):
+    with pytest.raises(rt.Malformed, match="not valid msgpack"):
         rt.decode_client(b"\x81\xa4type\xa3\xed\xa0\x80")  # a lone surrogate as UTF-8
     assert too_deep([[1]], limit=1) and not too_deep([[1]], limit=2)
     assert not too_deep({"a": [{"b": 1}]}, limit=3) and too_deep({"a": [{"b": {}}]}, limit=3)
