@@ -27,12 +27,14 @@ from dpserve.contract.validation import (
     MAX_PROMPT_CHARS,
     MAX_SEED,
     OUTPUT_FORMATS,
+    UPLOAD_FORMAT_NAMES,
     FieldChecker,
     Limits,
     check_format,
     check_seeds,
     check_sides,
     size_fields,
+    upload_format,
 )
 from dpserve.plumbing.untrusted import MAX_DEPTH
 
@@ -235,6 +237,7 @@ class ClientInit:
     options: StreamOptions
     first_frame: bytes | None = None
 
+
 _KIND: Final = msgspec.msgpack.Decoder(PlainMessage)
 _DECODERS: Final[dict[str, msgspec.msgpack.Decoder[Any]]] = {
     "init": msgspec.msgpack.Decoder(InitMessage),
@@ -298,6 +301,8 @@ def parse_init(message: InitMessage, limits: Limits) -> ClientInit:
     first = message.first_frame
     if first is not None and len(first) > MAX_FIRST_FRAME_BYTES:
         check.bad("first_frame", f"must be at most {MAX_FIRST_FRAME_BYTES} bytes")
+    elif first is not None and upload_format(first[:12]) is None:
+        check.bad("first_frame", f"must be a {UPLOAD_FORMAT_NAMES} image file's bytes")
     check.raise_errors()
     assert prompt is not None  # a missing prompt was recorded above
     params = SessionParams(

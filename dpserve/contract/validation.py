@@ -42,6 +42,11 @@ FLOW_SHIFT_RANGE: Final = (0.01, 100.0)
 MAX_EDIT_IMAGES: Final = 16
 MAX_EDIT_IMAGE_BYTES: Final = 8 << 20  # per file, like a realtime session's first frame
 MAX_EDIT_PIXELS: Final = 4096 * 4096  # per image; read from its header before decoding
+# The image files an upload may be (an edit's images and mask, a video's reference, a
+# realtime first frame), by Pillow's names: the formats clients send, and far fewer
+# decoders exposed to hostile files than all Pillow knows.
+UPLOAD_FORMATS: Final = ("PNG", "JPEG", "WEBP")
+UPLOAD_FORMAT_NAMES: Final = "PNG, JPEG or WebP"
 # Step caches (docs/worker.md "Step caching"): each kind a request may name, with its
 # one knob and the knob's bounds; "none" turns off the service's default for a request.
 STEP_CACHE_OFF: Final = "none"
@@ -70,6 +75,18 @@ class Limits:
     frame_factor: int = 4
     default_frames: int = 81
     default_fps: int = 16
+
+
+def upload_format(head: bytes) -> str | None:
+    """The format of an image file whose first 12 bytes are ``head``, by its signature,
+    if it is one of ``UPLOAD_FORMATS``; None otherwise. Nothing is decoded."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WEBP"
+    return None
 
 
 def invalid_fields(errors: Sequence[FieldError]) -> RequestError:

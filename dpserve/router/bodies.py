@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 from starlette.requests import Request
@@ -33,25 +34,36 @@ class BadBody(Exception):
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The raw body, no more than ``limit`` bytes, all of it within ``timeout_s``."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadBody(413, f"request body is larger than {limit} bytes")
+    check_declared(request, limit)
     try:
         return await asyncio.wait_for(_read(request, limit), timeout_s)
     except TimeoutError:
-        raise BadBody(
-            408, f"the request body did not arrive within {timeout_s:g} s; send it at once"
-        ) from None
+        raise too_slow(timeout_s) from None
 
 
-async def _read(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
+def check_declared(request: Request, limit: int) -> None:
+    """413 at once for a body whose declared length is over ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadBody(413, f"request body is larger than {limit} bytes")
+
+
+def too_slow(timeout_s: float) -> BadBody:
+    return BadBody(408, f"the request body did not arrive within {timeout_s:g} s; send it at once")
+
+
+async def limited(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+    """The body's chunks as they arrive; 413 once more than ``limit`` bytes came."""
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise BadBody(413, f"request body is larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        yield chunk
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    return b"".join([chunk async for chunk in limited(request, limit)])
 
 
 def is_json(content_type: str | None) -> bool:

@@ -1,23 +1,32 @@
-"""An edit's multipart form: parsed from bytes already read (within the upload limit),
-its text fields turned into the typed body the generation parser checks.
+"""Multipart forms (edits, a video's reference image): read as they arrive, their text
+fields turned into the typed body the generation parser checks.
 
-The router never decodes an image (it has no Pillow): it checks counts and byte
-sizes, and the replica's driver checks the pixels and the mask's size before the
-request queues, answering 400s that name the upload.
+A form is never held whole in memory: starlette's parser writes each file part to a
+spooled temporary file (memory up to 1 MiB, disk past it) while the body arrives
+within the upload limit and the body timeout, so a slow 64 MiB upload holds no more
+than a megabyte of the router's memory. A file is read back only once its size and
+its first bytes (PNG, JPEG or WebP) pass; the files are closed when the form is.
+
+The router never decodes an image (it has no Pillow): it checks counts, byte sizes
+and signatures, and the replica's driver checks the pixels and the mask's size
+before the request queues, answering 400s that name the upload.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from starlette.datastructures import Headers, UploadFile
+from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
 
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
-from dpserve.router.bodies import BadBody
+from dpserve.router.bodies import BadBody, check_declared, limited, too_slow
 from dpserve.router.schemas import FormTypes, ImageEditForm, form_types
 
 FORM_TYPE: Final = "multipart/form-data"
@@ -86,40 +95,52 @@ def is_form(content_type: str | None) -> bool:
     return content_type is not None and content_type.split(";", 1)[0].strip().lower() == FORM_TYPE
 
 
-async def form_items(
-    raw: bytes, content_type: str, max_files: int
-) -> list[tuple[str, UploadFile | str]]:
-    """A whole multipart body's parts, in order; a malformed one is a 400."""
+FormItems = list[tuple[str, UploadFile | str]]
 
-    async def stream() -> AsyncGenerator[bytes, None]:
-        yield raw
 
+@asynccontextmanager
+async def spooled_form(
+    request: Request, limit: int, timeout_s: float, max_files: int
+) -> AsyncIterator[FormItems]:
+    """A multipart body's parts, in order, its files spooled (see the module's note):
+    at most ``limit`` bytes (413) within ``timeout_s`` (408); a malformed one is a 400.
+    The files are closed when the block ends."""
+    check_declared(request, limit)
     parser = MultiPartParser(
-        Headers({"content-type": content_type}),
-        stream(),
+        request.headers,
+        limited(request, limit),
         max_files=max_files,
         max_fields=_MAX_FIELDS,
         max_part_size=_MAX_FIELD_BYTES,
     )
-    try:
-        return (await parser.parse()).multi_items()
+    try:  # the parser closes its files itself when it fails
+        form = await asyncio.wait_for(parser.parse(), timeout_s)
+    except TimeoutError:
+        raise too_slow(timeout_s) from None
     except MultiPartException as exc:
         raise BadBody(400, f"malformed {FORM_TYPE} body: {exc}") from None
+    try:
+        yield form.multi_items()
+    finally:
+        await form.close()
 
 
-async def parse_form(raw: bytes, content_type: str | None) -> EditForm:
+async def read_edit(request: Request, limit: int, timeout_s: float) -> EditForm:
+    """An edit's (or variation's) form; 415 for any other body, before it is read."""
+    content_type = request.headers.get("content-type")
     if not is_form(content_type):
         got = f"got {content_type!r}" if content_type else "got none"
         raise BadBody(415, f"send an edit as {FORM_TYPE} (OpenAI's edit form; {got})")
-    assert content_type is not None
-    items = await form_items(raw, content_type, max_files=pv.MAX_EDIT_IMAGES + 1)
+    async with spooled_form(request, limit, timeout_s, pv.MAX_EDIT_IMAGES + 1) as items:
+        return await parse_form(items)
+
+
+async def parse_form(items: FormItems) -> EditForm:
     form = EditForm()
     problems: list[p.FieldError] = []
     for name, value in items:
         if isinstance(value, UploadFile):
-            data = await value.read()
-            await value.close()
-            _file(form, name, value.filename or name, data, problems)
+            await _file(form, name, value, problems)
         elif name in IMAGE_FIELDS or name == MASK_FIELD:
             problems.append(p.FieldError(name, "must be a file upload, not text"))
         elif name in form.fields:
@@ -133,22 +154,49 @@ async def parse_form(raw: bytes, content_type: str | None) -> EditForm:
     return form
 
 
-def _file(form: EditForm, name: str, filename: str, data: bytes, out: list[p.FieldError]) -> None:
+async def _file(form: EditForm, name: str, upload: UploadFile, out: list[p.FieldError]) -> None:
     if name not in (*IMAGE_FIELDS, MASK_FIELD):
         out.append(p.FieldError(name, "is not a known field (files go in image, image[], mask)"))
-    elif len(data) > pv.MAX_EDIT_IMAGE_BYTES:
-        limit = pv.MAX_EDIT_IMAGE_BYTES >> 20
-        out.append(p.FieldError(name, f"{filename!r} is {len(data)} bytes; at most {limit} MiB"))
-    elif not data:
-        out.append(p.FieldError(name, f"{filename!r} is empty"))
-    elif name == MASK_FIELD:
-        if form.mask is not None:
-            out.append(p.FieldError(name, "give one mask"))
-        form.mask = data
-    elif len(form.images) >= pv.MAX_EDIT_IMAGES:
+        return
+    if name == MASK_FIELD and form.mask is not None:
+        out.append(p.FieldError(name, "give one mask"))
+        return
+    if name != MASK_FIELD and len(form.images) >= pv.MAX_EDIT_IMAGES:
         out.append(p.FieldError(name, f"at most {pv.MAX_EDIT_IMAGES} images per edit"))
+        return
+    data = await read_image(upload, name, out)
+    if data is None:
+        return
+    if name == MASK_FIELD:
+        form.mask = data
     else:
         form.images.append(data)
+
+
+async def read_image(upload: UploadFile, name: str, out: list[p.FieldError]) -> bytes | None:
+    """An uploaded image file's bytes, read from its spool only when its size and its
+    signature pass; else None, with the problem recorded in ``out`` under ``name``."""
+    filename = upload.filename or name
+    size = upload.size or 0
+    await upload.seek(0)
+    problem = image_problem(await upload.read(12), size, filename)
+    if problem is not None:
+        out.append(p.FieldError(name, problem))
+        return None
+    await upload.seek(0)
+    return await upload.read()
+
+
+def image_problem(head: bytes, size: int, filename: str) -> str | None:
+    """What is wrong with an image upload of ``size`` bytes starting with ``head``."""
+    if not size:
+        return f"{filename!r} is empty"
+    if size > pv.MAX_EDIT_IMAGE_BYTES:
+        limit = pv.MAX_EDIT_IMAGE_BYTES >> 20
+        return f"{filename!r} is {size} bytes; at most {limit} MiB"
+    if pv.upload_format(head) is None:
+        return f"{filename!r} is not a {pv.UPLOAD_FORMAT_NAMES} image; send one of those formats"
+    return None
 
 
 def _typed(name: str, text: str, out: list[p.FieldError]) -> Any:

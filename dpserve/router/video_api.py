@@ -3,8 +3,8 @@ or a multipart form with an ``input_reference`` image file, as the openai client
 sends it), the list's query and paging, and the answers' shapes.
 
 The router decodes no image: an ``input_reference`` is checked by its size and its
-first bytes (PNG, JPEG, WebP, GIF, BMP); the replica decodes it and checks its pixels
-before it takes the job.
+first bytes (PNG, JPEG, WebP); the replica decodes it and checks its pixels before it
+takes the job. A form's file is spooled, never the whole body held (dpserve/router/forms.py).
 """
 
 from __future__ import annotations
@@ -16,14 +16,23 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from starlette.datastructures import UploadFile
+from starlette.requests import Request
 
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video
 from dpserve.contract.model_info import Features
 from dpserve.router import fields
-from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object
-from dpserve.router.forms import FORM_TYPE, form_items, is_form, typed_value
+from dpserve.router.bodies import JSON_TYPE, BadBody, is_json, parse_object, read_body
+from dpserve.router.forms import (
+    FORM_TYPE,
+    FormItems,
+    image_problem,
+    is_form,
+    read_image,
+    spooled_form,
+    typed_value,
+)
 from dpserve.router.schemas import form_types
 from dpserve.router.served_model import check_model
 from dpserve.router.video_schemas import VideoCreateForm
@@ -33,7 +42,6 @@ REFERENCE: Final = "input_reference"
 IGNORED: Final = fields.router_only(fields.VIDEOS)
 # Form fields are text: these become numbers before the body is checked.
 FORM_TYPES: Final = form_types(VideoCreateForm)
-_IMAGE_KINDS: Final = "PNG, JPEG, WebP, GIF or BMP"
 _EXTENSIONS: Final[Mapping[str, str]] = {video.VIDEO_VARIANT: "mp4", video.THUMBNAIL: "jpg"}
 ORDERS: Final = ("asc", "desc")
 MAX_LIMIT: Final = 100
@@ -62,11 +70,16 @@ class ListQuery:
 # ---------------------------------------------------------------- create
 
 
-async def read_create(raw: bytes, content_type: str | None) -> VideoAsk:
-    """The create body, JSON or a multipart form; 415 for anything else."""
+async def read_create(
+    request: Request, max_body: int, max_upload: int, timeout_s: float
+) -> VideoAsk:
+    """The create body, JSON (at most ``max_body`` bytes) or a multipart form (at most
+    ``max_upload``, its file spooled); 415 for anything else."""
+    content_type = request.headers.get("content-type")
     if is_form(content_type):
-        assert content_type is not None
-        return await _read_form(raw, content_type)
+        async with spooled_form(request, max_upload, timeout_s, max_files=1) as items:
+            return await _read_form(items)
+    raw = await read_body(request, max_body, timeout_s)
     if not is_json(content_type) and raw.strip():
         got = f"got {content_type!r}" if content_type else "got none"
         raise BadBody(
@@ -107,23 +120,18 @@ def _check_model(features: Features | None, reference: bool) -> None:
         )
 
 
-async def _read_form(raw: bytes, content_type: str) -> VideoAsk:
-    items = await form_items(raw, content_type, max_files=1)
+async def _read_form(items: FormItems) -> VideoAsk:
     body: dict[str, Any] = {}
     reference: bytes | None = None
     problems: list[p.FieldError] = []
     for name, value in items:
         if isinstance(value, UploadFile):
-            data = await value.read()
-            await value.close()
             if name != REFERENCE:
                 problems.append(
                     p.FieldError(name, f"is not a file field (the image is {REFERENCE})")
                 )
-            elif (problem := _image_problem(data, value.filename or REFERENCE)) is not None:
-                problems.append(p.FieldError(REFERENCE, problem))
             else:
-                reference = data
+                reference = await read_image(value, REFERENCE, problems)
         elif name == REFERENCE or name.startswith(f"{REFERENCE}["):
             problems.append(p.FieldError(REFERENCE, _REFERENCE_HOW))
         elif name in body:
@@ -155,27 +163,10 @@ def _json_reference(raw: Any) -> bytes | None:
         raise pv.invalid_fields(
             [p.FieldError(REFERENCE, "holds data that is not base64")]
         ) from None
-    problem = _image_problem(image, "the image_url data")
+    problem = image_problem(image[:12], len(image), "the image_url data")
     if problem is not None:
         raise pv.invalid_fields([p.FieldError(REFERENCE, problem)])
     return image
-
-
-def _image_problem(data: bytes, name: str) -> str | None:
-    if not data:
-        return f"{name!r} is empty"
-    if len(data) > pv.MAX_EDIT_IMAGE_BYTES:
-        return f"{name!r} is {len(data)} bytes; at most {pv.MAX_EDIT_IMAGE_BYTES >> 20} MiB"
-    if not is_image(data):
-        return f"{name!r} is not an image ({_IMAGE_KINDS})"
-    return None
-
-
-def is_image(data: bytes) -> bool:
-    """Whether ``data`` starts like one of the image files the replica decodes."""
-    return data.startswith(
-        (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM")
-    ) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
 
 
 def _typed(name: str, text: str, out: list[p.FieldError]) -> Any:

@@ -35,6 +35,8 @@ from dpserve.contract.validation import (
     MAX_EDIT_IMAGE_BYTES,
     MAX_EDIT_IMAGES,
     MAX_EDIT_PIXELS,
+    UPLOAD_FORMAT_NAMES,
+    UPLOAD_FORMATS,
 )
 
 if TYPE_CHECKING:  # the driver's socket thread checks uploads without loading torch
@@ -126,13 +128,13 @@ def upload_size(data: bytes, field: str) -> tuple[int, int]:
         limit = MAX_EDIT_IMAGE_BYTES >> 20
         raise _bad(field, f"is {len(data)} bytes; at most {limit} MiB: upload a smaller file")
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as img:
             size = img.size
             img.verify()  # structure and checksums, without decoding the pixels
     except Image.DecompressionBombError:
         raise _bad(field, f"has too many pixels; at most {MAX_EDIT_PIXELS} (4096x4096)") from None
     except _UNREADABLE as exc:
-        raise _bad(field, f"is not a readable image (PNG, JPEG or WebP): {_why(exc)}") from None
+        raise _bad(field, f"is not a readable image ({UPLOAD_FORMAT_NAMES}): {_why(exc)}") from None
     problem = _pixels_problem(*size)
     if problem is not None:
         raise _bad(field, problem)
@@ -203,21 +205,21 @@ def decode_mask(data: bytes) -> Image.Image:
 
 def _decoded(data: bytes, field: str) -> Image.Image:
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as img:
             problem = _pixels_problem(img.width, img.height)
             if problem is not None:
                 raise _bad(field, problem)
             img.load()
             return img.copy()
     except _UNREADABLE as exc:
-        raise _bad(field, f"is not a readable image: {_why(exc)}") from None
+        raise _bad(field, f"is not a readable image ({UPLOAD_FORMAT_NAMES}): {_why(exc)}") from None
 
 
 def _why(exc: Exception) -> str:
     """What Pillow found, in the client's terms: its "cannot identify" names the
     in-memory file object (a Python repr), which says nothing to a client."""
     if isinstance(exc, UnidentifiedImageError):
-        return "its bytes are not in an image format the server reads"
+        return f"its bytes are not a {UPLOAD_FORMAT_NAMES} image (other formats are refused)"
     return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the upload", str(exc))
 
 

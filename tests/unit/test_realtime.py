@@ -15,6 +15,7 @@ from dpserve.router.realtime_ws import frame_message
 from dpserve.router.sessions import Frame, make_session_id, session_owner
 
 LIMITS = pv.Limits(size_factor=16, min_side=16, max_side=512, max_steps=50)
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(20)  # a PNG's signature: the router reads no further
 
 
 def _fields(exc: pytest.ExceptionInfo[p.RequestError]) -> set[str]:
@@ -49,12 +50,12 @@ def test_init_takes_sglang_aliases_and_size() -> None:
         realtime_output_format="jpeg",
         max_chunks=5,
         mode="step",
-        first_frame=b"\x89PNG...",
+        first_frame=PNG,
     )
     assert (init.params.width, init.params.height, init.params.seed) == (128, 64, 7)
     assert init.params.output_format == "jpeg"
     assert init.options.max_frames == 5 and init.options.mode == "step"
-    assert init.first_frame == b"\x89PNG..."
+    assert init.first_frame == PNG
 
 
 def test_init_names_every_bad_value() -> None:
@@ -66,7 +67,7 @@ def test_init_names_every_bad_value() -> None:
             strength=2.0,
             frame_steps=0,
             fps=0.0,
-            first_frame=bytes(rt.MAX_FIRST_FRAME_BYTES + 1),
+            first_frame=b"GIF89a" + bytes(20),  # PNG, JPEG and WebP only
             output_format="gif",
         )
     assert exc.value.code == p.INVALID_REQUEST
@@ -106,7 +107,11 @@ def test_max_frames_and_its_alias_are_exclusive() -> None:
         (msgspec.msgpack.encode({"type": "resume", "prompt": "x"}), "prompt", rt.UNREADABLE),
         (msgspec.msgpack.encode({"type": "prompt", "prompt": 5}), "$.prompt", rt.UNREADABLE),
         (b"\x82\xa4type\xa4step\xa1x" + b"\x91" * 100_000 + b"\x01", "nest", rt.UNREADABLE),
-        (msgspec.msgpack.encode({"type": "init", "prompt": "x" * (9 << 20)}), "at most", rt.TOO_BIG),
+        (
+            msgspec.msgpack.encode({"type": "init", "prompt": "x" * (9 << 20)}),
+            "at most",
+            rt.TOO_BIG,
+        ),
         (msgspec.msgpack.encode({"type": "step", "x": bytes(300_000)}), "at most", rt.TOO_BIG),
     ],
 )
@@ -140,7 +145,9 @@ def test_prompt_messages_take_action_content_or_prompt() -> None:
 
 
 def test_resume_needs_a_session_id() -> None:
-    session_id, options = rt.parse_resume(_decoded(type="resume", session_id="abc.def", mode="step"))
+    session_id, options = rt.parse_resume(
+        _decoded(type="resume", session_id="abc.def", mode="step")
+    )
     assert session_id == "abc.def" and options.mode == "step"
     with pytest.raises(p.RequestError) as exc:
         rt.parse_resume(_decoded(type="resume", fps=5000))

@@ -77,35 +77,37 @@ def test_a_hostile_message_closes_its_socket_and_stalls_nobody(case: str) -> Non
     raw, close_code = HOSTILE[case]
 
     async def scenario() -> tuple[float, int | None]:
-        async with _serving(RouterSettings()) as address:
-            async with httpx.AsyncClient(base_url=f"http://{address}", timeout=60) as http:
-                assert (await http.get("/livez")).status_code == 200
-                slowest = 0.0
-                reading = True
+        async with (
+            _serving(RouterSettings()) as address,
+            httpx.AsyncClient(base_url=f"http://{address}", timeout=60) as http,
+        ):
+            assert (await http.get("/livez")).status_code == 200
+            slowest = 0.0
+            reading = True
 
-                async def poll() -> None:
-                    nonlocal slowest
-                    while reading:
-                        started = time.perf_counter()
-                        assert (await http.get("/livez")).status_code == 200
-                        slowest = max(slowest, time.perf_counter() - started)
-                        await asyncio.sleep(0.01)
+            async def poll() -> None:
+                nonlocal slowest
+                while reading:
+                    started = time.perf_counter()
+                    assert (await http.get("/livez")).status_code == 200
+                    slowest = max(slowest, time.perf_counter() - started)
+                    await asyncio.sleep(0.01)
 
-                poller = asyncio.create_task(poll())
-                async with connect(f"ws://{address}{PATH}") as ws:
-                    with contextlib.suppress(ConnectionClosed):
-                        await ws.send(raw)
-                    code = None
-                    with pytest.raises(ConnectionClosed) as closed:
-                        while True:  # an error first where the message was read
-                            reply = msgspec.msgpack.decode(await asyncio.wait_for(ws.recv(), 30))
-                            assert reply["type"] == "error", reply
-                            assert reply["code"] == "invalid_request"
-                    if closed.value.rcvd is not None:
-                        code = closed.value.rcvd.code
-                reading = False
-                await poller
-                return slowest, code
+            poller = asyncio.create_task(poll())
+            async with connect(f"ws://{address}{PATH}") as ws:
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.send(raw)
+                code = None
+                with pytest.raises(ConnectionClosed) as closed:
+                    while True:  # an error first where the message was read
+                        reply = msgspec.msgpack.decode(await asyncio.wait_for(ws.recv(), 30))
+                        assert reply["type"] == "error", reply
+                        assert reply["code"] == "invalid_request"
+                if closed.value.rcvd is not None:
+                    code = closed.value.rcvd.code
+            reading = False
+            await poller
+            return slowest, code
 
     with _peak_rss() as rss:
         slowest, code = asyncio.run(scenario())

@@ -24,7 +24,6 @@ import zmq.asyncio
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
 from dpserve.cli import _router_settings, build_parser
-from dpserve.contract import protocol as p
 from dpserve.contract import realtime as rt
 from dpserve.plumbing.untrusted import too_deep
 from dpserve.router import schemas

@@ -38,10 +38,14 @@ STEP_S = 0.02
 SLOW = {**BODY, "num_inference_steps": 100}  # 2 s of steps: not done while a test looks
 
 
-def _png() -> bytes:
+def _png(fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format="PNG")
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format=fmt)
     return buf.getvalue()
+
+
+# Images in formats Pillow reads but uploads may not be (PNG, JPEG, WebP only).
+GIF, BMP = _png("GIF"), _png("BMP")
 
 
 @asynccontextmanager
@@ -348,10 +352,11 @@ def test_bad_jobs_are_refused_by_the_router_or_by_the_replica() -> None:
 
             # input_reference must be an image, uploaded or inline.
             form = {k: str(v) for k, v in BODY.items()}
-            upload = {"input_reference": ("notes.txt", b"plain words", "text/plain")}
-            answer = await http.post("/v1/videos", data=form, files=upload)
-            assert "is not an image" in _error(answer, 400)
-            assert answer.json()["error"]["param"] == "input_reference"
+            for name, data in (("notes.txt", b"plain words"), ("anim.gif", GIF), ("a.bmp", BMP)):
+                upload = {"input_reference": (name, data, "image/octet-stream")}
+                answer = await http.post("/v1/videos", data=form, files=upload)
+                assert "is not a PNG, JPEG or WebP image" in _error(answer, 400)
+                assert answer.json()["error"]["param"] == "input_reference"
             linked = {**BODY, "input_reference": {"image_url": "https://example.com/a.png"}}
             assert "not fetched" in await refused(linked, "input_reference")
             image = {"input_reference": ("first.png", _png(), "image/png")}

@@ -48,6 +48,23 @@ def test_uploads_are_checked_from_their_headers_naming_the_field() -> None:
     )
 
 
+def test_uploads_in_other_formats_than_png_jpeg_webp_are_refused_by_the_replica() -> None:
+    """Pillow reads many more formats (GIF, BMP, TIFF, ICO, PSD, ...), each a decoder a
+    hostile file could reach: the replica opens PNG, JPEG and WebP only."""
+    for fmt in ("GIF", "BMP", "TIFF"):
+        buf = io.BytesIO()
+        Image.new("RGB", (16, 16)).save(buf, format=fmt)
+        for check in (upload_size, decode_image):
+            with pytest.raises(p.RequestError) as refused:
+                check(buf.getvalue(), "image[0]")
+            assert "not a readable image (PNG, JPEG or WebP)" in str(refused.value), fmt
+    for fmt in ("PNG", "JPEG", "WEBP"):
+        buf = io.BytesIO()
+        Image.new("RGB", (16, 8)).save(buf, format=fmt)
+        assert upload_size(buf.getvalue(), "image[0]") == (16, 8)
+        assert pv.upload_format(buf.getvalue()[:12]) == fmt
+
+
 def test_unreadable_uploads_are_named_without_python_reprs() -> None:
     """Pillow's "cannot identify image file <_io.BytesIO object at 0x…>" is reworded, in
     the header check and in the decode (a broken PNG passes the first, not the second)."""

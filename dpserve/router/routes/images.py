@@ -22,7 +22,7 @@ from dpserve.router.deps import (
     SettingsDep,
     StoreDep,
 )
-from dpserve.router.forms import EditForm, parse_form
+from dpserve.router.forms import EditForm, read_edit
 from dpserve.router.openai_api import (
     ImageRequest,
     check_edit_supported,
@@ -81,8 +81,7 @@ async def edit(
     registry: RegistryDep,
     store: StoreDep,
 ) -> Response:
-    raw = await read_body(request, settings.max_upload_bytes, settings.body_timeout_s)
-    form = await parse_form(raw, request.headers.get("content-type"))
+    form = await read_edit(request, settings.max_upload_bytes, settings.body_timeout_s)
     return await _edit(request, rid, form, form.body(), settings, pool, service, registry, store)
 
 
@@ -97,8 +96,7 @@ async def variation(
     store: StoreDep,
 ) -> Response:
     """OpenAI's variations: an image-to-image edit of one image without a prompt."""
-    raw = await read_body(request, settings.max_upload_bytes, settings.body_timeout_s)
-    form = await parse_form(raw, request.headers.get("content-type"))
+    form = await read_edit(request, settings.max_upload_bytes, settings.body_timeout_s)
     body = form.variation_body()
     return await _edit(request, rid, form, body, settings, pool, service, registry, store)
 

@@ -9,9 +9,7 @@ from fastapi.responses import JSONResponse
 
 from dpserve.router import deps, video_api, video_schemas
 from dpserve.router.access import inference
-from dpserve.router.bodies import read_body
 from dpserve.router.deps import PoolDep, SettingsDep, VideosDep
-from dpserve.router.forms import is_form
 from dpserve.router.routes.info import model_name
 
 
@@ -19,10 +17,9 @@ from dpserve.router.routes.info import model_name
 async def create(
     request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
 ) -> JSONResponse:
-    content_type = request.headers.get("content-type")
-    limit = settings.max_upload_bytes if is_form(content_type) else settings.max_body_bytes
-    raw = await read_body(request, limit, settings.body_timeout_s)
-    asked = await video_api.read_create(raw, content_type)
+    asked = await video_api.read_create(
+        request, settings.max_body_bytes, settings.max_upload_bytes, settings.body_timeout_s
+    )
     served = deps.served_name(pool, settings)
     params = video_api.parse_create(asked, deps.limits(pool), deps.features(pool), served)
     job = await videos.submit(params, asked.blobs)
