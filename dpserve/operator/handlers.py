@@ -27,6 +27,7 @@ from dpserve.contract.layout import LayoutError, ParallelConfig
 from dpserve.operator import builders as b
 from dpserve.operator import fill_job as f
 from dpserve.operator import spec as s
+from dpserve.operator import wire
 from dpserve.operator.kube import Kube
 from dpserve.operator.model_state import (
     FillFacts,
@@ -164,8 +165,10 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     digest = hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
     if drift or runtime.applied.get((namespace, name)) != digest:
         # The wire key first: pods mount it. A fresh key each time, kept only when the
-        # Secret is new (409 otherwise): the operator never reads a Secret.
-        await kube.create_if_absent(b.build_wire_secret(svc, WireKey.generate().secret))
+        # Secret is new (409 otherwise): the operator never reads a Secret, so one it
+        # did not create is refused (dpserve/operator/wire.py).
+        if not await _wire_secret(kube, obj, svc, previous):
+            return
         for child in children:
             if child["kind"] == "ConfigMap":
                 await kube.create_if_absent(child)
@@ -206,11 +209,30 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     if control.problem:
         log.warning("%s/%s: control state ignored: %s", namespace, name, control.problem)
     status = compute_status(svc, pods, previous, router=router, control=control, model=step)
+    if wire.RECORD in previous:
+        status[wire.RECORD] = previous[wire.RECORD]
     pruned = prune_due(svc, step, status)
     if pruned is not None:
         await _prune(runtime, obj, svc, pruned)
         status["model"]["pruned"] = pruned
     await kube.patch_status(namespace, name, status)
+
+
+async def _wire_secret(
+    kube: Kube, obj: dict[str, Any], svc: b.Svc, previous: dict[str, Any]
+) -> bool:
+    """Create the wire Secret, or find the one there is the operator's own; False (and
+    reported) when it is not, so nothing that would mount it is made."""
+    secret = b.build_wire_secret(svc, WireKey.generate().secret)
+    name = secret["metadata"]["name"]
+    created = await kube.create_if_absent(secret)
+    if not wire.owned(name, created, previous):
+        await _report_refusal(kube, obj, wire.refusal(svc.namespace, name))
+        return False
+    if previous.get(wire.RECORD) != name:  # recorded at once: a crash next must not lose it
+        await kube.patch_status(svc.namespace, svc.name, {wire.RECORD: name})
+        previous[wire.RECORD] = name
+    return True
 
 
 async def _prune(runtime: Runtime, obj: dict[str, Any], svc: b.Svc, loaded: str) -> None:
@@ -309,20 +331,30 @@ async def _record(kube: Kube, obj: dict[str, Any], note: Note, kind: str = "Norm
 
 
 async def _report_invalid(kube: Kube, obj: dict[str, Any], message: str) -> None:
+    await _report_refusal(kube, obj, Note("SpecRefused", message), reason="InvalidSpec")
+
+
+async def _report_refusal(
+    kube: Kube, obj: dict[str, Any], note: Note, reason: str | None = None
+) -> None:
+    """A service the operator will not build: a Warning Event (once per refusal) and a
+    Degraded condition with ``reason`` (the note's own by default) and its message."""
     meta = obj["metadata"]
+    reason = reason or note.reason
+    message = note.message
     previous = {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []}
     old = previous.get("Degraded") or {}
-    if old.get("reason") != "InvalidSpec" or old.get("message") != message[:1000]:
-        # Once per refusal, not on every drift check while the spec stays wrong.
-        await _record(kube, obj, Note("SpecRefused", message), kind="Warning")
+    if old.get("reason") != reason or old.get("message") != message[:1000]:
+        # Once per refusal, not on every drift check while it stands.
+        await _record(kube, obj, note, kind="Warning")
     condition = {
         "type": "Degraded",
         "status": "True",
-        "reason": "InvalidSpec",
+        "reason": reason,
         "message": message[:1000],
         "observedGeneration": meta.get("generation"),
         "lastTransitionTime": old.get("lastTransitionTime")
-        if old.get("reason") == "InvalidSpec"
+        if old.get("reason") == reason
         else _now(),
     }
     others = [c for t, c in previous.items() if t != "Degraded"]

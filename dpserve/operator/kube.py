@@ -251,7 +251,8 @@ class Kube:
         return str(text)
 
     @uses(("", "configmaps", "create"), ("", "secrets", "create"))
-    async def create_if_absent(self, obj: dict[str, Any]) -> None:
+    async def create_if_absent(self, obj: dict[str, Any]) -> bool:
         """For objects made once and never read back: the control state (the routers own
-        its content) and the wire Secret (create-only: no read access is needed)."""
-        await self._create(obj)
+        its content) and the wire Secret (create-only: no read access is needed). False
+        when one of its name exists already (whose it is, the caller knows or not)."""
+        return await self._create(obj)

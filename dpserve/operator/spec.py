@@ -498,6 +498,9 @@ class DiffusionServiceStatus(_Model):
     model: ModelStatus | None = Field(None, description="model.source's fetch (absent without one)")
     replicaStatuses: list[ReplicaStatus] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
+    wireSecret: str | None = Field(
+        None, description="the wire key Secret the operator created for this service"
+    )
 
 
 NODE_LOCAL_REFUSED = (

@@ -393,6 +393,40 @@ def test_invalid_spec_beyond_the_crd_is_reported_not_crashed(
     assert operator.alive()
 
 
+def test_a_planted_wire_secret_is_refused_until_it_is_deleted(
+    cluster: ControlPlane, operator: Operator
+) -> None:
+    """Someone who may create Secrets in the namespace makes ``<svc>-wire`` (a key they
+    know) before the service: the operator, which cannot read Secrets, did not create
+    it, so it is reported and nothing mounts it; deleting it lets the service start."""
+    planted = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "planted-wire", "namespace": NS},
+        "stringData": {b.WIRE_KEY: "a key someone else knows"},
+    }
+    apply(cluster, planted)
+    apply(cluster, dsvc("planted"))
+    degraded = eventually(
+        lambda: (
+            condition(cluster, "planted", "Degraded")["reason"] == "WireSecretNotOwned"
+            and condition(cluster, "planted", "Degraded")
+        ),
+        what="WireSecretNotOwned",
+    )
+    assert f"kubectl -n {NS} delete secret planted-wire" in degraded["message"]
+    assert [r for r, _ in events(cluster, "planted") if r == "WireSecretNotOwned"]
+    assert pods(cluster, "planted") == {}
+    assert "wireSecret" not in status(cluster, "planted")
+    cluster.kubectl("-n", NS, "delete", "secret", "planted-wire")
+    eventually(lambda: len(pods(cluster, "planted")) == 1, what="replica after the delete")
+    assert status(cluster, "planted")["wireSecret"] == "planted-wire"
+    owners = get(cluster, "secret", "planted-wire")["metadata"]["ownerReferences"]
+    assert owners[0]["name"] == "planted" and owners[0]["kind"] == "DiffusionService"
+    assert operator.alive()
+    cluster.kubectl("-n", NS, "delete", "dsvc", "planted", "--wait=false")
+
+
 def test_replicas_out_of_sync_are_reported_from_the_control_state(
     cluster: ControlPlane, operator: Operator
 ) -> None:
