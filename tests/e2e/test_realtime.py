@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -201,22 +202,28 @@ def test_stream_pacing_frame_limit_and_a_starting_image(router: RouterProcess) -
     assert took > 0.7, took  # 5 frames at 5 fps: about a second, not as fast as possible
 
 
-def test_malformed_messages_get_an_error_and_the_socket_stays_usable(
+def test_malformed_messages_close_the_socket_and_bad_values_do_not(
     router: RouterProcess,
 ) -> None:
-    with RealtimeSocket(router.url) as sock:
-        for bad, needle in (
-            (b"\xc1\x00", "not valid msgpack"),
-            ('{"type": "init"}', "binary msgpack"),
-            (b"\x93\x01\x02\x03", "msgpack map"),
-        ):
+    """A message that is not a client message's shape gets an error and close 1007; a
+    well-formed one with bad values gets an error naming them, on a usable socket."""
+    for bad, needle in (
+        (b"\xc1\x00", "not valid msgpack"),
+        ('{"type": "init"}', "binary msgpack"),
+        (b"\x93\x01\x02\x03", "msgpack map"),
+        (msgspec.msgpack.encode({"type": "init", "prompt": "x", "colour": "red"}), "colour"),
+        (msgspec.msgpack.encode({"type": "prompt", "action_content": 42}), "action_content"),
+    ):
+        with RealtimeSocket(router.url) as sock:
             sock.send_raw(bad)
             assert needle in sock.expect("error")["content"]
+            assert sock.closed_code() == 1007
+    with RealtimeSocket(router.url) as sock:
         sock.send(type="prompt", action_content="too early")
         assert "send init (or resume) first" in sock.expect("error")["content"]
-        sock.send(type="init", prompt="x", size="65x64", colour="red")
+        sock.send(type="init", prompt="x", size="65x64", seed=-1)
         error = sock.expect("error")
-        assert "colour is not a known field" in error["content"] and "size" in error["content"]
+        assert "size" in error["content"] and "seed" in error["content"]
         sock.send(type="resume", session_id="forged")
         assert "not a session id" in sock.expect("error")["content"]
         sock.init(**INIT)
@@ -224,7 +231,7 @@ def test_malformed_messages_get_an_error_and_the_socket_stays_usable(
             ({"type": "teleport"}, "unknown message type"),
             ({"type": "init", "prompt": "again"}, "already carries a session"),
             ({"type": "video", "content": b"..."}, "video input is not supported"),
-            ({"type": "prompt", "action_content": 42}, "action_content must be a string"),
+            ({"type": "prompt", "action_content": "x" * 20_000}, "action_content must be"),
         ):
             sock.send(**message)
             assert needle in sock.expect("error")["content"]
