@@ -45,6 +45,8 @@ class RouterSettings:
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # also work on inference routes
     body_timeout_s: float = option("body_timeout")
     max_connections: int = option("max_connections")
+    max_connections_per_peer: int = option("max_connections_per_peer")
+    header_timeout_s: float = option("header_timeout")
     backlog: int = option("backlog")
     output_max_files: int = option("output_max_files")
     output_max_age_s: float = option("output_max_age")
@@ -76,6 +78,8 @@ class RouterSettings:
             max_body_bytes=config.max_body,
             max_upload_bytes=config.max_upload_bytes,
             max_connections=config.max_connections,
+            max_connections_per_peer=config.max_connections_per_peer,
+            header_timeout_s=config.header_timeout,
             backlog=config.backlog,
             output_max_files=config.output_max_files,
             output_max_age_s=config.output_max_age,
