@@ -163,6 +163,16 @@ class RouterConfig:
         ),
     )
     backlog: int = field(default=2048, metadata=flag("TCP accept queue length", positive))
+    # Host names answered besides localhost and IP literals, against DNS rebinding
+    # (docs/router.md, "Security"; dpserve/router/hosts.py).
+    allowed_host: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "a Host name this router answers to, besides localhost and IP addresses "
+            "(repeatable; '*': any)",
+            many=True,
+        ),
+    )
     # response_format=url files: the oldest go past either bound (docs/router.md).
     output_max_files: int = field(
         default=1000, metadata=flag("response_format=url files kept", positive)

@@ -29,6 +29,7 @@ from dpserve.router.auth import AuthMiddleware, Keys, document_security
 from dpserve.router.bodies import BadBody
 from dpserve.router.deps import Running
 from dpserve.router.desired import DesiredState
+from dpserve.router.hosts import AllowedHosts
 from dpserve.router.http_server import GuardedConfig
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
@@ -127,7 +128,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     keys = Keys.of(settings.api_keys, settings.admin_keys)
     # Outermost last: the request id is on every answer, refusals included, and
     # metrics count the refusals too.
-    app.add_middleware(AuthMiddleware, keys=keys, levels=levels)
+    hosts = AllowedHosts.of(settings.allowed_hosts, settings.public_url)
+    app.add_middleware(AuthMiddleware, keys=keys, levels=levels, hosts=hosts)
     app.add_middleware(RequestIdMiddleware)
     if keys.enabled:
         plain_openapi = app.openapi

@@ -47,6 +47,8 @@ class RouterSettings:
     max_connections: int = option("max_connections")
     max_connections_per_peer: int = option("max_connections_per_peer")
     header_timeout_s: float = option("header_timeout")
+    # Host names answered besides loopback names and IP literals (dpserve/router/hosts.py).
+    allowed_hosts: tuple[str, ...] = option("allowed_host")
     backlog: int = option("backlog")
     output_max_files: int = option("output_max_files")
     output_max_age_s: float = option("output_max_age")
@@ -80,6 +82,7 @@ class RouterSettings:
             max_connections=config.max_connections,
             max_connections_per_peer=config.max_connections_per_peer,
             header_timeout_s=config.header_timeout,
+            allowed_hosts=config.allowed_host,
             backlog=config.backlog,
             output_max_files=config.output_max_files,
             output_max_age_s=config.output_max_age,

@@ -92,7 +92,9 @@ class StubbedRouter:
         try:
             async with self.app.router.lifespan_context(self.app):
                 transport = httpx.ASGITransport(app=self.app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://localhost"
+                ) as http:
                     deadline = time.monotonic() + 10
                     while (await http.get("/ready")).status_code != 200:
                         assert time.monotonic() < deadline, "the stub replica never served"

@@ -55,7 +55,7 @@ async def _router(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     try:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 deadline = time.monotonic() + 10
                 while (await http.get("/ready")).status_code != 200:
                     assert time.monotonic() < deadline, "the stub replica never served"
@@ -201,7 +201,7 @@ def test_the_openai_client_sends_its_api_key() -> None:
             for key, works in ((API, True), ("sk-wrong", False)):
                 client = openai.AsyncOpenAI(
                     api_key=key,
-                    base_url="http://router/v1",
+                    base_url="http://localhost/v1",
                     http_client=httpx.AsyncClient(transport=transport),
                     max_retries=0,
                 )
@@ -238,8 +238,8 @@ def test_no_keys_warns_loudly_at_start_and_keys_are_never_logged(
 
 def test_the_realtime_socket_is_refused_before_it_is_accepted() -> None:
     app = create_app(RouterSettings(**KEYED))  # no replicas: the key check comes first
-    with TestClient(app) as client:
-        path = "/v1/realtime_video/generate"
+    with TestClient(app, base_url="http://localhost") as client:
+        path = "ws://localhost/v1/realtime_video/generate"  # TestClient's own: testserver
         for headers in ({}, _bearer("sk-wrong")):
             with (
                 pytest.raises(WebSocketDenialResponse) as caught,
@@ -305,7 +305,7 @@ def test_cross_site_browser_requests_are_refused_even_without_keys() -> None:
             # The router's own pages, API clients, and safe methods are let through.
             for own in (
                 {"sec-fetch-site": "same-origin", "origin": "http://proxy.public"},
-                {"origin": "http://router"},
+                {"origin": "http://localhost"},
                 {},
             ):
                 assert (await http.post(post, headers=own)).status_code == 200, own
@@ -316,9 +316,12 @@ def test_cross_site_browser_requests_are_refused_even_without_keys() -> None:
 
     _run(scenario)
     app = create_app(RouterSettings())
-    with TestClient(app) as client, pytest.raises(WebSocketDenialResponse) as caught:
+    with (
+        TestClient(app, base_url="http://localhost") as client,
+        pytest.raises(WebSocketDenialResponse) as caught,
+    ):
         headers = {"origin": "http://evil.example"}
-        with client.websocket_connect("/v1/realtime_video/generate", headers=headers):
+        with client.websocket_connect("ws://localhost/v1/realtime_video/generate", headers=headers):
             pass
     assert caught.value.status_code == 403
 
@@ -450,7 +453,7 @@ def test_a_crash_is_a_json_500_that_says_nothing_of_it() -> None:
     async def scenario() -> httpx.Response:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 return await http.get("/broken")
 
     crashed = _run(scenario)

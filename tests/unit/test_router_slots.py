@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -105,15 +106,21 @@ async def _serving(settings: RouterSettings) -> AsyncIterator[Served]:
         await task
 
 
-async def _silent(served: Served, count: int) -> list[socket.socket]:
-    """``count`` connections that never send a byte (the router accepted each)."""
-    socks = []
-    for _ in range(count):
-        sock = socket.create_connection((served.host, served.port))
+async def _silent(served: Served, count: int, sources: int = 1) -> list[socket.socket]:
+    """``count`` connections that never send a byte (the router accepted each), from
+    ``sources`` addresses (127.0.0.1, then 127.0.1.1, 127.0.1.2, …: all loopback)."""
+    socks, per_source = [], Counter[str]()
+    for i in range(count):
+        source = "127.0.0.1" if i % sources == 0 else f"127.0.1.{i % sources}"
+        sock = socket.create_connection((served.host, served.port), source_address=(source, 0))
         sock.setblocking(False)
         socks.append(sock)
+        per_source[source] += 1
+    book = served.config.book
+    cap = book.limits.max_per_peer or count
+    kept = min(book.limits.max_connections, sum(min(n, cap) for n in per_source.values()))
     deadline = time.monotonic() + 5
-    while served.config.book.open < min(count, served.config.book.limits.max_connections):
+    while book.open < kept:
         assert time.monotonic() < deadline, "the router never accepted the flood"
         await asyncio.sleep(0.01)
     return socks
@@ -141,21 +148,25 @@ def test_a_flood_of_silent_sockets_locks_out_neither_probes_nor_requests() -> No
     """Before: 21 silent sockets with --max-connections 20 made every call 503 for
     as long as they stayed open."""
 
-    async def scenario() -> None:
-        settings = RouterSettings(max_connections=20, header_timeout_s=60)
+    async def scenario(sources: int) -> None:
+        settings = RouterSettings(
+            max_connections=20, max_connections_per_peer=8, header_timeout_s=60
+        )
         async with _serving(settings) as served:
-            flood = await _silent(served, 60)  # three times the cap, from one address
+            flood = await _silent(served, 60, sources)  # three times the cap
             try:
                 for path, answer in (("/livez", 200), ("/ready", 503), ("/v1/models", 200)):
                     status, took = await asyncio.to_thread(_timed_get, served.url, path)
                     assert (status, path) == (answer, path)  # /ready: no replica here
                     assert took < 2, (path, took)
                 assert served.config.book.open <= 20
+                assert served.config.book.count("127.0.0.1") <= 8
             finally:
                 for sock in flood:
                     sock.close()
 
-    asyncio.run(scenario())
+    asyncio.run(scenario(sources=1))  # one address (the probe's own)
+    asyncio.run(scenario(sources=30))  # many
 
 
 def test_a_silent_socket_is_closed_and_a_slow_head_gets_408() -> None:
