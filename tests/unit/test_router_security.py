@@ -34,6 +34,7 @@ from dpserve.router.auth import Keys, load_key_file
 from dpserve.router.pool import PoolSettings
 from dpserve.router.routes import flat
 from tests.stub_replica import StubReplica
+from tests.workers import free_port
 
 T = TypeVar("T")
 API, ADMIN_KEY = "sk-inference-4f1c", "sk-admin-9e2d"
@@ -476,3 +477,42 @@ def test_serves_banner_says_where_keys_go_and_never_shows_one() -> None:
     assert "Authorization: Bearer <your --api-key>" in keyed
     assert "/health/replicas -H 'Authorization: Bearer <your --admin-key>'" in keyed
     assert "Authorization" not in shown(keyed=False)
+
+
+def test_open_and_inference_routes_show_no_replica_errors_or_host_paths() -> None:
+    """Before: an unauthenticated /health showed a silent replica's whole snapshot
+    (its last error, control state version), and /model_info gave an inference key
+    the replicas' model_path. Both are an admin's (/health/replicas, /server_info)."""
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        stub = StubReplica(ctx)
+        silent = f"tcp://127.0.0.1:{free_port()}"
+        settings = RouterSettings(workers=(stub.endpoint, silent), pool=FAST, **KEYED)
+        app = create_app(settings)
+        try:
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://localhost"
+                ) as http:
+                    deadline = time.monotonic() + 10
+                    while (await http.get("/ready")).status_code != 200:
+                        assert time.monotonic() < deadline, "the stub replica never served"
+                        await asyncio.sleep(0.02)
+                    health = await http.get("/health")
+                    assert health.status_code == 503
+                    [shown] = health.json()["silent"]
+                    assert shown["endpoint"] == silent and set(shown) == {"replica", "endpoint"}
+                    admin = await http.get("/health/replicas", headers=_bearer(ADMIN_KEY))
+                    assert any(r["last_error"] for r in admin.json()["replicas"])
+                    info = await http.get("/model_info", headers=_bearer(API))
+                    assert info.status_code == 200 and "model_path" not in info.json()
+                    assert "/stub" not in info.text
+                    server = await http.get("/server_info", headers=_bearer(ADMIN_KEY))
+                    assert server.json()["model_path"] == "/stub"
+        finally:
+            await stub.close()
+            ctx.term()
+
+    _run(scenario)
