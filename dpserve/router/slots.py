@@ -76,6 +76,11 @@ class SlotBook(Generic[K]):
     def open(self) -> int:
         return len(self._peer)
 
+    @property
+    def waiting(self) -> int:
+        """The idle connections: waiting for a request head."""
+        return len(self._idle)
+
     def count(self, peer: str) -> int:
         return self._count.get(peer, 0)
 
