@@ -164,6 +164,7 @@ def test_no_route_answers_a_server_error(
         api_keys=("sk-fuzz-inference",),
         admin_keys=(ADMIN_KEY,),
         output_dir=tmp_path / "images",  # response_format=url and /v1/images/files serve
+        allowed_hosts=("testserver",),  # the Host schemathesis sends in-process
     )
     app = StubbedRouter(settings)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
