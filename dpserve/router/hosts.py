@@ -12,7 +12,7 @@ names it is known by (docs/router.md, Security):
 - any IP literal: no DNS answer is involved in reaching one, so it cannot be rebound,
   and pod IPs, load balancers' addresses and probes all arrive as IP literals;
 - the names given (``--allowed-host``, repeatable; on Kubernetes the operator gives
-  the router Service's names), the bound host and ``--public-url``'s host;
+  the router Service's names) and ``--public-url``'s host (by default the bound one);
 - everything, with ``--allowed-host '*'``.
 
 A request without ``Host`` (HTTP/1.0) is let through: every browser sends one.
