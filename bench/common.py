@@ -143,3 +143,10 @@ def connection_cap(clients: int) -> int:
     open connection, and a load turn's closed ones still count until the server has
     seen them go, so the next turn's clients arrive while the last turn's linger."""
     return 2 * clients + 64
+
+
+def connection_flags(clients: int) -> list[str]:
+    """The router's connection caps for a load of ``clients``, all from this one
+    address (so its per-address cap is the whole)."""
+    cap = str(connection_cap(clients))
+    return ["--max-connections", cap, "--max-connections-per-peer", cap]

@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import connection_cap, wait_ready
+from bench.common import connection_flags, wait_ready
 from dpserve.client import ReplicaClient
 from dpserve.plumbing.curve import WireKey
 from dpserve.plumbing.ports import free_port
@@ -160,7 +160,7 @@ def start(name: str, args: argparse.Namespace, scratch: Path) -> Stack:
     router = subprocess.Popen(
         [sys.executable, "-m", "dpserve", "router", "--worker", endpoint, "--port", str(http_port),
          "--max-inflight-per-replica", "4096", "--max-waiting", "8192", "--request-timeout", "60",
-         "--max-connections", str(connection_cap(args.clients)), *wire, *auth],
+         *connection_flags(args.clients), *wire, *auth],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     stack = Stack(name, url, endpoint, key, headers, (router, stub))

@@ -47,7 +47,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import connection_cap, timed_round, wait_ready
+from bench.common import connection_flags, timed_round, wait_ready
 from dpserve.plumbing.ports import free_port
 from dpserve.router.metrics import Accounting, read_accounting
 
@@ -193,7 +193,7 @@ def soak(args: argparse.Namespace, log_dir: Path) -> str:
     cmd = [sys.executable, "-m", "dpserve", "router", "--port", str(http_port)]
     cmd += ["--max-inflight-per-replica", str(args.max_inflight_per_replica)]
     cmd += ["--max-waiting", str(args.max_waiting), "--request-timeout", str(args.timeout)]
-    cmd += ["--max-connections", str(connection_cap(args.clients))]
+    cmd += connection_flags(args.clients)
     for endpoint in endpoints:
         cmd += ["--worker", endpoint]
     router_log = (log_dir / "router.log").open("wb")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from dpserve.config import flags
-from dpserve.config.flags import flag, port_number, positive, seconds
+from dpserve.config.flags import flag, non_negative, port_number, positive, seconds
 
 Discovery = Literal["static", "kubernetes"]
 # The routing policies (dpserve.router.policies, docs/router.md, Routing policies).
@@ -144,7 +144,35 @@ class RouterConfig:
         default=1000,
         metadata=flag("open HTTP connections (WebSockets too), then 503", positive),
     )
+    # One address may hold this many; behind a proxy every client shares its address
+    # (docs/router.md, "Limits": raise it there, or 0 for no cap).
+    max_connections_per_peer: int = field(
+        default=256,
+        metadata=flag(
+            "connections one client address (IPv6: its /64) may hold busy, then 429; 0: no cap",
+            non_negative,
+        ),
+    )
+    # A connection that sends no complete request head in time is closed: silent
+    # sockets hold no slot for long (docs/router.md, "Limits").
+    header_timeout: float = field(
+        default=10.0,
+        metadata=flag(
+            "seconds for a request head to arrive after connecting or after an answer",
+            seconds,
+        ),
+    )
     backlog: int = field(default=2048, metadata=flag("TCP accept queue length", positive))
+    # Host names answered besides localhost and IP literals, against DNS rebinding
+    # (docs/router.md, "Security"; dpserve/router/hosts.py).
+    allowed_host: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "a Host name this router answers to, besides localhost and IP addresses "
+            "(repeatable; '*': any)",
+            many=True,
+        ),
+    )
     # response_format=url files: the oldest go past either bound (docs/router.md).
     output_max_files: int = field(
         default=1000, metadata=flag("response_format=url files kept", positive)

@@ -583,10 +583,20 @@ def router_options(svc: Svc) -> dict[str, Any]:
         "max_waiting": r.maxWaiting,
         "served_model_name": r.servedModelName or svc.name,
         "video_max_estimate": r.videoMaxEstimateSeconds,
+        "max_connections_per_peer": r.maxConnectionsPerPeer,
+        "allowed_host": (*router_host_names(svc), *r.allowedHosts),
         # The user's key Secret, mounted at AUTH_DIR (build_router_deployment).
         "api_key_file": (f"{AUTH_DIR}/{API_KEYS}",) if r.auth else (),
         "admin_key_file": (f"{AUTH_DIR}/{ADMIN_KEYS}",) if r.auth else (),
     }
+
+
+def router_host_names(svc: Svc) -> tuple[str, ...]:
+    """The names the router Service is reached by in the cluster (the router answers
+    no other Host but IP literals and localhost: dpserve/router/hosts.py). A cluster
+    whose domain is not cluster.local adds its own in spec.router.allowedHosts."""
+    name, ns = svc.name, svc.namespace
+    return (name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local")
 
 
 def router_args(svc: Svc) -> list[str]:

@@ -11,7 +11,7 @@ queue bounds, policy) are the process's own, read from ``WorkerConfig`` and
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
@@ -273,6 +273,10 @@ class RouterAuth(_Model):
     )
 
 
+# A Host name (no port), or '*' for any (dpserve/router/hosts.py).
+HostName = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^(\*|[A-Za-z0-9_.-]+)$")]
+
+
 class RouterSpec(_Model):
     replicas: int = Field(1, ge=0, le=100)
     service: ServiceSpec = Field(default_factory=ServiceSpec, json_schema_extra={"default": {}})
@@ -296,6 +300,21 @@ class RouterSpec(_Model):
         pattern=r"^[!-~]+$",  # served_model.check_name: printable ASCII, no spaces
         description="the model's name in /v1/models and in requests' model (another is a "
         "404); default: this resource's name",
+    )
+    maxConnectionsPerPeer: int = Field(
+        _router("max_connections_per_peer"),
+        ge=0,
+        le=1_000_000,
+        description="connections one client address may hold busy, then 429 (0: no cap); "
+        "behind an Ingress or a proxy every client shares its address: raise it or set 0 "
+        "(docs/router.md, Limits)",
+    )
+    allowedHosts: list[HostName] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Host names the router answers besides its Service's names, localhost "
+        "and IP addresses (an Ingress's host, say; '*': any); others get 421, against DNS "
+        "rebinding (docs/router.md, Security)",
     )
     videoMaxEstimateSeconds: int = Field(
         _router("video_max_estimate"),

@@ -29,6 +29,8 @@ from dpserve.router.auth import AuthMiddleware, Keys, document_security
 from dpserve.router.bodies import BadBody
 from dpserve.router.deps import Running
 from dpserve.router.desired import DesiredState
+from dpserve.router.hosts import AllowedHosts
+from dpserve.router.http_server import GuardedConfig
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.playground import routes as playground
@@ -40,6 +42,7 @@ from dpserve.router.routes.images import REPLICA_HEADER
 from dpserve.router.service import RouterService
 from dpserve.router.sessions import SessionRouter
 from dpserve.router.settings import KubernetesDiscovery, RouterSettings
+from dpserve.router.slots import SlotLimits
 from dpserve.router.store import OutputStore
 from dpserve.router.videos import VideoJobs
 
@@ -125,7 +128,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     keys = Keys.of(settings.api_keys, settings.admin_keys)
     # Outermost last: the request id is on every answer, refusals included, and
     # metrics count the refusals too.
-    app.add_middleware(AuthMiddleware, keys=keys, levels=levels)
+    hosts = AllowedHosts.of(settings.allowed_hosts, settings.public_url)
+    app.add_middleware(AuthMiddleware, keys=keys, levels=levels, hosts=hosts)
     app.add_middleware(RequestIdMiddleware)
     if keys.enabled:
         plain_openapi = app.openapi
@@ -176,22 +180,18 @@ def _handle_errors(app: FastAPI) -> None:
 
 
 def server_config(app: FastAPI, host: str, port: int, settings: RouterSettings) -> uvicorn.Config:
-    """How the router is served. Frames are PNG or JPEG already: WebSocket
-    compression would only spend CPU on both ends of every frame.
-
-    uvicorn's ``limit_concurrency`` counts open connections (idle keep-alive ones and
-    WebSockets too) and running requests: past it a new request gets 503 at once,
-    so a flood costs the router a few bytes per connection, not its memory or its
-    file descriptors (which the replicas' sockets need as well). uvicorn counts the
-    new connection itself, hence the + 1: ``max_connections`` are served.
-    """
-    return uvicorn.Config(
+    """How the router is served (dpserve/router/http_server.py: the head deadline and the
+    connection slots). Frames are PNG or JPEG already: WebSocket compression would only
+    spend CPU on both ends of every frame."""
+    slots = SlotLimits(settings.max_connections, settings.max_connections_per_peer)
+    return GuardedConfig(
         app,
+        slots=slots,
+        header_timeout_s=settings.header_timeout_s,
         host=host,
         port=port,
         ws_per_message_deflate=False,
         ws_max_size=rt.MAX_MESSAGE_BYTES,
-        limit_concurrency=settings.max_connections + 1,
         backlog=settings.backlog,
     )
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from dpserve.router.access import ADMIN, INFERENCE, OPEN, Access, Levels
+from dpserve.router.hosts import AllowedHosts
 from dpserve.router.openai_api import error_body
 from dpserve.router.request_ids import of_scope
 
@@ -142,6 +143,12 @@ def cross_site(scope: Any, needed: Access) -> Refusal | None:
     )
 
 
+def _foreign_host(scope: Any, hosts: AllowedHosts) -> Refusal | None:
+    """421 for a ``Host`` the router is not known by (DNS rebinding, dpserve/router/hosts.py)."""
+    why = hosts.refusal(scope)
+    return None if why is None else Refusal(421, why)
+
+
 def _origin_host(origin: bytes) -> bytes | None:
     """``host[:port]`` of an Origin header; None for ``null`` (an opaque origin) or junk."""
     scheme, sep, rest = origin.partition(b"://")
@@ -153,18 +160,21 @@ def _origin_host(origin: bytes) -> bytes | None:
 class AuthMiddleware:
     """Pure ASGI: refuses HTTP requests and WebSocket upgrades before the app sees them."""
 
-    def __init__(self, app: Any, keys: Keys, levels: Levels) -> None:
+    def __init__(self, app: Any, keys: Keys, levels: Levels, hosts: AllowedHosts) -> None:
         self.app = app
         self.keys = keys
         self.levels = levels
+        self.hosts = hosts
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         needed = self.levels.of_scope(scope)
-        refusal = cross_site(scope, needed) or self.keys.verdict(
-            needed, _header(scope, b"authorization")
+        refusal = (
+            _foreign_host(scope, self.hosts)
+            or cross_site(scope, needed)
+            or self.keys.verdict(needed, _header(scope, b"authorization"))
         )
         if refusal is None:
             await self.app(scope, receive, send)

@@ -218,6 +218,7 @@ _STATUS_CODES: Final = {
     409: p.CONFLICT,
     413: "request_too_large",
     415: "unsupported_media_type",
+    421: "misdirected_request",
     429: p.OVERLOADED,
     499: p.CANCELLED,
     500: p.INTERNAL,

@@ -45,6 +45,10 @@ class RouterSettings:
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # also work on inference routes
     body_timeout_s: float = option("body_timeout")
     max_connections: int = option("max_connections")
+    max_connections_per_peer: int = option("max_connections_per_peer")
+    header_timeout_s: float = option("header_timeout")
+    # Host names answered besides loopback names and IP literals (dpserve/router/hosts.py).
+    allowed_hosts: tuple[str, ...] = option("allowed_host")
     backlog: int = option("backlog")
     output_max_files: int = option("output_max_files")
     output_max_age_s: float = option("output_max_age")
@@ -76,6 +80,9 @@ class RouterSettings:
             max_body_bytes=config.max_body,
             max_upload_bytes=config.max_upload_bytes,
             max_connections=config.max_connections,
+            max_connections_per_peer=config.max_connections_per_peer,
+            header_timeout_s=config.header_timeout,
+            allowed_hosts=config.allowed_host,
             backlog=config.backlog,
             output_max_files=config.output_max_files,
             output_max_age_s=config.output_max_age,

@@ -155,7 +155,7 @@ def router_metrics() -> Iterator[dict[str, set[str]]]:
         app = create_app(RouterSettings(workers=(f"tcp://127.0.0.1:{port}",)))
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 for _ in range(600):  # 30 s: a loaded machine starts slowly
                     if (await http.get("/ready")).status_code == 200:
                         break
@@ -467,7 +467,7 @@ def test_a_router_without_replicas_is_unready_and_only_queues() -> None:
         app = create_app(settings)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 ready = await http.get("/ready")
                 body = {"prompt": "x", "size": "64x64", "num_inference_steps": 1}
                 request = asyncio.create_task(http.post("/v1/images/generations", json=body))

@@ -176,7 +176,9 @@ def test_a_replica_whose_model_info_does_not_decode_is_reported_not_served(
         try:
             async with app.router.lifespan_context(app):
                 transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://localhost"
+                ) as http:
                     pool: ReplicaPool = app.state.running.pool
                     [replica] = pool.replicas.values()
                     deadline = time.monotonic() + 10

@@ -28,7 +28,7 @@ def _get(path: str, **settings: object) -> httpx.Response:
     async def scenario() -> httpx.Response:
         app = create_app(RouterSettings(**settings))  # type: ignore[arg-type]
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             return await http.get(path)
 
     return asyncio.run(scenario())

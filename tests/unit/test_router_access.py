@@ -153,7 +153,7 @@ def test_a_parameter_under_an_open_prefix_needs_the_key_of_its_route() -> None:
     async def scenario() -> tuple[int, int]:
         app = create_app(RouterSettings(api_keys=("K",)))
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             cancel = await http.post("/v1/images/files/cancel")
             stored = await http.get("/v1/images/files/cancel")
         return cancel.status_code, stored.status_code

@@ -118,7 +118,7 @@ def test_http_callers_past_the_bound_get_429_with_retry_after() -> None:
         app = create_app(RouterSettings(workers=(stub.endpoint,), pool=FAST))
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 deadline = time.monotonic() + 5
                 while (await http.get("/ready")).status_code != 200:
                     assert time.monotonic() < deadline

@@ -123,6 +123,8 @@ def test_a_default_spec_runs_a_default_router() -> None:
         host="0.0.0.0",
         port=b.ROUTER_PORT,
         served_model_name="qwen",
+        # The router Service's names in the cluster (DNS rebinding: dpserve/router/hosts.py).
+        allowed_host=("qwen", "qwen.ml", "qwen.ml.svc", "qwen.ml.svc.cluster.local"),
     )
 
 
@@ -133,6 +135,7 @@ def test_the_crds_router_defaults_are_the_routers() -> None:
     assert spec.maxWaiting == FIELDS["max_waiting"].default
     assert spec.policy == FIELDS["policy"].default
     assert spec.videoMaxEstimateSeconds == FIELDS["video_max_estimate"].default
+    assert spec.maxConnectionsPerPeer == FIELDS["max_connections_per_peer"].default
 
 
 def test_the_operator_passes_the_spec_to_the_router() -> None:
@@ -143,6 +146,8 @@ def test_the_operator_passes_the_spec_to_the_router() -> None:
         policy="round_robin",
         servedModelName="Qwen/Qwen-Image",
         videoMaxEstimateSeconds=600,
+        maxConnectionsPerPeer=0,
+        allowedHosts=["images.example.com", "*"],
     )
     assert (config.request_timeout, config.max_inflight_per_replica, config.max_waiting) == (
         90,
@@ -154,3 +159,5 @@ def test_the_operator_passes_the_spec_to_the_router() -> None:
         "Qwen/Qwen-Image",
         600,
     )
+    assert config.max_connections_per_peer == 0
+    assert config.allowed_host[-2:] == ("images.example.com", "*")

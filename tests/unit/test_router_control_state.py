@@ -265,7 +265,7 @@ def test_http_answers_say_what_the_state_is() -> None:
         app = create_app(RouterSettings(workers=tuple(s.endpoint for s in stubs), pool=FAST))
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 await until_async(lambda: _ready(http))
                 done = await http.post("/v1/set_lora", json=LORA)
                 assert done.status_code == 200, done.text

@@ -23,7 +23,7 @@ def _referenced(html: str) -> list[str]:
 def _get(*paths: str) -> list[httpx.Response]:
     async def run() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=create_app(SETTINGS))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             return [await http.get(path) for path in paths]
 
     return asyncio.run(run())

@@ -1,5 +1,6 @@
-"""The HTTP server's edges on a real uvicorn server: connections past the limit get 503,
-and a WebSocket that never sends its init is closed with a clear reason."""
+"""The HTTP server's edges on a real uvicorn server: the limits are flags, and a
+WebSocket that never sends its init is closed with a clear reason (connection slots:
+tests/unit/test_router_slots.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 import msgspec
 import pytest
 import uvicorn
@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from dpserve.cli import _router_settings, build_parser
 from dpserve.router.app import RouterSettings, create_app, server_config
+from dpserve.router.http_server import GuardedConfig
 from dpserve.router.realtime_ws import INIT_TIMEOUT, RealtimeSettings
 from tests.workers import free_port
 
@@ -38,29 +39,6 @@ async def _serving(settings: RouterSettings) -> AsyncIterator[str]:
         await task
 
 
-def test_connections_past_the_limit_get_503_until_one_closes() -> None:
-    async def scenario() -> None:
-        async with _serving(RouterSettings(max_connections=2)) as address:
-            url = f"http://{address}"
-            clients = [httpx.AsyncClient(base_url=url) for _ in range(3)]
-            try:
-                # Two keep-alive connections stay open after their answers.
-                for client in clients[:2]:
-                    assert (await client.get("/livez")).status_code == 200
-                over = await clients[2].get("/livez")
-                assert over.status_code == 503
-                await clients[0].aclose()
-                deadline = time.monotonic() + 5
-                while (await clients[2].get("/livez")).status_code != 200:
-                    assert time.monotonic() < deadline, "the freed slot was never reused"
-                    await asyncio.sleep(0.05)
-            finally:
-                for client in clients:
-                    await client.aclose()
-
-    asyncio.run(scenario())
-
-
 def test_the_limits_are_flags_and_reach_uvicorn() -> None:
     args = build_parser().parse_args(
         [
@@ -72,7 +50,8 @@ def test_the_limits_are_flags_and_reach_uvicorn() -> None:
     assert (settings.max_connections, settings.backlog) == (7, 64)
     assert (settings.output_max_files, settings.output_max_age_s) == (5, 60.0)
     config = server_config(create_app(settings), "127.0.0.1", 1, settings)
-    assert (config.limit_concurrency, config.backlog) == (8, 64)  # uvicorn counts the new one
+    assert isinstance(config, GuardedConfig)  # the cap: tests/unit/test_router_slots.py
+    assert (config.book.limits.max_connections, config.backlog) == (7, 64)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--max-connections", "0"])
 

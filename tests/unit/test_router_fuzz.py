@@ -92,7 +92,9 @@ class StubbedRouter:
         try:
             async with self.app.router.lifespan_context(self.app):
                 transport = httpx.ASGITransport(app=self.app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://localhost"
+                ) as http:
                     deadline = time.monotonic() + 10
                     while (await http.get("/ready")).status_code != 200:
                         assert time.monotonic() < deadline, "the stub replica never served"
@@ -162,6 +164,7 @@ def test_no_route_answers_a_server_error(
         api_keys=("sk-fuzz-inference",),
         admin_keys=(ADMIN_KEY,),
         output_dir=tmp_path / "images",  # response_format=url and /v1/images/files serve
+        allowed_hosts=("testserver",),  # the Host schemathesis sends in-process
     )
     app = StubbedRouter(settings)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)

@@ -60,7 +60,7 @@ async def _apps(
         for app in apps:
             await stack.enter_async_context(app.router.lifespan_context(app))
             transport = httpx.ASGITransport(app=app)
-            http = httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30)
+            http = httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30)
             clients.append(await stack.enter_async_context(http))
             deadline = time.monotonic() + 10
             while (await http.get("/ready")).status_code != 200:
@@ -84,7 +84,7 @@ async def _router(**stub_args: Any) -> AsyncIterator[tuple[httpx.AsyncClient, St
 def _openai(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
         api_key="x",
-        base_url="http://router/v1",
+        base_url="http://localhost/v1",
         http_client=httpx.AsyncClient(transport=http._transport, timeout=30),
         max_retries=0,
     )

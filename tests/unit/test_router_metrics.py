@@ -56,7 +56,7 @@ async def _router(
     app = create_app(RouterSettings(workers=(endpoint,), **settings))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             for _ in range(600 if ready else 0):  # 30 s: a loaded machine starts slowly
                 if (await http.get("/ready")).status_code == 200:
                     break

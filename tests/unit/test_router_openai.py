@@ -65,7 +65,7 @@ async def _router(
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(
-                transport=transport, base_url="http://router", timeout=30
+                transport=transport, base_url="http://localhost", timeout=30
             ) as http:
                 pool = app.state.running.pool
                 await until(lambda: len(pool.serving()) == 1, 10)
@@ -78,7 +78,7 @@ async def _router(
 def _client(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
         api_key="x",
-        base_url="http://router/v1",
+        base_url="http://localhost/v1",
         http_client=httpx.AsyncClient(transport=http._transport, timeout=30),
         max_retries=0,
     )
@@ -428,7 +428,7 @@ def test_every_route_answers_its_errors_in_the_one_shape() -> None:
         nobody = create_app(RouterSettings(workers=("tcp://127.0.0.1:9",), pool=FAST))
         async with nobody.router.lifespan_context(nobody):
             transport = httpx.ASGITransport(app=nobody)
-            async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 for path in ("/model_info", "/health", "/ready"):  # nothing serves: 503s
                     assert one_shape(await http.get(path))["code"] == p.UNAVAILABLE
         keyed = {"api_keys": ("k",), "admin_keys": ("a",)}

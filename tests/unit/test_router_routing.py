@@ -165,7 +165,9 @@ def test_metrics_and_health_show_each_replicas_load_and_calibration() -> None:
             app = create_app(RouterSettings(workers=tuple(s.endpoint for s in stubs), pool=FAST))
             async with app.router.lifespan_context(app):
                 transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://localhost"
+                ) as http:
                     await _until_ready(http)
                     body = {"prompt": "l", "size": "512x512", "num_inference_steps": 30}
                     post = asyncio.create_task(http.post("/v1/images/generations", json=body))

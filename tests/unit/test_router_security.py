@@ -33,6 +33,7 @@ from dpserve.router.auth import Keys, load_key_file
 from dpserve.router.pool import PoolSettings
 from dpserve.router.routes import flat
 from tests.stub_replica import StubReplica
+from tests.workers import free_port
 
 T = TypeVar("T")
 API, ADMIN_KEY = "sk-inference-4f1c", "sk-admin-9e2d"
@@ -54,7 +55,7 @@ async def _router(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     try:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 deadline = time.monotonic() + 10
                 while (await http.get("/ready")).status_code != 200:
                     assert time.monotonic() < deadline, "the stub replica never served"
@@ -200,7 +201,7 @@ def test_the_openai_client_sends_its_api_key() -> None:
             for key, works in ((API, True), ("sk-wrong", False)):
                 client = openai.AsyncOpenAI(
                     api_key=key,
-                    base_url="http://router/v1",
+                    base_url="http://localhost/v1",
                     http_client=httpx.AsyncClient(transport=transport),
                     max_retries=0,
                 )
@@ -237,8 +238,8 @@ def test_no_keys_warns_loudly_at_start_and_keys_are_never_logged(
 
 def test_the_realtime_socket_is_refused_before_it_is_accepted() -> None:
     app = create_app(RouterSettings(**KEYED))  # no replicas: the key check comes first
-    with TestClient(app) as client:
-        path = "/v1/realtime_video/generate"
+    with TestClient(app, base_url="http://localhost") as client:
+        path = "ws://localhost/v1/realtime_video/generate"  # TestClient's own: testserver
         for headers in ({}, _bearer("sk-wrong")):
             with (
                 pytest.raises(WebSocketDenialResponse) as caught,
@@ -304,7 +305,7 @@ def test_cross_site_browser_requests_are_refused_even_without_keys() -> None:
             # The router's own pages, API clients, and safe methods are let through.
             for own in (
                 {"sec-fetch-site": "same-origin", "origin": "http://proxy.public"},
-                {"origin": "http://router"},
+                {"origin": "http://localhost"},
                 {},
             ):
                 assert (await http.post(post, headers=own)).status_code == 200, own
@@ -315,9 +316,12 @@ def test_cross_site_browser_requests_are_refused_even_without_keys() -> None:
 
     _run(scenario)
     app = create_app(RouterSettings())
-    with TestClient(app) as client, pytest.raises(WebSocketDenialResponse) as caught:
+    with (
+        TestClient(app, base_url="http://localhost") as client,
+        pytest.raises(WebSocketDenialResponse) as caught,
+    ):
         headers = {"origin": "http://evil.example"}
-        with client.websocket_connect("/v1/realtime_video/generate", headers=headers):
+        with client.websocket_connect("ws://localhost/v1/realtime_video/generate", headers=headers):
             pass
     assert caught.value.status_code == 403
 
@@ -454,7 +458,7 @@ def test_a_crash_is_a_json_500_that_says_nothing_of_it() -> None:
     async def scenario() -> httpx.Response:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 return await http.get("/broken")
 
     crashed = _run(scenario)
@@ -477,3 +481,42 @@ def test_serves_banner_says_where_keys_go_and_never_shows_one() -> None:
     assert "Authorization: Bearer <your --api-key>" in keyed
     assert "/health/replicas -H 'Authorization: Bearer <your --admin-key>'" in keyed
     assert "Authorization" not in shown(keyed=False)
+
+
+def test_open_and_inference_routes_show_no_replica_errors_or_host_paths() -> None:
+    """Before: an unauthenticated /health showed a silent replica's whole snapshot
+    (its last error, control state version), and /model_info gave an inference key
+    the replicas' model_path. Both are an admin's (/health/replicas, /server_info)."""
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        stub = StubReplica(ctx)
+        silent = f"tcp://127.0.0.1:{free_port()}"
+        settings = RouterSettings(workers=(stub.endpoint, silent), pool=FAST, **KEYED)
+        app = create_app(settings)
+        try:
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://localhost"
+                ) as http:
+                    deadline = time.monotonic() + 10
+                    while (await http.get("/ready")).status_code != 200:
+                        assert time.monotonic() < deadline, "the stub replica never served"
+                        await asyncio.sleep(0.02)
+                    health = await http.get("/health")
+                    assert health.status_code == 503
+                    [shown] = health.json()["silent"]
+                    assert shown["endpoint"] == silent and set(shown) == {"replica", "endpoint"}
+                    admin = await http.get("/health/replicas", headers=_bearer(ADMIN_KEY))
+                    assert any(r["last_error"] for r in admin.json()["replicas"])
+                    info = await http.get("/model_info", headers=_bearer(API))
+                    assert info.status_code == 200 and "model_path" not in info.json()
+                    assert "/stub" not in info.text
+                    server = await http.get("/server_info", headers=_bearer(ADMIN_KEY))
+                    assert server.json()["model_path"] == "/stub"
+        finally:
+            await stub.close()
+            ctx.term()
+
+    _run(scenario)

@@ -39,7 +39,7 @@ def test_a_stalled_stream_delays_only_itself() -> None:
                     reader, writer = await asyncio.open_connection(host, int(port))
                     body = json.dumps(STREAMED).encode()
                     writer.write(
-                        b"POST /v1/images/generations HTTP/1.1\r\nHost: router\r\n"
+                        b"POST /v1/images/generations HTTP/1.1\r\nHost: localhost\r\n"
                         b"Content-Type: application/json\r\n"
                         + f"Content-Length: {len(body)}\r\n\r\n".encode()
                         + body

@@ -57,7 +57,7 @@ async def _http(stubs: list[StubReplica]) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             await _deafen(app.state.running.pool)
             yield http
 

@@ -77,7 +77,7 @@ async def routers(
             app = create_app(settings)
             await stack.enter_async_context(app.router.lifespan_context(app))
             transport = httpx.ASGITransport(app=app)
-            http = httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30)
+            http = httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30)
             await stack.enter_async_context(http)
             pool = app.state.running.pool
             await until(lambda: len(pool.serving()) == len(replicas), 10)  # noqa: B023
@@ -249,7 +249,7 @@ def test_the_openai_client_creates_retrieves_lists_downloads_and_deletes() -> No
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         async with stubs(ctx) as [stub], routers([stub]) as [(app, _)]:
             client = openai.AsyncOpenAI(
-                base_url="http://router/v1",
+                base_url="http://localhost/v1",
                 api_key="x",
                 http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)),
                 max_retries=0,
@@ -393,7 +393,7 @@ def test_a_job_carries_its_estimate_and_one_estimated_past_the_bound_is_a_400() 
                 job["estimated_time_s"]
             )
             client = openai.AsyncOpenAI(
-                base_url="http://router/v1",
+                base_url="http://localhost/v1",
                 api_key="x",
                 http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)),
                 max_retries=0,

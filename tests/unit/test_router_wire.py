@@ -48,7 +48,9 @@ def test_a_secured_replica_serves_only_a_router_with_the_key(
         try:
             async with app.router.lifespan_context(app):
                 transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://localhost"
+                ) as http:
                     if not router_has_key:
                         assert not await _ready(http, 1.5)
                         assert stub.generated == 0

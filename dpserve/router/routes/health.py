@@ -20,8 +20,10 @@ from dpserve.router.routes.info import control_state
 
 @public
 async def health(pool: PoolDep, rid: RequestIdDep) -> JSONResponse:
+    """Open, so it names the silent replicas and no more: their errors and state are
+    /health/replicas' (an admin's)."""
     replicas = list(pool.replicas.values())
-    silent = [pool.snapshot(r) for r in replicas if not r.answering]
+    silent = [{"replica": r.name, "endpoint": r.endpoint} for r in replicas if not r.answering]
     if not replicas or silent:
         message = "no replicas known" if not replicas else "some replicas do not answer"
         shown = {"status": "unhealthy", "message": message, "silent": silent}

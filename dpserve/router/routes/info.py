@@ -55,10 +55,13 @@ def _model(request: Request, pool: ReplicaPool, settings: RouterSettings) -> dic
 
 @inference
 async def model_info(pool: PoolDep, settings: SettingsDep) -> JSONResponse:
+    """What an inference key may know of the model: not where its files are on the
+    replicas' hosts (``model_path``, an admin's in /server_info)."""
     infos = [r.info for r in pool.serving() if r.info is not None]
     if not infos:
         raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet")
     shown = {**msgspec.to_builtins(infos[0]), "replicas_serving": len(infos)}
+    del shown["model_path"]
     shown.update(
         features=msgspec.to_builtins(deps.features(pool)), router_features=router_features(settings)
     )
@@ -74,6 +77,7 @@ async def server_info(pool: PoolDep, settings: SettingsDep) -> dict[str, Any]:
         "serving": len(pool.serving()),
         "model": model_name(pool, settings),
         "layout": _layout(info, len(replicas)),
+        "model_path": info.model_path if info is not None else None,
         "threads_per_rank": info.threads_per_rank if info is not None else None,
         # Each rank's weight bytes per module (a serving replica's; the same layout
         # everywhere): tensor parallel's split and the encoders' placement show here.
