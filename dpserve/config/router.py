@@ -21,10 +21,13 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from dpserve.config import flags
 from dpserve.config.flags import flag, non_negative, port_number, positive, seconds
+
+if TYPE_CHECKING:
+    from dpserve.router.tenants import TenantKey
 
 Discovery = Literal["static", "kubernetes"]
 # The routing policies (dpserve.router.policies, docs/router.md, Routing policies).
@@ -40,7 +43,7 @@ def parse_key(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None  # the message names no key
 
 
-def parse_key_file(value: str) -> tuple[str, ...]:
+def parse_key_file(value: str) -> tuple[TenantKey, ...]:
     """The keys of a file, read while parsing: a bad file fails the start at once."""
     from dpserve.router.auth import load_key_file
 
@@ -60,7 +63,10 @@ def parse_served_name(value: str) -> str:
 
 
 _KEYS = "Bearer key for %s routes (repeatable; visible in ps: prefer the file)"
-_KEY_FILES = "file of %s keys, one a line (blank lines and # comments skipped; repeatable)"
+_KEY_FILES = (
+    "file of %s keys, one a line, alone or after its tenant's name (blank lines and # "
+    "comments skipped; repeatable)"
+)
 
 
 @dataclass(frozen=True)
@@ -216,10 +222,10 @@ class RouterConfig:
     admin_key: tuple[str, ...] = field(
         default=(), repr=False, metadata=flag(_KEYS % "all", parse_key, many=True)
     )
-    api_key_file: tuple[tuple[str, ...], ...] = field(
+    api_key_file: tuple[tuple[TenantKey, ...], ...] = field(
         default=(), repr=False, metadata=flag(_KEY_FILES % "api", parse_key_file, many=True)
     )
-    admin_key_file: tuple[tuple[str, ...], ...] = field(
+    admin_key_file: tuple[tuple[TenantKey, ...], ...] = field(
         default=(), repr=False, metadata=flag(_KEY_FILES % "admin", parse_key_file, many=True)
     )
 
@@ -230,12 +236,12 @@ class RouterConfig:
         return cls(**flags.from_args(cls, args, serve_only=serve))
 
     @property
-    def api_keys(self) -> tuple[str, ...]:
+    def api_keys(self) -> tuple[str | TenantKey, ...]:
         """The inference keys, given one by one and in files."""
         return (*self.api_key, *(k for keys in self.api_key_file for k in keys))
 
     @property
-    def admin_keys(self) -> tuple[str, ...]:
+    def admin_keys(self) -> tuple[str | TenantKey, ...]:
         return (*self.admin_key, *(k for keys in self.admin_key_file for k in keys))
 
 

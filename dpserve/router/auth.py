@@ -22,6 +22,15 @@ from dpserve.router.access import ADMIN, INFERENCE, OPEN, Access, Levels
 from dpserve.router.hosts import AllowedHosts
 from dpserve.router.openai_api import error_body
 from dpserve.router.request_ids import of_scope
+from dpserve.router.tenants import (
+    ANONYMOUS,
+    KEYLESS,
+    SCOPE_KEY,
+    Principal,
+    TenantKey,
+    check_tenant,
+    tenant_key,
+)
 
 HOW_TO_SEND: Final = "send it as the header `Authorization: Bearer <key>`"
 
@@ -37,37 +46,48 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(raw).digest()
 
 
-def _matches(presented: bytes, digests: tuple[bytes, ...]) -> bool:
-    """Compared with every key, without stopping at a match."""
-    found = False
-    for digest in digests:
-        found |= hmac.compare_digest(presented, digest)
+def _match(presented: bytes, known: tuple[tuple[bytes, str], ...]) -> str | None:
+    """The tenant of the key whose digest is ``presented``, compared with every key
+    without stopping at a match."""
+    found = None
+    for digest, tenant in known:
+        if hmac.compare_digest(presented, digest):
+            found = tenant
     return found
 
 
 @dataclass(frozen=True, repr=False)
 class Keys:
-    """The configured keys, as digests."""
+    """The configured keys, as digests, each with its tenant (dpserve/router/tenants.py)."""
 
-    api: tuple[bytes, ...] = ()
-    admin: tuple[bytes, ...] = ()
+    api: tuple[tuple[bytes, str], ...] = ()
+    admin: tuple[tuple[bytes, str], ...] = ()
 
     @classmethod
-    def of(cls, api: Iterable[str], admin: Iterable[str]) -> Keys:
-        return cls(tuple(_digest(k) for k in api), tuple(_digest(k) for k in admin))
+    def of(cls, api: Iterable[str | TenantKey], admin: Iterable[str | TenantKey]) -> Keys:
+        def digests(keys: Iterable[str | TenantKey]) -> tuple[tuple[bytes, str], ...]:
+            return tuple((_digest(k.key), k.tenant) for k in map(tenant_key, keys))
+
+        return cls(digests(api), digests(admin))
 
     @property
     def enabled(self) -> bool:
         return bool(self.api or self.admin)
 
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """Every configured tenant, sorted: the only ones anything is labelled with."""
+        return tuple(sorted({tenant for _, tenant in (*self.api, *self.admin)}))
+
     def __repr__(self) -> str:
         return f"Keys(api={len(self.api)}, admin={len(self.admin)})"
 
-    def verdict(self, needed: Access, authorization: bytes | None) -> Refusal | None:
-        """None: let a request for a route at level ``needed`` through; else how to
-        refuse it."""
-        if not self.enabled or needed == OPEN:
-            return None
+    def verdict(self, needed: Access, authorization: bytes | None) -> Refusal | Principal:
+        """Who a request for a route at level ``needed`` acts for; else how to refuse it."""
+        if not self.enabled:
+            return KEYLESS
+        if needed == OPEN:
+            return ANONYMOUS
         if needed == ADMIN and not self.admin:
             return Refusal(
                 403,
@@ -78,13 +98,13 @@ class Keys:
         if token is None:
             return Refusal(401, f"this route needs an API key: {HOW_TO_SEND}")
         presented = _digest(token)
-        is_admin = _matches(presented, self.admin)
-        is_api = _matches(presented, self.api)
-        if needed == ADMIN and is_admin:
-            return None
-        if needed == INFERENCE and (is_admin or is_api):
-            return None
-        if needed == ADMIN and is_api:
+        as_admin = _match(presented, self.admin)
+        as_api = _match(presented, self.api)
+        if as_admin is not None:
+            return Principal(as_admin, sees_all=True)
+        if needed == INFERENCE and as_api is not None:
+            return Principal(as_api, sees_all=False)
+        if needed == ADMIN and as_api is not None:
             return Refusal(403, "this key may only call inference routes; use an admin key")
         return Refusal(401, f"the API key is not valid: {HOW_TO_SEND}")
 
@@ -171,14 +191,14 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         needed = self.levels.of_scope(scope)
-        refusal = (
-            _foreign_host(scope, self.hosts)
-            or cross_site(scope, needed)
-            or self.keys.verdict(needed, _header(scope, b"authorization"))
-        )
-        if refusal is None:
+        refusal = _foreign_host(scope, self.hosts) or cross_site(scope, needed)
+        verdict = refusal or self.keys.verdict(needed, _header(scope, b"authorization"))
+        if isinstance(verdict, Principal):
+            scope[SCOPE_KEY] = verdict  # in place: the metrics middleware outside reads it
             await self.app(scope, receive, send)
-        elif scope["type"] == "http":
+            return
+        refusal = verdict
+        if scope["type"] == "http":
             await _refuse_http(scope, send, refusal)
         else:
             await _refuse_websocket(scope, send, refusal)
@@ -210,24 +230,31 @@ async def _refuse_websocket(scope: Any, send: Any, refusal: Refusal) -> None:
     await send({"type": "websocket.close", "code": 1008, "reason": refusal.message[:120]})
 
 
-def load_key_file(path: Path) -> tuple[str, ...]:
-    """One key per line; blank lines and ``#`` comments are skipped.
+def load_key_file(path: Path) -> tuple[TenantKey, ...]:
+    """One key a line, alone (its own tenant) or after the name of the tenant it belongs
+    to (``team-a sk-...``); blank lines and ``#`` comments are skipped.
 
     Raises ValueError with a message naming the file (never a key) when it cannot
-    be read or holds a key that no HTTP header can carry.
+    be read, holds a key that no HTTP header can carry, or lists a key twice.
     """
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read key file {path}: {exc}") from None
-    keys = []
+    keys: dict[str, TenantKey] = {}
     for number, line in enumerate(text.splitlines(), 1):
-        key = line.strip()
-        if not key or key.startswith("#"):
+        words = line.split()
+        if not words or words[0].startswith("#"):
             continue
-        check_key(key, f"{path} line {number}")
-        keys.append(key)
-    return tuple(keys)
+        where = f"{path} line {number}"
+        if len(words) > 2:
+            raise ValueError(f"{where}: write a key alone, or a tenant name and the key")
+        key = check_key(words[-1], where)
+        if key in keys:
+            raise ValueError(f"{where}: this key is listed twice")
+        tenant = check_tenant(words[0], where) if len(words) == 2 else None
+        keys[key] = TenantKey(key, tenant) if tenant else tenant_key(key)
+    return tuple(keys.values())
 
 
 def check_key(key: str, where: str) -> str:

@@ -18,6 +18,7 @@ from dpserve.router.realtime_ws import RealtimeSettings
 
 if TYPE_CHECKING:
     from dpserve.plumbing.curve import WireKey
+    from dpserve.router.tenants import TenantKey
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,9 @@ class RouterSettings:
     output_dir: Path | None = None
     public_url: str = f"http://{option('host')}:{option('port')}"
     served_model_name: str | None = None
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    admin_keys: tuple[str, ...] = field(default=(), repr=False)  # also work on inference routes
+    # Bare keys are their own tenants (dpserve/router/tenants.py).
+    api_keys: tuple[str | TenantKey, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str | TenantKey, ...] = field(default=(), repr=False)  # see all tenants
     body_timeout_s: float = option("body_timeout")
     max_connections: int = option("max_connections")
     max_connections_per_peer: int = option("max_connections_per_peer")

@@ -29,9 +29,10 @@ from dpserve.plumbing.untrusted import too_deep
 from dpserve.router import schemas
 from dpserve.router.access import ADMIN, INFERENCE, OPEN, Levels
 from dpserve.router.app import RouterSettings, create_app
-from dpserve.router.auth import Keys, load_key_file
+from dpserve.router.auth import Keys, Refusal, load_key_file
 from dpserve.router.pool import PoolSettings
 from dpserve.router.routes import flat
+from dpserve.router.tenants import ANONYMOUS, KEYLESS, Principal, unnamed
 from tests.stub_replica import StubReplica
 from tests.workers import free_port
 
@@ -94,11 +95,14 @@ def test_every_route_has_an_access_class() -> None:
 
 def test_keys_are_compared_by_digest_and_never_shown() -> None:
     keys = Keys.of([API], [ADMIN_KEY])
-    assert API not in repr(keys) and API.encode() not in keys.api
-    assert keys.verdict(ADMIN, f"Bearer {ADMIN_KEY}".encode()) is None
-    assert keys.verdict(ADMIN, f"bearer  {ADMIN_KEY} ".encode()) is None
+    assert API not in repr(keys) and all(API.encode() not in d for d, _ in keys.api)
+    admin = Principal(unnamed(ADMIN_KEY), sees_all=True)
+    assert keys.verdict(ADMIN, f"Bearer {ADMIN_KEY}".encode()) == admin
+    assert keys.verdict(ADMIN, f"bearer  {ADMIN_KEY} ".encode()) == admin
+    assert keys.verdict(INFERENCE, f"Bearer {API}".encode()) == Principal(unnamed(API), False)
+    assert keys.verdict(OPEN, None) == ANONYMOUS and Keys().verdict(ADMIN, None) == KEYLESS
     refused = keys.verdict(ADMIN, f"Bearer {API}".encode())
-    assert refused is not None and refused.status == 403
+    assert isinstance(refused, Refusal) and refused.status == 403
     for header in (
         None,
         b"",
@@ -108,30 +112,45 @@ def test_keys_are_compared_by_digest_and_never_shown() -> None:
         b"Bearer " + API.encode()[:-1],
     ):
         refused = keys.verdict(INFERENCE, header)
-        assert refused is not None and refused.status == 401, header
+        assert isinstance(refused, Refusal) and refused.status == 401, header
         assert "Authorization: Bearer <key>" in refused.message
     assert repr(RouterSettings(**KEYED)).count("sk-") == 0
 
 
 def test_key_files(tmp_path: Path) -> None:
     good = tmp_path / "keys"
-    good.write_text("# rotated monthly\n\nsk-one\n  sk-two  \n")
-    assert load_key_file(good) == ("sk-one", "sk-two")
+    good.write_text("# rotated monthly\n\nsk-one\n  team-a   sk-two  \nteam-a sk-three\n")
+    loaded = load_key_file(good)
+    assert [k.key for k in loaded] == ["sk-one", "sk-two", "sk-three"]
+    assert [k.tenant for k in loaded] == [unnamed("sk-one"), "team-a", "team-a"]
+    assert "sk-" not in repr(loaded) and unnamed("sk-one").startswith("key-")
+    for text, why in (
+        ("a b c\n", "a key alone, or a tenant name and the key"),
+        ("sk-one\nt sk-one\n", "line 2: this key is listed twice"),
+        ("Team_A sk-x\n", "a tenant name is"),
+    ):
+        (tmp_path / "odd").write_text(text)
+        with pytest.raises(ValueError, match=why) as refused:
+            load_key_file(tmp_path / "odd")
+        assert "sk-" not in str(refused.value)
     with pytest.raises(ValueError, match="cannot read key file"):
         load_key_file(tmp_path / "missing")
     bad = tmp_path / "bad"
-    bad.write_text("sk one\n")
+    bad.write_text("sk-\x7fone\n")
     with pytest.raises(ValueError, match="line 1") as caught:
         load_key_file(bad)
-    assert "sk one" not in str(caught.value)
+    assert "one" not in str(caught.value)
     argv = ["router", "--worker", "tcp://x:1", "--api-key", "k1", "--api-key-file", str(good)]
     more = ["--admin-key", "a1", "--body-timeout", "5", "--max-body", "2048"]
     args = build_parser().parse_args([*argv, *more])
     settings = _router_settings(args, args.worker)
-    assert settings.api_keys == ("k1", "sk-one", "sk-two") and settings.admin_keys == ("a1",)
+    assert Keys.of(settings.api_keys, settings.admin_keys).tenants == tuple(
+        sorted({unnamed("k1"), unnamed("sk-one"), "team-a", unnamed("a1")})
+    )
+    assert settings.api_keys[0] == "k1" and settings.admin_keys == ("a1",)
     assert settings.body_timeout_s == 5 and settings.max_body_bytes == 2048
     serve = build_parser().parse_args(["serve", "--admin-key-file", str(good)])
-    assert _router_settings(serve, []).admin_keys == ("sk-one", "sk-two")
+    assert _router_settings(serve, []).admin_keys == loaded
     with pytest.raises(SystemExit):  # argparse: a start-up error, exit 2
         build_parser().parse_args(["router", "--api-key-file", str(tmp_path / "missing")])
 
