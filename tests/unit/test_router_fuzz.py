@@ -31,6 +31,7 @@ import schemathesis
 import zmq.asyncio
 from fastapi import FastAPI
 from hypothesis import HealthCheck, Phase
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 from schemathesis.python import asgi
@@ -122,7 +123,24 @@ def _operations(schema: Any) -> list[Any]:
 @dataclasses.dataclass
 class Tally:
     cases: int = 0
+    unmade: int = 0  # cases schemathesis failed to make (its Binary bug, below)
     failures: list[str] = dataclasses.field(default_factory=list)
+
+
+@st.composite
+def _made(draw: st.DrawFn, cases: st.SearchStrategy[Any], tally: Tally) -> Any:
+    """A case, or none where schemathesis cannot make one: its allOf strategy hands a
+    multipart body holding a file (its ``Binary``) to jsonschema-rs, which raises
+    "Unsupported type: 'Binary'" (seen with 4.32.5). Which draws hit it depends on every
+    constant it collects from the app's code, so an unrelated change can make a run
+    meet it. Such a draw is rejected and counted; the test bounds how many."""
+    try:
+        return draw(cases)
+    except ValueError as exc:
+        if "Unsupported type: 'Binary'" not in str(exc):
+            raise
+        tally.unmade += 1
+        hypothesis.reject()
 
 
 def _drive(operation: Any, mode: GenerationMode, headers: dict[str, str], tally: Tally) -> None:
@@ -136,7 +154,7 @@ def _drive(operation: Any, mode: GenerationMode, headers: dict[str, str], tally:
         phases=[Phase.explicit, Phase.generate],  # no shrinking: every failure is kept
         suppress_health_check=list(HealthCheck),
     )
-    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+    @hypothesis.given(case=_made(operation.as_strategy(generation_mode=mode), tally))
     def run(case: Any) -> None:
         tally.cases += 1
         try:
@@ -180,7 +198,7 @@ def test_no_route_answers_a_server_error(
     took = time.perf_counter() - started
     print(
         f"fuzz operations={len(operations)} cases={tally.cases} "
-        f"server_errors={len(tally.failures)} "
+        f"server_errors={len(tally.failures)} unmade={tally.unmade} "
         f"seconds={took:.1f}"
     )
     record_property("fuzz_cases", tally.cases)
@@ -190,4 +208,5 @@ def test_no_route_answers_a_server_error(
         record_property("fuzz_shutdown_hung", app.hung_shutdown)
         warnings.warn(f"the router's shutdown hung; pending:\n{app.hung_shutdown}", stacklevel=1)
     assert tally.cases >= len(operations) * EXAMPLES  # every operation was driven
+    assert tally.unmade <= tally.cases // 20, f"schemathesis made too few: {tally.unmade} unmade"
     assert not tally.failures, "\n".join(tally.failures[:20])
