@@ -5,13 +5,18 @@ fixed PNG. Part 1 alternates sequential requests through the router (HTTP) and
 straight to the driver (ZMQ) and reports the added p50/p99. Part 2 holds 1000
 concurrent HTTP clients on the router for --duration seconds.
 
-Three modes side by side, each its own stub and router: "open" (plaintext wire,
+Four modes side by side, each its own stub and router: "open" (plaintext wire,
 no API keys), "curve" (a CURVE wire key on the driver, the router and the direct
-client) and "locked" (CURVE and an API key on every HTTP request). Part 1
-interleaves the modes request by request, so each sees the same machine; the
-direct path gets the same wire as its router, so "added" is the router's own cost
-in that mode. Part 2 loads one mode at a time, the modes taking turns. Last line:
-``open: added_p50_ms=<x> added_p99_ms=<y> errors=<n> rps=<r> | curve: ... | locked: ...``.
+client), "locked" (CURVE and an API key on every HTTP request: one tenant) and
+"tenants" (CURVE and a key file of four keys grouped into two tenants, the clients
+taking the keys in turn: each request matched among four keys and counted for its
+tenant, docs/tenants.md). Part 1 interleaves the modes request by request, so each
+sees the same machine; the direct path gets the same wire as its router, so "added"
+is the router's own cost in that mode. Part 2 loads one mode at a time, the modes
+taking turns. The line before last:
+``open: added_p50_ms=<x> added_p99_ms=<y> errors=<n> rps=<r> | curve: ... | tenants: ...``;
+the last, tenants against one key (on/off, per request through the router):
+``tenants/locked: routed_p50_ratio=<a> routed_p99_ratio=<b> rps_ratio=<c>``.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ class Stack:
     url: str
     endpoint: str
     key: WireKey | None
-    headers: dict[str, str]
+    headers: list[dict[str, str]]  # request i sends headers[i % len]
     procs: tuple[subprocess.Popen[bytes], ...]
     routed: list[float] = field(default_factory=list)
     direct: list[float] = field(default_factory=list)
@@ -72,15 +77,16 @@ def latency(stacks: list[Stack], n: int) -> None:
     with contextlib.ExitStack() as hold:
         pairs = [
             (
-                hold.enter_context(httpx.Client(base_url=s.url, timeout=30, headers=s.headers)),
+                hold.enter_context(httpx.Client(base_url=s.url, timeout=30)),
                 hold.enter_context(ReplicaClient(s.endpoint, key=s.key)),
             )
             for s in stacks
         ]
         for i in range(50 + n):  # the first 50 warm every path
             for stack, (http, zmq_client) in zip(stacks, pairs, strict=True):
+                headers = stack.headers[i % len(stack.headers)]
                 start = time.perf_counter()
-                http.post("/v1/images/generations", json=BODY).raise_for_status()
+                http.post("/v1/images/generations", json=BODY, headers=headers).raise_for_status()
                 routed = time.perf_counter() - start
                 start = time.perf_counter()
                 zmq_client.generate(**BODY)
@@ -90,9 +96,10 @@ def latency(stacks: list[Stack], n: int) -> None:
 
 
 async def load(
-    url: str, clients: int, duration_s: float, headers: dict[str, str]
+    url: str, clients: int, duration_s: float, headers: list[dict[str, str]]
 ) -> tuple[int, int]:
     """``clients`` concurrent request loops for ``duration_s``; returns (ok, errors).
+    Client i sends ``headers[i % len]``.
 
     aiohttp, not httpx, on this side: httpx's pool costs grow with 1000
     connections until the load generator, not the router, is what is measured.
@@ -103,14 +110,15 @@ async def load(
     stop_at = time.monotonic() + duration_s
     connector = aiohttp.TCPConnector(limit=clients)
     timeout = aiohttp.ClientTimeout(total=60)
-    session = aiohttp.ClientSession(url, connector=connector, timeout=timeout, headers=headers)
+    session = aiohttp.ClientSession(url, connector=connector, timeout=timeout)
     async with session as http:
 
-        async def one_client() -> None:
+        async def one_client(sent: dict[str, str]) -> None:
             nonlocal ok, errors
             while time.monotonic() < stop_at:
                 try:
-                    async with http.post("/v1/images/generations", json=BODY) as response:
+                    post = http.post("/v1/images/generations", json=BODY, headers=sent)
+                    async with post as response:
                         await response.read()
                         if response.status == 200:
                             ok += 1
@@ -119,7 +127,7 @@ async def load(
                 except (aiohttp.ClientError, TimeoutError):
                     errors += 1
 
-        await asyncio.gather(*(one_client() for _ in range(clients)))
+        await asyncio.gather(*(one_client(headers[i % len(headers)]) for i in range(clients)))
     return ok, errors
 
 
@@ -129,6 +137,8 @@ class Figures:
     added_p99_ms: float
     errors: int
     rps: float
+    routed_p50_ms: float
+    routed_p99_ms: float
 
     def line(self) -> str:
         return (
@@ -138,13 +148,24 @@ class Figures:
 
 
 API_KEY = "bench-api-key-0123456789abcdef"
-# name: (CURVE wire, API key)
-MODES = {"open": (False, False), "curve": (True, False), "locked": (True, True)}
+# A key file's lines: four keys, two tenants.
+TENANT_KEYS = tuple(
+    (tenant, f"bench-{tenant}-key-{i}-0123456789")
+    for tenant in ("team-a", "team-b")
+    for i in (1, 2)
+)
+# name: (CURVE wire, API keys: none, one, or the tenants' file)
+MODES = {
+    "open": (False, "none"),
+    "curve": (True, "none"),
+    "locked": (True, "one"),
+    "tenants": (True, "tenants"),
+}
 
 
 def start(name: str, args: argparse.Namespace, scratch: Path) -> Stack:
     here = Path(__file__).resolve().parent
-    curve, api_key = MODES[name]
+    curve, keys = MODES[name]
     zmq_port, http_port = free_port(), free_port()
     endpoint, url = f"tcp://127.0.0.1:{zmq_port}", f"http://127.0.0.1:{http_port}"
     key = WireKey.generate() if curve else None
@@ -152,8 +173,15 @@ def start(name: str, args: argparse.Namespace, scratch: Path) -> Stack:
     if key is not None:
         key.write(scratch / f"{name}.key")
         wire = ["--wire-key-file", str(scratch / f"{name}.key")]
-    auth = ["--api-key", API_KEY] if api_key else []
-    headers = {"Authorization": f"Bearer {API_KEY}"} if api_key else {}
+    auth: list[str] = []
+    headers: list[dict[str, str]] = [{}]
+    if keys == "one":
+        auth, headers = ["--api-key", API_KEY], [{"Authorization": f"Bearer {API_KEY}"}]
+    elif keys == "tenants":
+        key_file = scratch / "tenants.keys"
+        key_file.write_text("".join(f"{tenant} {key}\n" for tenant, key in TENANT_KEYS))
+        auth = ["--api-key-file", str(key_file)]
+        headers = [{"Authorization": f"Bearer {key}"} for _, key in TENANT_KEYS]
     stub = subprocess.Popen(
         [sys.executable, str(here / "stub_driver.py"), "--port", str(zmq_port), *wire]
     )
@@ -174,9 +202,11 @@ def start(name: str, args: argparse.Namespace, scratch: Path) -> Stack:
 
 def load_rounds(stacks: list[Stack], args: argparse.Namespace) -> None:
     """The load part: one mode at a time (the others idle), in ``--rounds`` turns, so
-    a slower minute of a shared machine falls on every mode alike."""
-    for _ in range(args.rounds):
-        for stack in stacks:
+    a slower minute of a shared machine falls on every mode alike; the order turns
+    too."""
+    for turn in range(args.rounds):
+        first = turn % len(stacks)  # each mode leads a turn in its turn: none always last
+        for stack in stacks[first:] + stacks[:first]:
             started = time.perf_counter()
             turn_s = args.duration / args.rounds
             ok, errors = asyncio.run(load(stack.url, args.clients, turn_s, stack.headers))
@@ -196,6 +226,17 @@ def figures(stack: Stack, args: argparse.Namespace) -> Figures:
         added_p99_ms=(_percentile(routed, 99) - _percentile(direct, 99)) * 1000,
         errors=stack.errors,
         rps=stack.ok / stack.loaded_s,
+        routed_p50_ms=_percentile(routed, 50) * 1000,
+        routed_p99_ms=_percentile(routed, 99) * 1000,
+    )
+
+
+def on_off(on: Figures, off: Figures) -> str:
+    """Tenants on against off: latency through the router and throughput, as ratios."""
+    return (
+        f"tenants/locked: routed_p50_ratio={on.routed_p50_ms / off.routed_p50_ms:.3f} "
+        f"routed_p99_ratio={on.routed_p99_ms / off.routed_p99_ms:.3f} "
+        f"rps_ratio={on.rps / off.rps:.3f}"
     )
 
 
@@ -218,6 +259,7 @@ def main() -> None:
             for stack in stacks:
                 stack.stop()
     print(" | ".join(f"{name}: {f.line()}" for name, f in results.items()))
+    print(on_off(results["tenants"], results["locked"]))
 
 
 if __name__ == "__main__":

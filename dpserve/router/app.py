@@ -37,13 +37,24 @@ from dpserve.router.playground import routes as playground
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
 from dpserve.router.request_ids import RequestIdMiddleware, of_scope
-from dpserve.router.routes import control, docs, flat, health, images, info, realtime, videos
+from dpserve.router.routes import (
+    control,
+    docs,
+    flat,
+    health,
+    images,
+    info,
+    realtime,
+    usage,
+    videos,
+)
 from dpserve.router.routes.images import REPLICA_HEADER
 from dpserve.router.service import RouterService
 from dpserve.router.sessions import SessionRouter
 from dpserve.router.settings import KubernetesDiscovery, RouterSettings
 from dpserve.router.slots import SlotLimits
 from dpserve.router.store import OutputStore
+from dpserve.router.tenants import KEYLESS
 from dpserve.router.videos import VideoJobs
 
 __all__ = [
@@ -102,9 +113,11 @@ def create_app(settings: RouterSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
+    keys = Keys.of(settings.api_keys, settings.admin_keys)
     app.state.settings = settings
     app.state.started = int(time.time())  # the Model object's created
-    app.state.metrics = RouterMetrics()
+    # Usage is labelled by tenant: the configured ones, or the one keyless tenant.
+    app.state.metrics = RouterMetrics(keys.tenants if keys.enabled else (KEYLESS.tenant,))
     app.state.running = None
     app.state.store = (
         OutputStore(
@@ -117,7 +130,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         else None
     )
     _handle_errors(app)
-    for area in (images, videos, info, control, health, realtime, docs, playground):
+    for area in (images, videos, info, control, health, usage, realtime, docs, playground):
         # Each area's routes join the app's own list: an included router is one node
         # that routing enters and matches again per request (FastAPI 0.137+), which
         # doubled the cost of a trivial request (bench/router_overhead.py).
@@ -125,7 +138,6 @@ def create_app(settings: RouterSettings) -> FastAPI:
     app.mount(docs.ASSETS, docs.assets(), name="docs-assets")
     levels = Levels.of(flat(app.routes))  # ValueError: a route declares no level
 
-    keys = Keys.of(settings.api_keys, settings.admin_keys)
     # Outermost last: the request id is on every answer, refusals included, and
     # metrics count the refusals too.
     hosts = AllowedHosts.of(settings.allowed_hosts, settings.public_url)

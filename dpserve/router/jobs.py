@@ -19,6 +19,7 @@ from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.registry import CANCELLED, COMPLETED, FAILED, InFlight, Registry
 from dpserve.router.service import Generated, RouterService
 from dpserve.router.streaming import completed_events, error_event, partial_event
+from dpserve.router.usage import Work
 
 log = logging.getLogger(__name__)
 CANCELLED_MESSAGE = "the request was cancelled (POST /v1/images/{id}/cancel)"
@@ -37,7 +38,10 @@ def start(
     request_id: str,
     params: p.GenerateParams,
     blobs: list[bytes] | None = None,
+    meter: Callable[[Work], None] | None = None,
 ) -> Job:
+    """``meter`` counts what the request made once a replica answered it (its tenant's
+    usage, its route's histograms)."""
     entry = registry.admit(request_id)
     previews: asyncio.Queue[p.Message] | None = None
     on_partial: Callable[[p.Message], None] | None = None
@@ -55,7 +59,18 @@ def start(
     )
     entry.task = task
     task.add_done_callback(lambda t: registry.finish(entry, _outcome(t)))
+    if meter is not None:
+        task.add_done_callback(lambda t: _count(t, meter))
     return Job(entry, task, previews)
+
+
+def _count(task: asyncio.Future[Generated], meter: Callable[[Work], None]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    done = task.result()
+    result = done.result
+    queued = done.waited_s + result.queue_time_s
+    meter(Work(len(done.images), 0, done.units, result.inference_time_s, queued))
 
 
 def _outcome(task: asyncio.Future[Generated]) -> str:

@@ -4,12 +4,16 @@ Accounting: every HTTP request is counted once when it enters the app
 (``dpserve_requests_accepted_total``) and once when the app is done with it
 (``dpserve_requests_answered_total`` by outcome), so a request the router lost
 shows as accepted > answered. ``read_accounting`` turns a scrape into the numbers.
+
+Usage: each tenant's requests and work (dpserve/router/usage.py, one owner that
+this registry collects at scrape time), and per route how long generations waited
+for a slot and ran on a replica.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +23,16 @@ from starlette.routing import Match
 
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.routes import flat
+from dpserve.router.tenants import KEYLESS
+from dpserve.router.usage import Usage, Work
 
 _ROUTE_CACHE = 1024
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# A diffusion request waits and runs from tens of milliseconds (a few steps of a small
+# image) to many minutes (a video job): roughly 2-2.5x apart up to 30 minutes.
+_WORK_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800,
+)  # fmt: skip
 
 # Outcomes of an HTTP request (``dpserve_requests_answered_total{outcome}``).
 OK, CLIENT_ERROR, SERVER_ERROR, DISCONNECTED = "ok", "client_error", "server_error", "disconnected"
@@ -42,8 +53,26 @@ def outcome(status: int, disconnected: bool) -> str:
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenants: Iterable[str] = (KEYLESS.tenant,)) -> None:
+        """``tenants``: the only values the tenant label may take (dpserve/router/usage.py)."""
         self.registry = CollectorRegistry()
+        self.usage = Usage(tenants)
+        self.registry.register(self.usage)
+        self.queue_time = Histogram(
+            "dpserve_request_queue_seconds",
+            "Seconds a completed generation waited for a slot, in this router and at its "
+            "replica, by route",
+            ["route"],
+            buckets=_WORK_BUCKETS,
+            registry=self.registry,
+        )
+        self.inference_time = Histogram(
+            "dpserve_request_inference_seconds",
+            "Seconds a completed generation's pipeline ran on its replica, by route",
+            ["route"],
+            buckets=_WORK_BUCKETS,
+            registry=self.registry,
+        )
         self.requests = Counter(
             "dpserve_requests",
             "HTTP requests by route and status",
@@ -142,6 +171,12 @@ class RouterMetrics:
         self.latency.labels(*labels).observe(seconds)
         self.answered.labels(route, method, outcome(status, disconnected)).inc()
 
+    def meter(self, scope: Any) -> Meter:
+        """Where the work of the request of ``scope`` is counted (called by its handler,
+        once routing has picked the route)."""
+        route = str(getattr(scope.get("route"), "path", "unmatched"))
+        return Meter(self, self.usage.tenant_of(scope), route)
+
     def render(self, pool: ReplicaPool) -> bytes:
         """Gauges are read from the pool at scrape time, so they are never stale."""
         per_replica = (
@@ -167,6 +202,21 @@ class RouterMetrics:
         self.queue_depth.set(pool.admission.queue_depth)
         self.work.set(total)
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class Meter:
+    """Counts what one request made: for its tenant (if a configured one), and in its
+    route's queue and inference histograms."""
+
+    metrics: RouterMetrics
+    tenant: str | None
+    route: str
+
+    def __call__(self, work: Work) -> None:
+        self.metrics.usage.made(self.tenant, work)
+        self.metrics.queue_time.labels(self.route).observe(work.queue_s)
+        self.metrics.inference_time.labels(self.route).observe(work.inference_s)
 
 
 def _route_of(scope: Any) -> str:
@@ -234,6 +284,9 @@ class MetricsMiddleware:
         finally:
             elapsed = time.perf_counter() - started
             self.metrics.observe(route, method, status, elapsed, disconnected)
+            # The auth middleware inside put the principal in this very scope.
+            tenant = self.metrics.usage.tenant_of(scope)
+            self.metrics.usage.answered(tenant, route, outcome(status, disconnected))
 
     async def _websocket(self, scope: Any, receive: Any, send: Any) -> None:
         route = self._route(scope)

@@ -113,6 +113,31 @@ class CancelResponse(BaseModel):
     stage: Literal["queued_in_router", "at_replica", "queued_at_replica", "running_at_replica"]
 
 
+class TenantUsage(BaseModel):
+    """One tenant's totals since the router started (dpserve/router/usage.py)."""
+
+    tenant: str = Field(description="a configured tenant; `default` without keys")
+    requests: dict[str, int] = Field(
+        description="HTTP requests by outcome: ok, client_error, server_error, disconnected"
+    )
+    requests_by_route: dict[str, dict[str, int]] = Field(
+        description="the same, by route template and outcome"
+    )
+    images: int = Field(description="images made (answered generations, edits, variations)")
+    video_frames: int = Field(description="frames of video jobs this router placed, completed")
+    cost_units: float = Field(description="the router's cost estimate of the completed work")
+    inference_seconds: float = Field(
+        description="seconds the replicas' pipelines ran for it (times GPUs per replica: "
+        "GPU-seconds)"
+    )
+
+
+class UsageResponse(BaseModel):
+    object: Literal["usage"] = "usage"
+    since: int = Field(description="when this router started (unix seconds); totals are its own")
+    tenants: list[TenantUsage]
+
+
 class FieldProblem(BaseModel):
     field: str
     message: str

@@ -45,6 +45,8 @@ class Generated:
     result: p.GenerateResult
     images: list[bytes]
     replica: str
+    units: float = 0.0  # its estimated cost on that replica (dpserve/contract/cost.py)
+    waited_s: float = 0.0  # in this router's queue for a slot, every try together
 
 
 class RouterService:
@@ -77,14 +79,15 @@ class RouterService:
         deadline = time.monotonic() + timeout_s
         tried: set[str] = set()
         last: Exception | None = None
+        waited_s = 0.0
         for _ in range(2):
             if tried and deadline - time.monotonic() <= 0:
                 break
             if stage is not None:
                 stage.queued()
-            slot = await self.pool.admission.acquire(
-                tried, max(0.0, deadline - time.monotonic()), params
-            )
+            asked = time.monotonic()
+            slot = await self.pool.admission.acquire(tried, max(0.0, deadline - asked), params)
+            waited_s += time.monotonic() - asked
             replica = slot.replica
             tried.add(replica.endpoint)
             if stage is not None:
@@ -93,7 +96,7 @@ class RouterService:
             # (a client that went away) stops waiting for it: then the replica is told
             # to cancel, answers at its next denoising step, and the slot is free.
             call = asyncio.create_task(
-                self._call(slot, params, request_id, deadline, blobs, on_partial)
+                self._call(slot, params, request_id, deadline, blobs, on_partial, waited_s)
             )
             call.add_done_callback(retrieve)
             try:
@@ -126,6 +129,7 @@ class RouterService:
         deadline: float,
         blobs: list[bytes] | None,
         on_partial: Callable[[p.Message], None] | None,
+        waited_s: float,
     ) -> Generated:
         replica = slot.replica
         try:
@@ -156,7 +160,7 @@ class RouterService:
         finally:
             self.pool.admission.release(slot)
         self.pool.admission.note_served(replica)
-        return Generated(result, images, replica.name)
+        return Generated(result, images, replica.name, slot.units, waited_s)
 
     async def cancel_elsewhere(self, request_id: str) -> str:
         """Cancel a request this router does not hold (another router admitted it): every

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, NoReturn
 
@@ -54,6 +55,7 @@ from dpserve.contract import video
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.replica import Replica, Slot
+from dpserve.router.usage import Work
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class _Watch:
     may_return: bool = False  # the lost holder was unreachable: it may still hold the job
     stale: list[tuple[Replica, str]] = field(default_factory=list)  # copies left behind
     task: asyncio.Task[None] | None = None
+    meter: Callable[[Work], None] | None = None  # counts its frames once it completes
 
     def view(self) -> video.VideoJob:
         """The job as this router last saw it; queued again while it waits for a replica."""
@@ -132,19 +135,30 @@ class VideoJobs:
 
     # ------------------------------------------------------------ submit
 
-    async def submit(self, params: p.GenerateParams, blobs: list[bytes]) -> video.VideoJob:
+    async def submit(
+        self,
+        params: p.GenerateParams,
+        blobs: list[bytes],
+        meter: Callable[[Work], None] | None = None,
+    ) -> video.VideoJob:
         """Place a new job and start watching it; its record as its replica took it.
+        ``meter`` counts what it made once this router sees it completed.
 
         The submission finishes even if its caller is cancelled (a client that left):
         a job a replica took is then watched like any other, not orphaned there.
         """
-        task = asyncio.ensure_future(self._submit(pv.fill_seeds(params), blobs))
+        task = asyncio.ensure_future(self._submit(pv.fill_seeds(params), blobs, meter))
         self._submits.add(task)
         task.add_done_callback(self._submits.discard)
         task.add_done_callback(lambda done: done.cancelled() or done.exception())
         return await asyncio.shield(task)
 
-    async def _submit(self, params: p.GenerateParams, blobs: list[bytes]) -> video.VideoJob:
+    async def _submit(
+        self,
+        params: p.GenerateParams,
+        blobs: list[bytes],
+        meter: Callable[[Work], None] | None,
+    ) -> video.VideoJob:
         created_at = int(time.time())
         tried: set[str] = set()
         refusals: list[str] = []
@@ -180,7 +194,9 @@ class VideoJobs:
                 self.pool.admission.release(slot)
                 refusals.append(f"{replica.name}: {str(exc) or 'timed out'}")
                 continue
-            self._watch(_Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job))
+            watch = _Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job)
+            watch.meter = meter
+            self._watch(watch)
             return job
         code = p.OVERLOADED if busy else p.UNAVAILABLE
         raise p.RequestError(code, f"no replica took the job ({'; '.join(refusals)}); retry later")
@@ -288,6 +304,9 @@ class VideoJobs:
             return await self._lose(watch, job.error.message, may_return=False)
         if job.status in video.TERMINAL:
             log.info("video job %s %s on %s", job.id, job.status, holder.name)
+            if job.status == video.COMPLETED and watch.meter is not None:
+                units = watch.slot.units
+                watch.meter(Work(0, job.num_frames, units, job.inference_time_s, job.queue_time_s))
             return True
         return False
 

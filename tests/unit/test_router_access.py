@@ -37,6 +37,7 @@ ADMIN_ROUTES = frozenset(
         "/get_weights_checksum",
         "/server_info",
         "/health/replicas",
+        "/v1/usage",
     }
 )
 OPEN_ROUTES = frozenset(
@@ -71,12 +72,11 @@ def test_every_route_of_the_app_declares_its_level() -> None:
     assert len(routes) == len(_levels().routes)
 
 
-def test_the_admin_routes_are_the_control_ops_and_the_control_state() -> None:
+def test_the_admin_routes_are_the_control_ops_the_control_state_and_usage() -> None:
     levels = _levels()
     assert levels.declared(ADMIN) == ADMIN_ROUTES
-    assert {route.path for route in control.ROUTES} | {"/server_info", "/health/replicas"} == (
-        ADMIN_ROUTES
-    )
+    state = {"/server_info", "/health/replicas"}
+    assert {route.path for route in control.ROUTES} | state | {"/v1/usage"} == ADMIN_ROUTES
     assert levels.declared(OPEN) == OPEN_ROUTES
     # Every control op of the wire has its route, but the router's own: model_info (its
     # pings ask it; GET /model_info shows it) and sync_state (its desired-state sync).

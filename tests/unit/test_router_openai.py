@@ -376,6 +376,7 @@ _FAILING: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/livez"): {"headers": {HEADER: ""}},
     ("GET", "/ready"): {"headers": {HEADER: "two words"}},
     ("GET", "/health/replicas"): {"headers": {HEADER: "?"}},
+    ("GET", "/v1/usage"): {"headers": {HEADER: "a b"}},
     ("GET", "/metrics"): {"headers": {HEADER: "#"}},
 }
 

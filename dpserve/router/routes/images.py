@@ -15,6 +15,7 @@ from dpserve.router import deps, fields, jobs, schemas
 from dpserve.router.access import inference, public
 from dpserve.router.bodies import BadBody, parse_object, read_body
 from dpserve.router.deps import (
+    MetricsDep,
     PoolDep,
     RegistryDep,
     RequestIdDep,
@@ -23,6 +24,7 @@ from dpserve.router.deps import (
     StoreDep,
 )
 from dpserve.router.forms import EditForm, read_edit
+from dpserve.router.metrics import RouterMetrics
 from dpserve.router.openai_api import (
     ImageRequest,
     check_edit_supported,
@@ -57,6 +59,7 @@ async def generate(
     service: ServiceDep,
     registry: RegistryDep,
     store: StoreDep,
+    metrics: MetricsDep,
 ) -> Response:
     raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     body = parse_object(raw, request.headers.get("content-type"), required=True)
@@ -67,7 +70,7 @@ async def generate(
         deps.features(pool),
         served=deps.served_name(pool, settings),
     )
-    job = jobs.start(registry, service, rid, asked.params)
+    job = jobs.start(registry, service, rid, asked.params, meter=metrics.meter(request.scope))
     return await _answer(request, job, asked, GENERATION, store)
 
 
@@ -80,9 +83,12 @@ async def edit(
     service: ServiceDep,
     registry: RegistryDep,
     store: StoreDep,
+    metrics: MetricsDep,
 ) -> Response:
     form = await read_edit(request, settings.max_upload_bytes, settings.body_timeout_s)
-    return await _edit(request, rid, form, form.body(), settings, pool, service, registry, store)
+    return await _edit(
+        request, rid, form, form.body(), settings, pool, service, registry, store, metrics
+    )
 
 
 @inference
@@ -94,11 +100,12 @@ async def variation(
     service: ServiceDep,
     registry: RegistryDep,
     store: StoreDep,
+    metrics: MetricsDep,
 ) -> Response:
     """OpenAI's variations: an image-to-image edit of one image without a prompt."""
     form = await read_edit(request, settings.max_upload_bytes, settings.body_timeout_s)
     body = form.variation_body()
-    return await _edit(request, rid, form, body, settings, pool, service, registry, store)
+    return await _edit(request, rid, form, body, settings, pool, service, registry, store, metrics)
 
 
 async def _edit(
@@ -111,6 +118,7 @@ async def _edit(
     service: RouterService,
     registry: Registry,
     store: OutputStore | None,
+    metrics: RouterMetrics,
 ) -> Response:
     check_model(body.get("model"), deps.served_name(pool, settings))
     features = deps.features(pool)
@@ -118,7 +126,7 @@ async def _edit(
     blobs = form.blobs()
     limits = deps.limits(pool)
     asked = parse_image_request(body, limits, store is not None, features, len(blobs), fields.EDITS)
-    job = jobs.start(registry, service, rid, asked.params, blobs)
+    job = jobs.start(registry, service, rid, asked.params, blobs, metrics.meter(request.scope))
     return await _answer(request, job, asked, EDIT, store)
 
 

@@ -9,20 +9,24 @@ from fastapi.responses import JSONResponse
 
 from dpserve.router import deps, video_api, video_schemas
 from dpserve.router.access import inference
-from dpserve.router.deps import PoolDep, SettingsDep, VideosDep
+from dpserve.router.deps import MetricsDep, PoolDep, SettingsDep, VideosDep
 from dpserve.router.routes.info import model_name
 
 
 @inference
 async def create(
-    request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
+    request: Request,
+    settings: SettingsDep,
+    pool: PoolDep,
+    videos: VideosDep,
+    metrics: MetricsDep,
 ) -> JSONResponse:
     asked = await video_api.read_create(
         request, settings.max_body_bytes, settings.max_upload_bytes, settings.body_timeout_s
     )
     served = deps.served_name(pool, settings)
     params = video_api.parse_create(asked, deps.limits(pool), deps.features(pool), served)
-    job = await videos.submit(params, asked.blobs)
+    job = await videos.submit(params, asked.blobs, metrics.meter(request.scope))
     return JSONResponse(video_api.job_json(job, model_name(pool, settings)))
 
 
