@@ -36,6 +36,7 @@ from PIL import Image
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video as v
+from dpserve.contract.owners import may_see
 from dpserve.contract.control_state import StateDoc, answer, parse_doc, reduce, refusal
 from dpserve.contract.cost import cost_units
 from dpserve.plumbing.curve import Gatekeeper, WireKey
@@ -152,6 +153,7 @@ class StubReplica:
         self._generating: set[asyncio.Task[None]] = set()
         self._work: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # generations by sender
         self._units: dict[tuple[bytes, str], float] = {}  # their cost units
+        self._tenants: dict[tuple[bytes, str], str] = {}  # their tenants (the header's)
         self._task = asyncio.create_task(self._serve())
         self._png = _png()
         self._jobs: dict[str, v.VideoJob] = {}  # the job book, in submission order
@@ -219,6 +221,7 @@ class StubReplica:
                 key = (identity, message.id)
                 task = asyncio.create_task(self._generate(identity, message))
                 self._work[key] = task
+                self._tenants[key] = message.tenant
                 task.add_done_callback(functools.partial(self._done, key))
                 continue
             if message.kind == p.CANCEL:
@@ -238,6 +241,7 @@ class StubReplica:
     def _done(self, key: tuple[bytes, str], _: object = None) -> None:
         self._work.pop(key, None)
         self._units.pop(key, None)
+        self._tenants.pop(key, None)
 
     async def _gated(self, identity: bytes, message: p.Message, gate: asyncio.Event) -> None:
         self.deletes_waiting += 1
@@ -266,7 +270,9 @@ class StubReplica:
         keys = [
             k
             for k in self._work
-            if k[1] == request.request_id and (request.any_client or k[0] == identity)
+            if k[1] == request.request_id
+            and (request.any_client or k[0] == identity)
+            and (not request.any_client or may_see(request.scope, self._tenants.get(k, "")))
         ]
         for key in keys:
             self._work.pop(key).cancel()
@@ -395,11 +401,12 @@ class StubReplica:
         if request.action == v.SUBMIT:
             body: Any = self._submit(request, len(message.blobs))
         elif request.action == v.LIST:
-            body = v.VideoList(jobs=list(reversed(self._jobs.values())))
+            jobs = [j for j in reversed(self._jobs.values()) if may_see(request.scope, j.tenant)]
+            body = v.VideoList(jobs=jobs)
         elif request.action == v.GET:
-            body = self._held(request.job_id)
+            body = self._held(request.job_id, request.scope)
         elif request.action == v.CONTENT:
-            job = self._held(request.job_id)
+            job = self._held(request.job_id, request.scope)
             if job.status != v.COMPLETED:
                 raise p.RequestError(p.CONFLICT, f"video job {job.id} is {job.status}")
             body = v.VideoContent(
@@ -407,7 +414,7 @@ class StubReplica:
             )
             blobs = [MP4 if request.variant == v.VIDEO_VARIANT else JPEG]
         elif request.action == v.DELETE:
-            body = self._held(request.job_id)
+            body = self._held(request.job_id, request.scope)
             del self._jobs[request.job_id]
             run = self._runs.pop(request.job_id, None)
             if run is not None:
@@ -419,9 +426,9 @@ class StubReplica:
             raise p.RequestError(p.INVALID_REQUEST, f"unknown video action {request.action!r}")
         return p.encode(p.RESULT, message.id, body, blobs)
 
-    def _held(self, job_id: str) -> v.VideoJob:
+    def _held(self, job_id: str, scope: str | None = None) -> v.VideoJob:
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or not may_see(scope, job.tenant):
             raise p.RequestError(p.NOT_FOUND, f"video job {job_id} is not held by this replica")
         return job
 
@@ -461,6 +468,7 @@ class StubReplica:
             replica=self.replica,
             attempt=request.attempt,
             estimated_time_s=request.estimated_s,
+            tenant=request.tenant,
         )
         self.video_submits.append((request, blobs))
         self._jobs[job.id] = job

@@ -37,8 +37,9 @@ def start(
     request_id: str,
     params: p.GenerateParams,
     blobs: list[bytes] | None = None,
+    tenant: str = "",
 ) -> Job:
-    entry = registry.admit(request_id)
+    entry = registry.admit(request_id, tenant)
     previews: asyncio.Queue[p.Message] | None = None
     on_partial: Callable[[p.Message], None] | None = None
     if params.partial_images:
@@ -51,7 +52,9 @@ def start(
                 previews.put_nowait(message)
 
     task = asyncio.ensure_future(
-        service.generate(params, request_id, blobs, on_partial=on_partial, stage=entry)
+        service.generate(
+            params, request_id, blobs, on_partial=on_partial, stage=entry, tenant=tenant
+        )
     )
     entry.task = task
     task.add_done_callback(lambda t: registry.finish(entry, _outcome(t)))

@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from dpserve.contract.owners import may_see
+
 # A tenant's name goes into metric labels, logs, job records and file paths.
 _NAME: Final = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 SCOPE_KEY: Final = "dpserve.principal"
@@ -65,9 +67,14 @@ class Principal:
     tenant: str
     sees_all: bool
 
+    @property
+    def scope(self) -> str | None:
+        """What the replicas are told of the caller: its tenant, or None to see all."""
+        return None if self.sees_all else self.tenant
+
     def owns(self, tenant: str | None) -> bool:
         """May this caller see work recorded for ``tenant``?"""
-        return self.sees_all or tenant == self.tenant
+        return may_see(self.scope, tenant or "")
 
 
 # Without keys: everyone is one tenant, which sees everything.

@@ -43,6 +43,7 @@ from dpserve.router.service import RouterService
 from dpserve.router.settings import RouterSettings
 from dpserve.router.store import OutputStore
 from dpserve.router.streaming import EDIT, GENERATION, EventStream
+from dpserve.router.tenants import principal_of
 
 T = TypeVar("T")
 REPLICA_HEADER = "X-Dpserve-Replica"
@@ -67,7 +68,8 @@ async def generate(
         deps.features(pool),
         served=deps.served_name(pool, settings),
     )
-    job = jobs.start(registry, service, rid, asked.params)
+    tenant = principal_of(request.scope).tenant
+    job = jobs.start(registry, service, rid, asked.params, tenant=tenant)
     return await _answer(request, job, asked, GENERATION, store)
 
 
@@ -118,7 +120,7 @@ async def _edit(
     blobs = form.blobs()
     limits = deps.limits(pool)
     asked = parse_image_request(body, limits, store is not None, features, len(blobs), fields.EDITS)
-    job = jobs.start(registry, service, rid, asked.params, blobs)
+    job = jobs.start(registry, service, rid, asked.params, blobs, principal_of(request.scope).tenant)
     return await _answer(request, job, asked, EDIT, store)
 
 
@@ -139,18 +141,22 @@ async def _answer(
 
 
 @inference
-async def cancel(request_id: str, registry: RegistryDep, service: ServiceDep) -> JSONResponse:
-    """Cancel a generation or an edit by its id, wherever it is: queued in this router,
-    queued at or running on a replica, or admitted by another router of the service."""
+async def cancel(
+    request_id: str, request: Request, registry: RegistryDep, service: ServiceDep
+) -> JSONResponse:
+    """Cancel a generation or an edit of the caller's tenant by its id, wherever it is:
+    queued in this router, queued at or running on a replica, or admitted by another
+    router of the service. Another tenant's request is unknown (404)."""
     if not valid(request_id):
         raise BadBody(400, f"{request_id[:40]!r} is not a request id ({RULE})")
-    entry = registry.cancel(request_id)
+    scope = principal_of(request.scope).scope
+    entry = registry.cancel(request_id, scope)
     if entry is not None:
         return _cancelled(request_id, entry.stage)
-    ended = registry.finished(request_id)
+    ended = registry.finished(request_id, scope)
     if ended is not None:
         raise p.RequestError(p.CONFLICT, _too_late(request_id, ended))
-    found = await service.cancel_elsewhere(request_id)
+    found = await service.cancel_elsewhere(request_id, scope)
     if found != p.CANCEL_NOT_FOUND:
         stage = RUNNING_AT_REPLICA if found == p.CANCEL_RUNNING else QUEUED_AT_REPLICA
         return _cancelled(request_id, stage)
