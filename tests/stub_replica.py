@@ -35,10 +35,11 @@ from PIL import Image
 
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
+from dpserve.contract import realtime as rt
 from dpserve.contract import video as v
-from dpserve.contract.owners import may_see
 from dpserve.contract.control_state import StateDoc, answer, parse_doc, reduce, refusal
 from dpserve.contract.cost import cost_units
+from dpserve.contract.owners import may_see
 from dpserve.plumbing.curve import Gatekeeper, WireKey
 from dpserve.plumbing.transport import bind_router
 
@@ -159,6 +160,7 @@ class StubReplica:
         self._jobs: dict[str, v.VideoJob] = {}  # the job book, in submission order
         self._runs: dict[str, asyncio.Task[None]] = {}  # unfinished jobs
         self._video_turn = asyncio.Lock()  # one job runs at a time, in order
+        self.sessions: dict[str, _StubSession] = {}  # realtime sessions held
 
     def reboot(self) -> None:
         """A restarted gang: same address, boot state, no jobs."""
@@ -233,7 +235,12 @@ class StubReplica:
                 task.add_done_callback(self._generating.discard)
                 continue
             try:
-                reply = self._video(message) if message.kind == p.VIDEO else self._answer(message)
+                if message.kind == p.VIDEO:
+                    reply = self._video(message)
+                elif message.kind == p.SESSION:
+                    reply = self._session(message)
+                else:
+                    reply = self._answer(message)
             except p.RequestError as exc:
                 reply = p.encode_error(message.id, exc)
             await self.sock.send_multipart([identity, *reply])
@@ -393,6 +400,52 @@ class StubReplica:
         out = {} if request.op == p.SYNC_STATE else answer(request.op, request.args, doc.state)
         return {**out, "state": doc.to_builtins()}
 
+    # ------------------------------------------------------------ realtime sessions
+
+    def _session(self, message: p.Message) -> list[bytes]:
+        """A session as the worker's host keeps it: its tenant, epoch and frames; every
+        frame is the stub's PNG."""
+        request = rt.session_request(message.body_as(rt.SessionRequest))
+        sid = request.session_id
+        if request.action == rt.OPEN:
+            self.sessions[sid] = _StubSession(request.tenant)
+            return self._session_frame(message.id, sid, self.sessions[sid])
+        held = self.sessions.get(sid)
+        scope = request.scope if request.action == rt.RESUME else None
+        if held is None or not may_see(scope, held.tenant):
+            raise p.RequestError(p.NOT_FOUND, f"no session {sid!r} here")
+        if request.action == rt.STEP:
+            held.frames += 1
+            return self._session_frame(message.id, sid, held)
+        if request.action == rt.RESUME:
+            held.epoch += 1
+        else:
+            del self.sessions[sid]
+        info = rt.SessionInfo(
+            session_id=sid,
+            replica=self.replica,
+            epoch=held.epoch,
+            frames=held.frames,
+            state_bytes=0,
+            released=request.action == rt.CLOSE,
+        )
+        return p.encode(p.RESULT, message.id, info)
+
+    def _session_frame(self, message_id: str, sid: str, held: _StubSession) -> list[bytes]:
+        meta = rt.FrameResult(
+            session_id=sid,
+            replica=self.replica,
+            index=held.frames - 1,
+            epoch=held.epoch,
+            blob=0,
+            format="png",
+            width=16,
+            height=16,
+            inference_time_s=0.0,
+            state_bytes=0,
+        )
+        return p.encode(p.RESULT, message_id, meta, [self._png])
+
     # ------------------------------------------------------------ video jobs
 
     def _video(self, message: p.Message) -> list[bytes]:
@@ -491,6 +544,13 @@ class StubReplica:
             job.inference_time_s = steps * self.step_s
             self._runs.pop(job.id, None)
             self._units.pop((_JOB, job.id), None)
+
+
+@dataclass
+class _StubSession:
+    tenant: str
+    epoch: int = 0
+    frames: int = 1
 
 
 def _is_delete(message: p.Message) -> bool:

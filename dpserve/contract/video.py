@@ -31,7 +31,7 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -116,8 +116,8 @@ class VideoRequest(msgspec.Struct, kw_only=True):
     # get, list, content, delete: whose jobs the caller sees (None: every tenant's;
     # dpserve/contract/owners.py). A job of another tenant is not found. Senders that
     # predate tenants send neither: an unowned job that everyone sees, as before.
-    tenant: str = ""
-    scope: str | None = None
+    tenant: Annotated[str, msgspec.Meta(max_length=p.MAX_TENANT)] = ""
+    scope: Annotated[str, msgspec.Meta(max_length=p.MAX_TENANT)] | None = None
 
 
 class VideoError(msgspec.Struct, frozen=True, kw_only=True):

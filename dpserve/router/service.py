@@ -173,9 +173,7 @@ class RouterService:
 
         async def ask(replica: Replica) -> str:
             try:
-                return await self.pool.membership.cancel_any(
-                    replica, request_id, timeout_s, scope
-                )
+                return await self.pool.membership.cancel_any(replica, request_id, timeout_s, scope)
             except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
                 log.warning("cancel of %s not answered by %s: %s", request_id, replica.name, exc)
                 return p.CANCEL_NOT_FOUND

@@ -27,6 +27,7 @@ from dpserve.contract.owners import may_see
 # A tenant's name goes into metric labels, logs, job records and file paths.
 _NAME: Final = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 SCOPE_KEY: Final = "dpserve.principal"
+PRESENTED_KEY: Final = "dpserve.presented"
 
 
 @dataclass(frozen=True, repr=False)
@@ -81,6 +82,20 @@ class Principal:
 KEYLESS: Final = Principal("default", sees_all=True)
 # A route that needs no key (probes, stored images, docs): nobody in particular.
 ANONYMOUS: Final = Principal("", sees_all=False)
+
+
+def presented_of(scope: Any) -> Principal | None:
+    """On a route that needs no key: who the key sent anyway acts for; None when none
+    (or no valid one) was sent."""
+    found = scope.get(PRESENTED_KEY)
+    return found if isinstance(found, Principal) else None
+
+
+def may_open(presented: Principal | None, tenant: str | None) -> bool:
+    """May a link to a stored image of ``tenant`` be opened? Without a key, yes: the
+    link is the capability, as a presigned URL is. With a key, only its own tenant's
+    (or an admin's): a client of one tenant never reads another's by mistake."""
+    return presented is None or presented.owns(tenant)
 
 
 def principal_of(scope: Any) -> Principal:

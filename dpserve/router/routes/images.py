@@ -41,9 +41,9 @@ from dpserve.router.request_ids import RULE, valid
 from dpserve.router.served_model import check_model
 from dpserve.router.service import RouterService
 from dpserve.router.settings import RouterSettings
-from dpserve.router.store import OutputStore
+from dpserve.router.store import OutputStore, owner
 from dpserve.router.streaming import EDIT, GENERATION, EventStream
-from dpserve.router.tenants import principal_of
+from dpserve.router.tenants import may_open, presented_of, principal_of
 
 T = TypeVar("T")
 REPLICA_HEADER = "X-Dpserve-Replica"
@@ -120,7 +120,9 @@ async def _edit(
     blobs = form.blobs()
     limits = deps.limits(pool)
     asked = parse_image_request(body, limits, store is not None, features, len(blobs), fields.EDITS)
-    job = jobs.start(registry, service, rid, asked.params, blobs, principal_of(request.scope).tenant)
+    job = jobs.start(
+        registry, service, rid, asked.params, blobs, principal_of(request.scope).tenant
+    )
     return await _answer(request, job, asked, EDIT, store)
 
 
@@ -133,7 +135,8 @@ async def _answer(
     done = await jobs.result(job, lambda work: _unless_disconnected(request, work))
     urls = None
     if asked.response_format == "url" and store is not None:
-        urls = [store.save(img, asked.params.output_format) for img in done.images]
+        tenant, fmt = principal_of(request.scope).tenant, asked.params.output_format
+        urls = [store.save(img, fmt, tenant) for img in done.images]
     return JSONResponse(
         image_response(rid, done.result, done.images, urls),
         headers={REPLICA_HEADER: done.replica},
@@ -181,11 +184,12 @@ def _too_late(request_id: str, ended: str) -> str:
 
 
 # A stored image's name holds 122 random bits (a UUID4): the URL is the capability, like
-# a presigned URL, so an image link opens in a browser (which sends no key).
+# a presigned URL, so an image link opens in a browser (which sends no key). A key sent
+# anyway must be one of the image's tenant (docs/tenants.md, "Ownership").
 @public
-async def stored_image(name: str, store: StoreDep) -> Response:
+async def stored_image(name: str, request: Request, store: StoreDep) -> Response:
     path = store.path(name) if store is not None else None
-    if path is None:
+    if path is None or not may_open(presented_of(request.scope), owner(name)):
         raise p.RequestError(p.NOT_FOUND, f"no stored image {name[:80]!r}")
     return FileResponse(path)
 
