@@ -34,8 +34,8 @@ import zmq.asyncio
 from PIL import Image
 
 from dpserve.contract import protocol as p
-from dpserve.contract import validation as pv
 from dpserve.contract import realtime as rt
+from dpserve.contract import validation as pv
 from dpserve.contract import video as v
 from dpserve.contract.control_state import StateDoc, answer, parse_doc, reduce, refusal
 from dpserve.contract.cost import cost_units

@@ -223,24 +223,26 @@ def test_a_realtime_session_resumes_only_for_its_tenant() -> None:
         stub = StubReplica(ctx)
         try:
             settings = RouterSettings(workers=(stub.endpoint,), pool=FAST, **KEYS)
-            async with _serving(settings) as url:
-                async with connect(url, additional_headers=_as(A1)) as ws:
-                    await ws.send(msgspec.msgpack.encode({"type": "init", "prompt": "a kite"}))
-                    ack = msgspec.msgpack.decode(await asyncio.wait_for(ws.recv(), 10))
-                    assert ack["type"] == "init_ack", ack
-                    sid = ack["session_id"]
-                    assert stub.sessions[sid].tenant == "team-a"
-                    unknown_sid = "0" * 32 + sid[32:]
-                    theirs = await _ask(url, B1, {"type": "resume", "session_id": sid})
-                    unknown = await _ask(url, B1, {"type": "resume", "session_id": unknown_sid})
-                    assert theirs["type"] == "error", theirs
-                    assert theirs == {
-                        **unknown,
-                        "content": unknown["content"].replace(unknown_sid, sid),
-                    }
-                    assert stub.sessions[sid].epoch == 0  # untouched: still the first socket's
-                    mine = await _ask(url, A2, {"type": "resume", "session_id": sid})
-                    assert mine["type"] == "init_ack" and mine["session_id"] == sid
+            async with (
+                _serving(settings) as url,
+                connect(url, additional_headers=_as(A1)) as ws,
+            ):
+                await ws.send(msgspec.msgpack.encode({"type": "init", "prompt": "a kite"}))
+                ack = msgspec.msgpack.decode(await asyncio.wait_for(ws.recv(), 10))
+                assert ack["type"] == "init_ack", ack
+                sid = ack["session_id"]
+                assert stub.sessions[sid].tenant == "team-a"
+                unknown_sid = "0" * 32 + sid[32:]
+                theirs = await _ask(url, B1, {"type": "resume", "session_id": sid})
+                unknown = await _ask(url, B1, {"type": "resume", "session_id": unknown_sid})
+                assert theirs["type"] == "error", theirs
+                assert theirs == {
+                    **unknown,
+                    "content": unknown["content"].replace(unknown_sid, sid),
+                }
+                assert stub.sessions[sid].epoch == 0  # untouched: still the first socket's
+                mine = await _ask(url, A2, {"type": "resume", "session_id": sid})
+                assert mine["type"] == "init_ack" and mine["session_id"] == sid
         finally:
             await stub.close()
             ctx.term()
