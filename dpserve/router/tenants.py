@@ -75,7 +75,7 @@ class Principal:
 
     def owns(self, tenant: str | None) -> bool:
         """May this caller see work recorded for ``tenant``?"""
-        return may_see(self.scope, tenant or "")
+        return self.sees_all if tenant is None else may_see(self.scope, tenant)
 
 
 # Without keys: everyone is one tenant, which sees everything.

@@ -175,6 +175,8 @@ def test_a_stored_image_opens_by_link_or_for_its_tenant(tmp_path: Path) -> None:
                 assert ".team-a." in name and (tmp_path / name).is_file()  # on disk, with it
                 unknown_path = path.replace(name[:32], "0" * 32)
                 assert (await http.get(path)).status_code == 200  # the link alone: served
+                # a key that matches none counts as none (the route needs none)
+                assert (await http.get(path, headers=_as("sk-nobody"))).status_code == 200
                 for key in (A2, ROOT):
                     assert (await http.get(path, headers=_as(key))).status_code == 200
                 theirs = await http.get(path, headers=_as(B1))
