@@ -11,17 +11,21 @@ import msgspec
 import pytest
 import torch
 
+from dpserve.client import ReplicaClient
 from dpserve.contract import protocol as p
 from dpserve.contract import realtime as rt
+from dpserve.contract import validation as pv
 from dpserve.contract import video as v
 from dpserve.contract.owners import may_see
 from dpserve.worker.batch import Batching
-from dpserve.worker.commands import GangCommand, Generation
+from dpserve.worker.commands import GangCommand, GangStatus, Generation
+from dpserve.worker.driver import Driver
 from dpserve.worker.driver.outbox import Client
 from dpserve.worker.driver.work_queue import Work, WorkQueue
 from dpserve.worker.sessions import Session, SessionHost, SessionLimits
 from tests.unit.test_batching import BASE
 from tests.unit.test_video_book import JOB, Clock, _book, _done, _params
+from tests.workers import free_port
 
 
 def test_the_rule() -> None:
@@ -95,3 +99,30 @@ def test_an_older_senders_messages_read_as_before_and_a_bad_tenant_is_a_bad_fram
     with pytest.raises(p.ProtocolError) as bad:
         p.decode([header])
     assert bad.value.request_id == "r2"  # answered as a bad frame, never fatal
+
+
+def test_the_drivers_ingress_records_the_headers_tenant_for_a_scoped_cancel() -> None:
+    """The real driver's socket thread: the tenant a generation's header names goes
+    with its work, and a cancel from another router scoped to another tenant misses it."""
+    driver = Driver(f"tcp://127.0.0.1:{free_port()}", 0, pv.Limits(), GangStatus(), 8, 120.0, 2)
+    driver.start()
+    try:
+        with (
+            ReplicaClient(driver.endpoint, timeout_s=5) as owner,
+            ReplicaClient(driver.endpoint, timeout_s=5) as other,
+        ):
+            body = {"prompt": "x", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}
+            owner.send_raw(p.encode(p.GENERATE, "r1", body, tenant="team-a"))
+            assert owner.ping().queue_depth == 1
+
+            def cancel(scope: str | None) -> str:
+                asked = p.CancelRequest(request_id="r1", any_client=True, scope=scope)
+                found: str = other.call(p.CANCEL, asked).body_as(p.CancelResult).found
+                return found
+
+            assert cancel("team-b") == p.CANCEL_NOT_FOUND
+            assert owner.ping().queue_depth == 1  # still queued
+            assert cancel("team-a") == p.CANCEL_QUEUED
+            assert p.decode_error(owner.recv()).code == p.CANCELLED
+    finally:
+        driver.close()
