@@ -34,10 +34,12 @@ import zmq.asyncio
 from PIL import Image
 
 from dpserve.contract import protocol as p
+from dpserve.contract import realtime as rt
 from dpserve.contract import validation as pv
 from dpserve.contract import video as v
 from dpserve.contract.control_state import StateDoc, answer, parse_doc, reduce, refusal
 from dpserve.contract.cost import cost_units
+from dpserve.contract.owners import may_see
 from dpserve.plumbing.curve import Gatekeeper, WireKey
 from dpserve.plumbing.transport import bind_router
 
@@ -152,11 +154,13 @@ class StubReplica:
         self._generating: set[asyncio.Task[None]] = set()
         self._work: dict[tuple[bytes, str], asyncio.Task[None]] = {}  # generations by sender
         self._units: dict[tuple[bytes, str], float] = {}  # their cost units
+        self._tenants: dict[tuple[bytes, str], str] = {}  # their tenants (the header's)
         self._task = asyncio.create_task(self._serve())
         self._png = _png()
         self._jobs: dict[str, v.VideoJob] = {}  # the job book, in submission order
         self._runs: dict[str, asyncio.Task[None]] = {}  # unfinished jobs
         self._video_turn = asyncio.Lock()  # one job runs at a time, in order
+        self.sessions: dict[str, _StubSession] = {}  # realtime sessions held
 
     def reboot(self) -> None:
         """A restarted gang: same address, boot state, no jobs."""
@@ -219,6 +223,7 @@ class StubReplica:
                 key = (identity, message.id)
                 task = asyncio.create_task(self._generate(identity, message))
                 self._work[key] = task
+                self._tenants[key] = message.tenant
                 task.add_done_callback(functools.partial(self._done, key))
                 continue
             if message.kind == p.CANCEL:
@@ -230,7 +235,12 @@ class StubReplica:
                 task.add_done_callback(self._generating.discard)
                 continue
             try:
-                reply = self._video(message) if message.kind == p.VIDEO else self._answer(message)
+                if message.kind == p.VIDEO:
+                    reply = self._video(message)
+                elif message.kind == p.SESSION:
+                    reply = self._session(message)
+                else:
+                    reply = self._answer(message)
             except p.RequestError as exc:
                 reply = p.encode_error(message.id, exc)
             await self.sock.send_multipart([identity, *reply])
@@ -238,6 +248,7 @@ class StubReplica:
     def _done(self, key: tuple[bytes, str], _: object = None) -> None:
         self._work.pop(key, None)
         self._units.pop(key, None)
+        self._tenants.pop(key, None)
 
     async def _gated(self, identity: bytes, message: p.Message, gate: asyncio.Event) -> None:
         self.deletes_waiting += 1
@@ -266,7 +277,9 @@ class StubReplica:
         keys = [
             k
             for k in self._work
-            if k[1] == request.request_id and (request.any_client or k[0] == identity)
+            if k[1] == request.request_id
+            and (request.any_client or k[0] == identity)
+            and (not request.any_client or may_see(request.scope, self._tenants.get(k, "")))
         ]
         for key in keys:
             self._work.pop(key).cancel()
@@ -387,6 +400,52 @@ class StubReplica:
         out = {} if request.op == p.SYNC_STATE else answer(request.op, request.args, doc.state)
         return {**out, "state": doc.to_builtins()}
 
+    # ------------------------------------------------------------ realtime sessions
+
+    def _session(self, message: p.Message) -> list[bytes]:
+        """A session as the worker's host keeps it: its tenant, epoch and frames; every
+        frame is the stub's PNG."""
+        request = rt.session_request(message.body_as(rt.SessionRequest))
+        sid = request.session_id
+        if request.action == rt.OPEN:
+            self.sessions[sid] = _StubSession(request.tenant)
+            return self._session_frame(message.id, sid, self.sessions[sid])
+        held = self.sessions.get(sid)
+        scope = request.scope if request.action == rt.RESUME else None
+        if held is None or not may_see(scope, held.tenant):
+            raise p.RequestError(p.NOT_FOUND, f"no session {sid!r} here")
+        if request.action == rt.STEP:
+            held.frames += 1
+            return self._session_frame(message.id, sid, held)
+        if request.action == rt.RESUME:
+            held.epoch += 1
+        else:
+            del self.sessions[sid]
+        info = rt.SessionInfo(
+            session_id=sid,
+            replica=self.replica,
+            epoch=held.epoch,
+            frames=held.frames,
+            state_bytes=0,
+            released=request.action == rt.CLOSE,
+        )
+        return p.encode(p.RESULT, message.id, info)
+
+    def _session_frame(self, message_id: str, sid: str, held: _StubSession) -> list[bytes]:
+        meta = rt.FrameResult(
+            session_id=sid,
+            replica=self.replica,
+            index=held.frames - 1,
+            epoch=held.epoch,
+            blob=0,
+            format="png",
+            width=16,
+            height=16,
+            inference_time_s=0.0,
+            state_bytes=0,
+        )
+        return p.encode(p.RESULT, message_id, meta, [self._png])
+
     # ------------------------------------------------------------ video jobs
 
     def _video(self, message: p.Message) -> list[bytes]:
@@ -395,11 +454,12 @@ class StubReplica:
         if request.action == v.SUBMIT:
             body: Any = self._submit(request, len(message.blobs))
         elif request.action == v.LIST:
-            body = v.VideoList(jobs=list(reversed(self._jobs.values())))
+            jobs = [j for j in reversed(self._jobs.values()) if may_see(request.scope, j.tenant)]
+            body = v.VideoList(jobs=jobs)
         elif request.action == v.GET:
-            body = self._held(request.job_id)
+            body = self._held(request.job_id, request.scope)
         elif request.action == v.CONTENT:
-            job = self._held(request.job_id)
+            job = self._held(request.job_id, request.scope)
             if job.status != v.COMPLETED:
                 raise p.RequestError(p.CONFLICT, f"video job {job.id} is {job.status}")
             body = v.VideoContent(
@@ -407,7 +467,7 @@ class StubReplica:
             )
             blobs = [MP4 if request.variant == v.VIDEO_VARIANT else JPEG]
         elif request.action == v.DELETE:
-            body = self._held(request.job_id)
+            body = self._held(request.job_id, request.scope)
             del self._jobs[request.job_id]
             run = self._runs.pop(request.job_id, None)
             if run is not None:
@@ -419,9 +479,9 @@ class StubReplica:
             raise p.RequestError(p.INVALID_REQUEST, f"unknown video action {request.action!r}")
         return p.encode(p.RESULT, message.id, body, blobs)
 
-    def _held(self, job_id: str) -> v.VideoJob:
+    def _held(self, job_id: str, scope: str | None = None) -> v.VideoJob:
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or not may_see(scope, job.tenant):
             raise p.RequestError(p.NOT_FOUND, f"video job {job_id} is not held by this replica")
         return job
 
@@ -461,6 +521,7 @@ class StubReplica:
             replica=self.replica,
             attempt=request.attempt,
             estimated_time_s=request.estimated_s,
+            tenant=request.tenant,
         )
         self.video_submits.append((request, blobs))
         self._jobs[job.id] = job
@@ -483,6 +544,13 @@ class StubReplica:
             job.inference_time_s = steps * self.step_s
             self._runs.pop(job.id, None)
             self._units.pop((_JOB, job.id), None)
+
+
+@dataclass
+class _StubSession:
+    tenant: str
+    epoch: int = 0
+    frames: int = 1
 
 
 def _is_delete(message: p.Message) -> bool:

@@ -86,6 +86,8 @@ MAX_REQUEST_FRAME_BYTES: Final = 16 << 20
 # barely bigger) takes 3 * side**2 bytes: 12 MiB at the default max_side 2048, 48 MiB
 # at 4096. 64 MiB covers a worker's --max-side up to 4096 with room to spare.
 MAX_REPLY_FRAME_BYTES: Final = 64 << 20
+# A tenant's name (dpserve/router/tenants.py allows 63 characters).
+MAX_TENANT: Final = 63
 
 
 class ProtocolError(Exception):
@@ -105,6 +107,11 @@ class Header(msgspec.Struct, kw_only=True, forbid_unknown_fields=False, omit_def
     # header): a relative time, because the two ends' clocks differ. Omitted: no
     # deadline. Peers that predate it ignore it (unknown fields are allowed).
     timeout_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # generate, session: the tenant the request is for, so a cancel by id (which may
+    # come through another router) reaches only its own tenant's work
+    # (dpserve/contract/owners.py). Omitted: no tenant ("", which only an unscoped
+    # cancel reaches); peers that predate it ignore it.
+    tenant: Annotated[str, msgspec.Meta(max_length=MAX_TENANT)] = ""
 
 
 class FieldError(msgspec.Struct, frozen=True):
@@ -142,6 +149,7 @@ class Message:
     body: msgspec.Raw
     blobs: tuple[bytes, ...]
     timeout_ms: int | None = None  # the header's: time left for the request when it was sent
+    tenant: str = ""  # the header's: whose request it is
 
     def body_as(self, type_: type[Any]) -> Any:
         try:
@@ -274,6 +282,9 @@ class CancelRequest(msgspec.Struct, kw_only=True):
 
     request_id: str
     any_client: bool = False
+    # With any_client: only a request of this tenant is cancelled, another tenant's is
+    # not found (None: any tenant's; dpserve/contract/owners.py).
+    scope: Annotated[str, msgspec.Meta(max_length=MAX_TENANT)] | None = None
 
 
 CANCEL_QUEUED: Final = "queued"
@@ -362,11 +373,15 @@ def encode(
     body: Any = None,
     blobs: Sequence[bytes] = (),
     timeout_ms: int | None = None,
+    tenant: str = "",
 ) -> list[bytes]:
     """Frames for one message; ``body`` is a msgspec Struct, a dict or ``None``;
-    ``timeout_ms`` the time the request has left (none: no deadline)."""
+    ``timeout_ms`` the time the request has left (none: no deadline); ``tenant``
+    whose request it is."""
     raw = msgspec.Raw(_ENCODER.encode(body if body is not None else {}))
-    header = Header(v=PROTOCOL_VERSION, id=request_id, kind=kind, body=raw, timeout_ms=timeout_ms)
+    header = Header(
+        v=PROTOCOL_VERSION, id=request_id, kind=kind, body=raw, timeout_ms=timeout_ms, tenant=tenant
+    )
     return [_ENCODER.encode(header), *blobs]
 
 
@@ -393,6 +408,7 @@ def decode(frames: Sequence[bytes]) -> Message:
         body=header.body,
         blobs=tuple(frames[1:]),
         timeout_ms=header.timeout_ms,
+        tenant=header.tenant,
     )
 
 

@@ -15,12 +15,13 @@ header. Parsing is pure and names every bad field, like ``parse_generate``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
 from dpserve.contract.protocol import (
     INVALID_REQUEST,
+    MAX_TENANT,
     RequestError,
 )
 from dpserve.contract.validation import (
@@ -77,6 +78,11 @@ class SessionRequest(msgspec.Struct, kw_only=True):
     # A connection another one took over can neither step nor release the session.
     epoch: int | None = None
     prompt: str | None = None  # step: the prompt from this frame on
+    # open: the tenant that owns the session, recorded with it. resume: whose sessions
+    # the caller may attach to (None: every tenant's; dpserve/contract/owners.py);
+    # another tenant's session is not found. Senders that predate tenants send neither.
+    tenant: Annotated[str, msgspec.Meta(max_length=MAX_TENANT)] = ""
+    scope: Annotated[str, msgspec.Meta(max_length=MAX_TENANT)] | None = None
 
 
 class FrameResult(msgspec.Struct, kw_only=True):

@@ -10,6 +10,8 @@ lives in a router, so any router finds it (docs/video.md):
 - the job id carries the owner's endpoint and boot id (:func:`make_job_id`), so a
   router asks that replica first, and every serving replica after it (a re-run
   lives elsewhere under the same id);
+- the job's record holds the tenant that submitted it, so each replica answers a
+  caller about its own tenant's jobs only, whichever router asks (docs/tenants.md);
 - the router that placed a job watches it to the end (router/videos.py) and, when
   the owner is lost (unreachable, or restarted: its boot id changed), submits it
   again elsewhere with the same id, seed and creation time.
@@ -29,7 +31,7 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -110,6 +112,12 @@ class VideoRequest(msgspec.Struct, kw_only=True):
     # replica stops it (None: no bound).
     estimated_s: float | None = None
     max_run_s: float | None = None
+    # submit: the tenant that owns the job, recorded with it (a re-run keeps it).
+    # get, list, content, delete: whose jobs the caller sees (None: every tenant's;
+    # dpserve/contract/owners.py). A job of another tenant is not found. Senders that
+    # predate tenants send neither: an unowned job that everyone sees, as before.
+    tenant: Annotated[str, msgspec.Meta(max_length=p.MAX_TENANT)] = ""
+    scope: Annotated[str, msgspec.Meta(max_length=p.MAX_TENANT)] | None = None
 
 
 class VideoError(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +150,7 @@ class VideoJob(msgspec.Struct, kw_only=True):
     queue_time_s: float = 0.0
     inference_time_s: float = 0.0  # the pipeline, without encoding
     encode_time_s: float = 0.0  # mp4 and thumbnail
+    tenant: str = ""  # who owns it ("" for a job a sender that predates tenants placed)
 
 
 class VideoList(msgspec.Struct, kw_only=True):

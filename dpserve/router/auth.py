@@ -25,6 +25,7 @@ from dpserve.router.request_ids import of_scope
 from dpserve.router.tenants import (
     ANONYMOUS,
     KEYLESS,
+    PRESENTED_KEY,
     SCOPE_KEY,
     Principal,
     TenantKey,
@@ -107,6 +108,14 @@ class Keys:
         if needed == ADMIN and as_api is not None:
             return Refusal(403, "this key may only call inference routes; use an admin key")
         return Refusal(401, f"the API key is not valid: {HOW_TO_SEND}")
+
+    def identify(self, authorization: bytes | None) -> Principal | None:
+        """Who a key presented to a route that needs none acts for (a stored image's);
+        None without keys configured, or without a valid key."""
+        if authorization is None or not self.enabled:
+            return None
+        found = self.verdict(INFERENCE, authorization)
+        return found if isinstance(found, Principal) else None
 
 
 def bearer(authorization: bytes | None) -> bytes | None:
@@ -195,6 +204,8 @@ class AuthMiddleware:
         verdict = refusal or self.keys.verdict(needed, _header(scope, b"authorization"))
         if isinstance(verdict, Principal):
             scope[SCOPE_KEY] = verdict  # in place: the metrics middleware outside reads it
+            if needed == OPEN:  # a key sent anyway says who asks (dpserve/router/tenants.py)
+                scope[PRESENTED_KEY] = self.keys.identify(_header(scope, b"authorization"))
             await self.app(scope, receive, send)
             return
         refusal = verdict

@@ -69,8 +69,10 @@ class ReplicaConnection:
         request_id: str | None = None,
         deadline_s: float | None = None,
         on_partial: Callable[[p.Message], None] | None = None,
+        tenant: str = "",
     ) -> p.Message:
         """Send one request and wait for its reply; an ``error`` reply raises RequestError.
+        ``tenant``: whose request it is (the header's).
 
         ``deadline_s`` is the time the replica is given (sent as the header's
         ``timeout_ms``; a generation past it is dropped there). A generation this
@@ -90,7 +92,8 @@ class ReplicaConnection:
                 if self._dropped:
                     raise zmq.Again
                 await self._sock.send_multipart(
-                    p.encode(kind, request_id, body, blobs or [], timeout_ms), flags=zmq.NOBLOCK
+                    p.encode(kind, request_id, body, blobs or [], timeout_ms, tenant),
+                    flags=zmq.NOBLOCK,
                 )
             except zmq.Again:
                 raise ReplicaLost(f"{self.endpoint} is not connected") from None
@@ -108,12 +111,13 @@ class ReplicaConnection:
             raise p.decode_error(reply)
         return reply
 
-    async def cancel_any(self, request_id: str, timeout_s: float) -> p.CancelResult:
-        """Cancel ``request_id`` whoever sent it (another router, say); the replica
-        answers where it found it (``p.CANCEL_*``)."""
-        reply = await self.request(
-            p.CANCEL, p.CancelRequest(request_id=request_id, any_client=True), timeout_s
-        )
+    async def cancel_any(
+        self, request_id: str, timeout_s: float, scope: str | None = None
+    ) -> p.CancelResult:
+        """Cancel ``request_id`` whoever sent it (another router, say), if it is
+        ``scope``'s; the replica answers where it found it (``p.CANCEL_*``)."""
+        asked = p.CancelRequest(request_id=request_id, any_client=True, scope=scope)
+        reply = await self.request(p.CANCEL, asked, timeout_s)
         result: p.CancelResult = reply.body_as(p.CancelResult)
         return result
 

@@ -39,10 +39,11 @@ def start(
     params: p.GenerateParams,
     blobs: list[bytes] | None = None,
     meter: Callable[[Work], None] | None = None,
+    tenant: str = "",
 ) -> Job:
     """``meter`` counts what the request made once a replica answered it (its tenant's
-    usage, its route's histograms)."""
-    entry = registry.admit(request_id)
+    usage, its route's histograms); ``tenant`` owns the request (who may cancel it)."""
+    entry = registry.admit(request_id, tenant)
     previews: asyncio.Queue[p.Message] | None = None
     on_partial: Callable[[p.Message], None] | None = None
     if params.partial_images:
@@ -55,7 +56,9 @@ def start(
                 previews.put_nowait(message)
 
     task = asyncio.ensure_future(
-        service.generate(params, request_id, blobs, on_partial=on_partial, stage=entry)
+        service.generate(
+            params, request_id, blobs, on_partial=on_partial, stage=entry, tenant=tenant
+        )
     )
     entry.task = task
     task.add_done_callback(lambda t: registry.finish(entry, _outcome(t)))

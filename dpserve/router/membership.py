@@ -98,6 +98,7 @@ class Membership:
         request_id: str | None = None,
         deadline_s: float | None = None,
         on_partial: Callable[[p.Message], None] | None = None,
+        tenant: str = "",
     ) -> p.Message:
         """One request to ``replica`` and its reply (raises what its connection raises);
         the keywords are :meth:`ReplicaConnection.request`'s."""
@@ -109,16 +110,19 @@ class Membership:
             request_id=request_id,
             deadline_s=deadline_s,
             on_partial=on_partial,
+            tenant=tenant,
         )
 
     def cancel(self, replica: Replica, request_id: str) -> None:
         """Tell ``replica`` nobody waits for ``request_id`` any more (never answered)."""
         replica.conn.cancel(request_id)
 
-    async def cancel_any(self, replica: Replica, request_id: str, timeout_s: float) -> str:
-        """Cancel ``request_id`` on ``replica`` whoever sent it; where it was found
-        (``p.CANCEL_*``)."""
-        return (await replica.conn.cancel_any(request_id, timeout_s)).found
+    async def cancel_any(
+        self, replica: Replica, request_id: str, timeout_s: float, scope: str | None = None
+    ) -> str:
+        """Cancel ``request_id`` on ``replica`` whoever sent it, if it is ``scope``'s;
+        where it was found (``p.CANCEL_*``)."""
+        return (await replica.conn.cancel_any(request_id, timeout_s, scope)).found
 
     def tasks(self) -> list[asyncio.Task[None]]:
         """The drains under way (cancelling one closes its connection)."""

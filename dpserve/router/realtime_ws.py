@@ -32,6 +32,7 @@ from dpserve.contract import realtime as rt
 from dpserve.contract import validation as pv
 from dpserve.router.served_model import check_model
 from dpserve.router.sessions import Attached, Frame, SessionLost, SessionMoved, SessionRouter
+from dpserve.router.tenants import principal_of
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +144,16 @@ class RealtimeConnection:
                 if isinstance(message, rt.InitMessage):
                     check_model(message.model, self.served())
                     init = rt.parse_init(message, self.limits())
-                    self.attached, first = await self.sessions.open(init)
+                    tenant = principal_of(self.ws.scope).tenant
+                    self.attached, first = await self.sessions.open(init, tenant)
                     replica = first.meta.replica
                     await self._ack(self.attached, replica, init.options, resumed=False, frames=1)
                     await self._send(frame_message(first))
                     return _Drive(init.options, frames=1)
                 if isinstance(message, rt.ResumeMessage):
                     session_id, options = rt.parse_resume(message)
-                    self.attached, info = await self.sessions.resume(session_id)
+                    scope = principal_of(self.ws.scope).scope
+                    self.attached, info = await self.sessions.resume(session_id, scope)
                     await self._ack(
                         self.attached, info.replica, options, resumed=True, frames=info.frames
                     )

@@ -3,7 +3,8 @@
 One owner (the app's lifespan makes one per router): handlers register a request
 with the task serving it, the service reports its stage, and a cancel by id finds
 it here. Finished ids are kept a while (bounded in count and age) so a cancel that
-comes too late is told so (409) rather than "unknown" (404).
+comes too late is told so (409) rather than "unknown" (404). Each id is kept with its
+tenant: another tenant's request is unknown to a caller (dpserve/contract/owners.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dpserve.contract import protocol as p
+from dpserve.contract.owners import may_see
 
 # Where a request is. The replica-side pair comes from a replica's CancelResult
 # (a request another router admitted); this router's own are the first two.
@@ -33,6 +35,7 @@ RECENT_TTL_S: Final = 600.0
 @dataclass
 class InFlight:
     request_id: str
+    tenant: str = ""  # whose request it is
     stage: str = QUEUED_IN_ROUTER
     task: asyncio.Future[Any] | None = None
     cancelled: bool = False  # by a cancel call (not by the client leaving)
@@ -50,12 +53,12 @@ class Registry:
     recent_ttl_s: float = RECENT_TTL_S
     clock: Callable[[], float] = time.monotonic
     _live: dict[str, InFlight] = field(default_factory=dict)
-    _recent: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+    _recent: OrderedDict[str, tuple[str, float, str]] = field(default_factory=OrderedDict)
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def admit(self, request_id: str) -> InFlight:
+    def admit(self, request_id: str, tenant: str = "") -> InFlight:
         """A new request; an id already in flight here is a 409 (ids name one request)."""
         if request_id in self._live:
             raise p.RequestError(
@@ -63,7 +66,7 @@ class Registry:
                 f"request id {request_id!r} is already in flight on this router; "
                 "send a new X-Request-Id (or none: one is made)",
             )
-        entry = InFlight(request_id)
+        entry = InFlight(request_id, tenant)
         self._live[request_id] = entry
         return entry
 
@@ -73,25 +76,27 @@ class Registry:
     def finish(self, entry: InFlight, outcome: str) -> None:
         if self._live.get(entry.request_id) is entry:
             del self._live[entry.request_id]
-        self._recent[entry.request_id] = (outcome, self.clock())
+        self._recent[entry.request_id] = (outcome, self.clock(), entry.tenant)
         self._recent.move_to_end(entry.request_id)
         self._trim()
 
-    def finished(self, request_id: str) -> str | None:
-        """How a recently finished request ended (COMPLETED, FAILED, CANCELLED), if known."""
+    def finished(self, request_id: str, scope: str | None = None) -> str | None:
+        """How a recently finished request of ``scope``'s ended (COMPLETED, FAILED,
+        CANCELLED), if known."""
         self._trim()
         seen = self._recent.get(request_id)
-        return seen[0] if seen is not None else None
+        return seen[0] if seen is not None and may_see(scope, seen[2]) else None
 
-    def cancel(self, request_id: str) -> InFlight | None:
+    def cancel(self, request_id: str, scope: str | None = None) -> InFlight | None:
         """Cancel a request this router serves, wherever it is; None if it serves none.
 
         Cancelling its task takes it out of the pool's wait, or (at a replica) makes
         the service send the replica a cancel: the replica drops it at its next
-        denoising step and the slot frees when it answers.
+        denoising step and the slot frees when it answers. Another tenant's (not
+        ``scope``'s) is left alone: None, as for an unknown id.
         """
         entry = self._live.get(request_id)
-        if entry is None:
+        if entry is None or not may_see(scope, entry.tenant):
             return None
         entry.cancelled = True
         if entry.task is not None:

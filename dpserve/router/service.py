@@ -63,6 +63,7 @@ class RouterService:
         blobs: list[bytes] | None = None,
         on_partial: Callable[[p.Message], None] | None = None,
         stage: Stage | None = None,
+        tenant: str = "",
     ) -> Generated:
         """Serve on a replica; if it fails before replying, once more on another.
 
@@ -71,7 +72,8 @@ class RouterService:
         request, waits and retry included; each replica is told the time left.
         ``request_id`` names it on the wire, the retry included (a cancel by id finds
         it); ``blobs`` go with it (an edit's uploads); ``on_partial`` gets its
-        previews (a retry's come again from the start).
+        previews (a retry's come again from the start); ``tenant`` goes with it, so a
+        cancel through another router reaches it only for its own tenant.
         """
         request_id = request_id or uuid.uuid4().hex
         params = pv.fill_seeds(params)
@@ -96,7 +98,7 @@ class RouterService:
             # (a client that went away) stops waiting for it: then the replica is told
             # to cancel, answers at its next denoising step, and the slot is free.
             call = asyncio.create_task(
-                self._call(slot, params, request_id, deadline, blobs, on_partial, waited_s)
+                self._call(slot, params, request_id, deadline, blobs, on_partial, waited_s, tenant)
             )
             call.add_done_callback(retrieve)
             try:
@@ -130,6 +132,7 @@ class RouterService:
         blobs: list[bytes] | None,
         on_partial: Callable[[p.Message], None] | None,
         waited_s: float,
+        tenant: str,
     ) -> Generated:
         replica = slot.replica
         try:
@@ -143,6 +146,7 @@ class RouterService:
                 request_id=request_id,
                 deadline_s=left,
                 on_partial=on_partial,
+                tenant=tenant,
             )
             result: p.GenerateResult = reply.body_as(p.GenerateResult)
             images = [reply.blobs[m.blob] for m in result.images]
@@ -162,9 +166,10 @@ class RouterService:
         self.pool.admission.note_served(replica)
         return Generated(result, images, replica.name, slot.units, waited_s)
 
-    async def cancel_elsewhere(self, request_id: str) -> str:
+    async def cancel_elsewhere(self, request_id: str, scope: str | None = None) -> str:
         """Cancel a request this router does not hold (another router admitted it): every
-        serving replica is asked to look among all its clients' work. The first that
+        serving replica is asked to look among all its clients' work, for a request of
+        ``scope``'s (dpserve/contract/owners.py; another tenant's is not found). The first that
         found it says where (``p.CANCEL_QUEUED``/``p.CANCEL_RUNNING``); else
         ``p.CANCEL_NOT_FOUND``. A replica that does not answer in a ping's time counts
         as not holding it."""
@@ -172,7 +177,7 @@ class RouterService:
 
         async def ask(replica: Replica) -> str:
             try:
-                return await self.pool.membership.cancel_any(replica, request_id, timeout_s)
+                return await self.pool.membership.cancel_any(replica, request_id, timeout_s, scope)
             except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
                 log.warning("cancel of %s not answered by %s: %s", request_id, replica.name, exc)
                 return p.CANCEL_NOT_FOUND

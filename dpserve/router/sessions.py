@@ -72,8 +72,9 @@ class SessionRouter:
     def __init__(self, pool: ReplicaPool) -> None:
         self.pool = pool
 
-    async def open(self, init: rt.ClientInit) -> tuple[Attached, Frame]:
-        """Place a new session and render its first frame."""
+    async def open(self, init: rt.ClientInit, tenant: str = "") -> tuple[Attached, Frame]:
+        """Place a new session of ``tenant`` (its owner replica records it) and render its
+        first frame."""
         key = secrets.token_hex(16)
         serving = {r.endpoint: r for r in self.pool.serving()}
         if not serving:
@@ -90,6 +91,7 @@ class SessionRouter:
                 session_id=session_id,
                 params=init.params,
                 first_frame=0 if blobs else None,
+                tenant=tenant,
             )
             try:
                 reply = await self._send(replica, request, blobs)
@@ -118,10 +120,13 @@ class SessionRouter:
             "; close a session or retry later",
         )
 
-    async def resume(self, session_id: str) -> tuple[Attached, rt.SessionInfo]:
-        """Attach to a live session; the connection that drove it before is told so."""
+    async def resume(
+        self, session_id: str, scope: str | None = None
+    ) -> tuple[Attached, rt.SessionInfo]:
+        """Attach to a live session of ``scope``'s (another tenant's is not found, as an
+        unknown one); the connection that drove it before is told so."""
         owner = self._owner(session_id)
-        request = rt.SessionRequest(action=rt.RESUME, session_id=session_id)
+        request = rt.SessionRequest(action=rt.RESUME, session_id=session_id, scope=scope)
         reply = await self._to_owner(owner, session_id, request)
         info: rt.SessionInfo = reply.body_as(rt.SessionInfo)
         return Attached(session_id, owner.endpoint, info.epoch), info

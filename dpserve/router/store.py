@@ -5,6 +5,11 @@ past ``max_files``, the oldest ones, so a router that hands out URLs for days do
 not fill its disk. A URL is good for ``max_age_s`` (OpenAI's are for an hour); a
 file past that is not served even before it is removed. The folder is the only
 state: routers that share it (one volume) prune each other's old files alike.
+
+A file's name holds the tenant it was made for (``<uuid>.<tenant>.<format>``), so
+its owner is known to every router that shares the folder, after any restart; a
+name without one (saved before tenants) is nobody's. docs/tenants.md says who may
+open which.
 """
 
 from __future__ import annotations
@@ -19,7 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-_NAME: Final = re.compile(r"^[0-9a-f]{32}\.(png|jpeg|webp)$")
+_NAME: Final = re.compile(
+    r"^[0-9a-f]{32}(\.[a-z0-9](?:[a-z0-9._-]{0,61}[a-z0-9])?)?\.(png|jpeg|webp)$"
+)
+
+
+def owner(name: str) -> str | None:
+    """The tenant a stored file's name records ("": none); None for a name this store
+    never makes."""
+    found = _NAME.match(name)
+    if found is None:
+        return None
+    return (found.group(1) or ".")[1:]
 
 
 def expired(
@@ -41,8 +57,9 @@ class OutputStore:
     max_files: int  # the router's --output-max-files and --output-max-age
     max_age_s: float
 
-    def save(self, data: bytes, fmt: str) -> str:
-        name = f"{uuid.uuid4().hex}.{fmt}"
+    def save(self, data: bytes, fmt: str, tenant: str = "") -> str:
+        """Store an image of ``tenant``'s; its URL."""
+        name = f"{uuid.uuid4().hex}.{tenant}.{fmt}" if tenant else f"{uuid.uuid4().hex}.{fmt}"
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / name).write_bytes(data)
         self.prune()

@@ -22,9 +22,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from dpserve.contract.owners import may_see
+
 # A tenant's name goes into metric labels, logs, job records and file paths.
 _NAME: Final = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 SCOPE_KEY: Final = "dpserve.principal"
+PRESENTED_KEY: Final = "dpserve.presented"
 
 
 @dataclass(frozen=True, repr=False)
@@ -65,15 +68,34 @@ class Principal:
     tenant: str
     sees_all: bool
 
+    @property
+    def scope(self) -> str | None:
+        """What the replicas are told of the caller: its tenant, or None to see all."""
+        return None if self.sees_all else self.tenant
+
     def owns(self, tenant: str | None) -> bool:
         """May this caller see work recorded for ``tenant``?"""
-        return self.sees_all or tenant == self.tenant
+        return self.sees_all if tenant is None else may_see(self.scope, tenant)
 
 
 # Without keys: everyone is one tenant, which sees everything.
 KEYLESS: Final = Principal("default", sees_all=True)
 # A route that needs no key (probes, stored images, docs): nobody in particular.
 ANONYMOUS: Final = Principal("", sees_all=False)
+
+
+def presented_of(scope: Any) -> Principal | None:
+    """On a route that needs no key: who the key sent anyway acts for; None when none
+    (or no valid one) was sent."""
+    found = scope.get(PRESENTED_KEY)
+    return found if isinstance(found, Principal) else None
+
+
+def may_open(presented: Principal | None, tenant: str | None) -> bool:
+    """May a link to a stored image of ``tenant`` be opened? Without a key, yes: the
+    link is the capability, as a presigned URL is. With a key, only its own tenant's
+    (or an admin's): a client of one tenant never reads another's by mistake."""
+    return presented is None or presented.owns(tenant)
 
 
 def principal_of(scope: Any) -> Principal:

@@ -33,6 +33,11 @@ asks the replica it watches the job on, then the owner the id names, and then ev
 answering replica at once (a re-run lives elsewhere under the same id); the copy
 with the highest ``attempt`` wins. List, and delete, ask every answering replica.
 
+**Own.** A job belongs to the tenant that submitted it: the replica records the
+tenant with the job (a re-run carries it on), and every ask says whose jobs the
+caller sees, so each replica answers a caller about its own tenant's jobs only.
+Another tenant's job is the 404 of an unknown id, from any router, after any restart.
+
 A job whose router goes away is not re-run if its holder is lost later (nobody
 watches it); it runs to its end where it is, and any router finds it.
 """
@@ -52,6 +57,7 @@ import msgspec
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video
+from dpserve.contract.owners import may_see
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.replica import Replica, Slot
@@ -87,6 +93,7 @@ class _Watch:
     slot: Slot | None  # None: its holder was lost, and no replica has taken it again yet
     boot: str  # the holder's boot id when it took the job
     last: video.VideoJob  # its record as last seen
+    tenant: str  # who owns it: recorded with every copy, re-runs included
     attempt: int = 1
     misses: int = 0  # gets in a row that timed out
     lost_at: float | None = None  # monotonic; when its holder was lost
@@ -139,15 +146,17 @@ class VideoJobs:
         self,
         params: p.GenerateParams,
         blobs: list[bytes],
+        tenant: str = "",
         meter: Callable[[Work], None] | None = None,
     ) -> video.VideoJob:
-        """Place a new job and start watching it; its record as its replica took it.
-        ``meter`` counts what it made once this router sees it completed.
+        """Place a new job of ``tenant`` and start watching it; its record as its replica
+        took it (the replica records the tenant with it). ``meter`` counts what it made
+        once this router sees it completed.
 
         The submission finishes even if its caller is cancelled (a client that left):
         a job a replica took is then watched like any other, not orphaned there.
         """
-        task = asyncio.ensure_future(self._submit(pv.fill_seeds(params), blobs, meter))
+        task = asyncio.ensure_future(self._submit(pv.fill_seeds(params), blobs, tenant, meter))
         self._submits.add(task)
         task.add_done_callback(self._submits.discard)
         task.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -157,6 +166,7 @@ class VideoJobs:
         self,
         params: p.GenerateParams,
         blobs: list[bytes],
+        tenant: str,
         meter: Callable[[Work], None] | None,
     ) -> video.VideoJob:
         created_at = int(time.time())
@@ -182,7 +192,7 @@ class VideoJobs:
                 raise
             job_id = video.make_job_id(replica.endpoint, replica.boot_id)
             try:
-                job = await self._send(slot, job_id, params, created_at, 1, blobs)
+                job = await self._send(slot, job_id, params, created_at, 1, blobs, tenant)
             except p.RequestError as exc:
                 self.pool.admission.release(slot)
                 if exc.code not in _PASS_ON:
@@ -194,7 +204,7 @@ class VideoJobs:
                 self.pool.admission.release(slot)
                 refusals.append(f"{replica.name}: {str(exc) or 'timed out'}")
                 continue
-            watch = _Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job)
+            watch = _Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job, tenant)
             watch.meter = meter
             self._watch(watch)
             return job
@@ -209,6 +219,7 @@ class VideoJobs:
         created_at: int,
         attempt: int,
         blobs: list[bytes],
+        tenant: str,
     ) -> video.VideoJob:
         """Submit to the slot's replica. A replica that cannot take work now (shutting
         down, unreachable) leaves rotation until its pings say otherwise."""
@@ -221,6 +232,7 @@ class VideoJobs:
             attempt=attempt,
             estimated_s=self.pool.load.measured_seconds(replica, params),
             max_run_s=self.max_run_s,
+            tenant=tenant,
         )
         try:
             reply = await self._ask(replica, request, TRANSFER_TIMEOUT_S, blobs)
@@ -350,7 +362,13 @@ class VideoJobs:
         attempt = watch.attempt + 1
         try:
             job = await self._send(
-                slot, watch.job_id, watch.params, watch.created_at, attempt, watch.blobs
+                slot,
+                watch.job_id,
+                watch.params,
+                watch.created_at,
+                attempt,
+                watch.blobs,
+                watch.tenant,
             )
         except p.RequestError as exc:
             self.pool.admission.release(slot)
@@ -383,8 +401,9 @@ class VideoJobs:
 
     # ------------------------------------------------------------ find, list, delete
 
-    async def find(self, job_id: str) -> Held:
-        """The job's newest copy, wherever it is; 404 when no replica holds it.
+    async def find(self, job_id: str, scope: str | None = None) -> Held:
+        """The job's newest copy, wherever it is; 404 when no replica holds it, or when
+        it is not ``scope``'s (dpserve/contract/owners.py: the same 404, word for word).
 
         A job this router watches is never a 404 while its holder is being replaced:
         its last view answers (queued again while it waits for a replica). Where the
@@ -392,18 +411,19 @@ class VideoJobs:
         owner = _owner(job_id)
         asked: set[str] = set()
         silent: list[str] = []
+        ask = _get(job_id, scope)
         for replica in self._first_asks(job_id, owner):
             asked.add(replica.endpoint)
-            held = await self._held(replica, _get(job_id), silent)
+            held = await self._held(replica, ask, silent)
             if held is not None:
                 return held
         others = [r for r in self.pool.members() if r.answering and r.endpoint not in asked]
-        found = await asyncio.gather(*(self._held(r, _get(job_id), silent) for r in others))
+        found = await asyncio.gather(*(self._held(r, ask, silent) for r in others))
         held = _newest(list(found))
         if held is not None:
             return held
         watch = self._watches.get(job_id)
-        if watch is not None:
+        if watch is not None and may_see(scope, watch.tenant):
             return Held(watch.view(), None)
         if silent:
             raise p.RequestError(
@@ -413,14 +433,16 @@ class VideoJobs:
             )
         self._missing(job_id, owner)
 
-    async def content(self, job_id: str, variant: str) -> tuple[video.VideoContent, bytes]:
+    async def content(
+        self, job_id: str, variant: str, scope: str | None = None
+    ) -> tuple[video.VideoContent, bytes]:
         """A completed job's mp4 or thumbnail; 409 while it is not completed."""
         if variant not in video.MEDIA_TYPES:
             offered = ", ".join(video.MEDIA_TYPES)
             raise pv.invalid_fields(
                 [p.FieldError("variant", f"is {variant[:40]!r}; this service offers {offered}")]
             )
-        held = await self.find(job_id)
+        held = await self.find(job_id, scope)
         job, replica = held.job, held.replica
         if job.status != video.COMPLETED:
             why = f": {job.error.message}" if job.error is not None else ""
@@ -434,7 +456,9 @@ class VideoJobs:
             raise p.RequestError(
                 p.UNAVAILABLE, f"the replica holding video {job_id} does not answer; retry"
             )
-        request = video.VideoRequest(action=video.CONTENT, job_id=job_id, variant=variant)
+        request = video.VideoRequest(
+            action=video.CONTENT, job_id=job_id, variant=variant, scope=scope
+        )
         try:
             reply = await self._ask(replica, request, TRANSFER_TIMEOUT_S)
             meta: video.VideoContent = reply.body_as(video.VideoContent)
@@ -448,27 +472,33 @@ class VideoJobs:
                 p.INTERNAL, f"unreadable content from {replica.name}: {exc}"
             ) from None
 
-    async def all_jobs(self) -> list[video.VideoJob]:
-        """Every job the answering replicas hold, one record per id (its newest copy)."""
+    async def all_jobs(self, scope: str | None = None) -> list[video.VideoJob]:
+        """Every job of ``scope`` the answering replicas hold, one record per id (its
+        newest copy)."""
         replicas = [r for r in self.pool.members() if r.answering]
-        lists = await asyncio.gather(*(self._list(r) for r in replicas))
+        lists = await asyncio.gather(*(self._list(r, scope) for r in replicas))
         newest: dict[str, video.VideoJob] = {}
         for job in (j for jobs in lists for j in jobs):
             if job.id not in newest or job.attempt > newest[job.id].attempt:
                 newest[job.id] = job
         for job_id, watch in self._watches.items():  # its holder silent, or none yet
-            if job_id not in newest:
+            if job_id not in newest and may_see(scope, watch.tenant):
                 newest[job_id] = watch.view()
         return list(newest.values())
 
-    async def delete(self, job_id: str) -> video.VideoJob:
+    async def delete(self, job_id: str, scope: str | None = None) -> video.VideoJob:
         """Delete every copy (a running one stops at its next step); its newest record.
+        Another tenant's job (not ``scope``'s) is a 404, untouched: each replica checks.
 
         Its watch ends now (nothing runs it again), but its slot is released only once
         the replicas have answered: until its replica has deleted it, the job is
         there, queued or running, and its work counts there."""
         owner = _owner(job_id)
-        watch = self._watches.pop(job_id, None)
+        watch = self._watches.get(job_id)
+        if watch is not None and may_see(scope, watch.tenant):
+            del self._watches[job_id]
+        else:
+            watch = None
         slot = None
         if watch is not None:
             slot, watch.slot = watch.slot, None
@@ -476,7 +506,8 @@ class VideoJobs:
                 watch.task.cancel()
         replicas = [r for r in self.pool.members() if r.answering]
         try:
-            found = await asyncio.gather(*(self._held(r, _delete(job_id)) for r in replicas))
+            ask = _delete(job_id, scope)
+            found = await asyncio.gather(*(self._held(r, ask) for r in replicas))
         finally:
             if slot is not None:
                 self.pool.admission.release(slot)
@@ -531,9 +562,9 @@ class VideoJobs:
                     silent.append(replica.name)
             return None
 
-    async def _list(self, replica: Replica) -> list[video.VideoJob]:
+    async def _list(self, replica: Replica, scope: str | None) -> list[video.VideoJob]:
         try:
-            reply = await self._ask(replica, video.VideoRequest(action=video.LIST))
+            reply = await self._ask(replica, video.VideoRequest(action=video.LIST, scope=scope))
             listed: video.VideoList = reply.body_as(video.VideoList)
         except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
             log.warning("video list: %s did not answer: %s", replica.name, exc)
@@ -569,12 +600,12 @@ def _shape(params: p.GenerateParams, replica: Replica) -> str:
     return f"{width}x{height}, {frames} frames, {steps} steps"
 
 
-def _get(job_id: str) -> video.VideoRequest:
-    return video.VideoRequest(action=video.GET, job_id=job_id)
+def _get(job_id: str, scope: str | None = None) -> video.VideoRequest:
+    return video.VideoRequest(action=video.GET, job_id=job_id, scope=scope)
 
 
-def _delete(job_id: str) -> video.VideoRequest:
-    return video.VideoRequest(action=video.DELETE, job_id=job_id)
+def _delete(job_id: str, scope: str | None = None) -> video.VideoRequest:
+    return video.VideoRequest(action=video.DELETE, job_id=job_id, scope=scope)
 
 
 def _job(reply: p.Message, replica: Replica) -> video.VideoJob:

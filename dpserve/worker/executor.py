@@ -319,13 +319,13 @@ class Executor:
             if request.action == rt.OPEN:
                 assert request.params is not None  # checked by the driver's admission
                 first = blobs[request.first_frame] if request.first_frame is not None else None
-                rendered = host.open(sid, request.params, first, output_rank)
+                rendered = host.open(sid, request.params, first, output_rank, request.tenant)
                 return self._frame(request_id, sid, rendered)
             if request.action == rt.STEP:
                 rendered = host.step(sid, request.epoch, request.prompt, output_rank)
                 return self._frame(request_id, sid, rendered)
             if request.action == rt.RESUME:
-                session, released = host.resume(sid), False
+                session, released = host.resume(sid, request.scope), False
             else:
                 found = host.close(sid, request.epoch)
                 if found is None:

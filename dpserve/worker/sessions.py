@@ -27,6 +27,7 @@ import msgspec
 import torch
 from PIL import Image
 
+from dpserve.contract.owners import may_see
 from dpserve.contract.protocol import (
     CONFLICT,
     NOT_FOUND,
@@ -62,6 +63,7 @@ class Session:
     last_used: float
     frames: int = 1
     epoch: int = 0
+    tenant: str = ""  # who owns it (dpserve/contract/owners.py)
 
     @property
     def state_bytes(self) -> int:
@@ -108,9 +110,11 @@ class SessionHost:
         idle = self.limits.idle_timeout_s
         return [sid for sid, s in self.sessions.items() if now - s.last_used > idle]
 
-    def get(self, session_id: str, epoch: int | None = None) -> Session:
+    def get(self, session_id: str, epoch: int | None = None, scope: str | None = None) -> Session:
+        """``scope``: whose sessions the caller sees; another tenant's is not found,
+        word for word as an unknown one."""
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None or not may_see(scope, session.tenant):
             raise RequestError(
                 NOT_FOUND,
                 f"no session {session_id!r} here: it was closed, expired after "
@@ -124,8 +128,8 @@ class SessionHost:
             )
         return session
 
-    def resume(self, session_id: str) -> Session:
-        session = self.get(session_id)
+    def resume(self, session_id: str, scope: str | None = None) -> Session:
+        session = self.get(session_id, scope=scope)
         session.epoch += 1
         session.last_used = time.monotonic()
         return session
@@ -153,7 +157,12 @@ class SessionHost:
         return None
 
     def open(
-        self, session_id: str, params: SessionParams, first_frame: bytes | None, output_rank: bool
+        self,
+        session_id: str,
+        params: SessionParams,
+        first_frame: bytes | None,
+        output_rank: bool,
+        tenant: str = "",
     ) -> Rendered:
         reason = self.unsupported()
         if reason is not None:
@@ -182,7 +191,7 @@ class SessionHost:
         assert capture.latents is not None, "the pipeline ran no denoising step"
         noise = torch.Generator("cpu").manual_seed((params.seed + 1) % 2**63)
         now = time.monotonic()
-        session = Session(params, params.prompt, capture.latents, noise, now)
+        session = Session(params, params.prompt, capture.latents, noise, now, tenant=tenant)
         if session.state_bytes > self.limits.max_state_bytes:
             raise RequestError(
                 OVERLOADED,

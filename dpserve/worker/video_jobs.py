@@ -34,6 +34,7 @@ import msgspec
 
 from dpserve.contract import protocol as p
 from dpserve.contract import video as v
+from dpserve.contract.owners import may_see
 from dpserve.worker.reply import Reply
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,11 @@ class VideoBook:
         attempt: int,
         estimated_s: float | None = None,
         max_run_s: float | None = None,
+        tenant: str = "",
     ) -> v.VideoJob:
         """Record a job the driver queues; ``params`` resolved (size, frames, seed);
         ``estimated_s`` the router's estimate of its run time, ``max_run_s`` the run
-        time after which :meth:`overdue` stops it."""
+        time after which :meth:`overdue` stops it; ``tenant`` its owner."""
         spec = params.video
         assert spec is not None and spec.num_frames and spec.fps and params.seed
         job = v.VideoJob(
@@ -109,6 +111,7 @@ class VideoBook:
             replica=self.replica,
             attempt=attempt,
             estimated_time_s=None if estimated_s is None else round(estimated_s, 3),
+            tenant=tenant,
         )
         with self._lock:
             self._gone.pop(job_id, None)
@@ -126,16 +129,21 @@ class VideoBook:
             entry = self._entries.get(job_id)
             return entry is not None and entry.job.status not in v.TERMINAL
 
-    def get(self, job_id: str) -> v.VideoJob:
+    def get(self, job_id: str, scope: str | None = None) -> v.VideoJob:
+        """``scope``: whose jobs the caller sees (dpserve/contract/owners.py); here and
+        below, another tenant's job is not found, as an unknown id is."""
         with self._lock:
-            return _copy(self._entry(job_id).job)
+            return _copy(self._entry(job_id, scope).job)
 
-    def list(self) -> v.VideoList:
+    def list(self, scope: str | None = None) -> v.VideoList:
         with self._lock:
-            jobs = [_copy(e.job) for e in reversed(self._entries.values())]
+            entries = reversed(self._entries.values())
+            jobs = [_copy(e.job) for e in entries if may_see(scope, e.job.tenant)]
         return v.VideoList(jobs=jobs)
 
-    def content(self, job_id: str, variant: str) -> tuple[v.VideoContent, bytes]:
+    def content(
+        self, job_id: str, variant: str, scope: str | None = None
+    ) -> tuple[v.VideoContent, bytes]:
         if variant not in v.MEDIA_TYPES:
             offered = ", ".join(v.MEDIA_TYPES)
             raise p.RequestError(
@@ -144,7 +152,7 @@ class VideoBook:
                 [p.FieldError("variant", f"must be one of {offered}")],
             )
         with self._lock:
-            entry = self._entry(job_id)
+            entry = self._entry(job_id, scope)
             if entry.job.status != v.COMPLETED or entry.files is None:
                 raise p.RequestError(p.CONFLICT, _unfinished(entry.job))
             path = entry.files[0 if variant == v.VIDEO_VARIANT else 1]
@@ -152,11 +160,16 @@ class VideoBook:
             data = path.read_bytes()
         return v.VideoContent(id=job_id, variant=variant, media_type=v.MEDIA_TYPES[variant]), data
 
-    def delete(self, job_id: str) -> v.VideoJob:
+    def owned(self, job_id: str, scope: str | None) -> None:
+        """Raises not found unless the job is here and ``scope`` sees it."""
+        with self._lock:
+            self._entry(job_id, scope)
+
+    def delete(self, job_id: str, scope: str | None = None) -> v.VideoJob:
         """Forget the job and remove its files; the record as it was. The driver
         has taken it from the queue or told the gang to stop it first."""
         with self._lock:
-            entry = self._entry(job_id)
+            entry = self._entry(job_id, scope)
             self._forget(job_id, "was deleted")
         if entry.job.status in (v.QUEUED, v.IN_PROGRESS):
             entry.job.status = v.CANCELLED
@@ -268,10 +281,13 @@ class VideoBook:
 
     # ------------------------------------------------------------ under the lock
 
-    def _entry(self, job_id: str) -> _Entry:
+    def _entry(self, job_id: str, scope: str | None = None) -> _Entry:
         entry = self._entries.get(job_id)
-        if entry is None:
-            why = self._gone.get(job_id, "is not held by this replica")
+        if entry is None or not may_see(scope, entry.job.tenant):
+            # Another tenant's job reads as one never held (not as deleted: that too
+            # would say the id exists).
+            gone = self._gone.get(job_id) if entry is None else None
+            why = gone or "is not held by this replica"
             raise p.RequestError(p.NOT_FOUND, f"video job {job_id} {why}")
         return entry
 

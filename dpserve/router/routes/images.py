@@ -43,8 +43,9 @@ from dpserve.router.request_ids import RULE, valid
 from dpserve.router.served_model import check_model
 from dpserve.router.service import RouterService
 from dpserve.router.settings import RouterSettings
-from dpserve.router.store import OutputStore
+from dpserve.router.store import OutputStore, owner
 from dpserve.router.streaming import EDIT, GENERATION, EventStream
+from dpserve.router.tenants import may_open, presented_of, principal_of
 
 T = TypeVar("T")
 REPLICA_HEADER = "X-Dpserve-Replica"
@@ -70,7 +71,9 @@ async def generate(
         deps.features(pool),
         served=deps.served_name(pool, settings),
     )
-    job = jobs.start(registry, service, rid, asked.params, meter=metrics.meter(request.scope))
+    tenant = principal_of(request.scope).tenant
+    meter = metrics.meter(request.scope)
+    job = jobs.start(registry, service, rid, asked.params, meter=meter, tenant=tenant)
     return await _answer(request, job, asked, GENERATION, store)
 
 
@@ -126,7 +129,15 @@ async def _edit(
     blobs = form.blobs()
     limits = deps.limits(pool)
     asked = parse_image_request(body, limits, store is not None, features, len(blobs), fields.EDITS)
-    job = jobs.start(registry, service, rid, asked.params, blobs, metrics.meter(request.scope))
+    job = jobs.start(
+        registry,
+        service,
+        rid,
+        asked.params,
+        blobs,
+        meter=metrics.meter(request.scope),
+        tenant=principal_of(request.scope).tenant,
+    )
     return await _answer(request, job, asked, EDIT, store)
 
 
@@ -139,7 +150,8 @@ async def _answer(
     done = await jobs.result(job, lambda work: _unless_disconnected(request, work))
     urls = None
     if asked.response_format == "url" and store is not None:
-        urls = [store.save(img, asked.params.output_format) for img in done.images]
+        tenant, fmt = principal_of(request.scope).tenant, asked.params.output_format
+        urls = [store.save(img, fmt, tenant) for img in done.images]
     return JSONResponse(
         image_response(rid, done.result, done.images, urls),
         headers={REPLICA_HEADER: done.replica},
@@ -147,18 +159,22 @@ async def _answer(
 
 
 @inference
-async def cancel(request_id: str, registry: RegistryDep, service: ServiceDep) -> JSONResponse:
-    """Cancel a generation or an edit by its id, wherever it is: queued in this router,
-    queued at or running on a replica, or admitted by another router of the service."""
+async def cancel(
+    request_id: str, request: Request, registry: RegistryDep, service: ServiceDep
+) -> JSONResponse:
+    """Cancel a generation or an edit of the caller's tenant by its id, wherever it is:
+    queued in this router, queued at or running on a replica, or admitted by another
+    router of the service. Another tenant's request is unknown (404)."""
     if not valid(request_id):
         raise BadBody(400, f"{request_id[:40]!r} is not a request id ({RULE})")
-    entry = registry.cancel(request_id)
+    scope = principal_of(request.scope).scope
+    entry = registry.cancel(request_id, scope)
     if entry is not None:
         return _cancelled(request_id, entry.stage)
-    ended = registry.finished(request_id)
+    ended = registry.finished(request_id, scope)
     if ended is not None:
         raise p.RequestError(p.CONFLICT, _too_late(request_id, ended))
-    found = await service.cancel_elsewhere(request_id)
+    found = await service.cancel_elsewhere(request_id, scope)
     if found != p.CANCEL_NOT_FOUND:
         stage = RUNNING_AT_REPLICA if found == p.CANCEL_RUNNING else QUEUED_AT_REPLICA
         return _cancelled(request_id, stage)
@@ -183,11 +199,12 @@ def _too_late(request_id: str, ended: str) -> str:
 
 
 # A stored image's name holds 122 random bits (a UUID4): the URL is the capability, like
-# a presigned URL, so an image link opens in a browser (which sends no key).
+# a presigned URL, so an image link opens in a browser (which sends no key). A key sent
+# anyway must be one of the image's tenant (docs/tenants.md, "Ownership").
 @public
-async def stored_image(name: str, store: StoreDep) -> Response:
+async def stored_image(name: str, request: Request, store: StoreDep) -> Response:
     path = store.path(name) if store is not None else None
-    if path is None:
+    if path is None or not may_open(presented_of(request.scope), owner(name)):
         raise p.RequestError(p.NOT_FOUND, f"no stored image {name[:80]!r}")
     return FileResponse(path)
 

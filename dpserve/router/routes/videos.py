@@ -1,5 +1,6 @@
 """Video routes (OpenAI's ``/v1/videos``): each handler parses (dpserve/router/video_api.py),
-asks the video jobs service (dpserve/router/videos.py) and shapes the answer. The
+asks the video jobs service (dpserve/router/videos.py) for the caller's tenant's jobs
+(dpserve/router/tenants.py) and shapes the answer. The
 response models only document (JSONResponse skips FastAPI's checking of them)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dpserve.router import deps, video_api, video_schemas
 from dpserve.router.access import inference
 from dpserve.router.deps import MetricsDep, PoolDep, SettingsDep, VideosDep
 from dpserve.router.routes.info import model_name
+from dpserve.router.tenants import principal_of
 
 
 @inference
@@ -26,15 +28,16 @@ async def create(
     )
     served = deps.served_name(pool, settings)
     params = video_api.parse_create(asked, deps.limits(pool), deps.features(pool), served)
-    job = await videos.submit(params, asked.blobs, metrics.meter(request.scope))
+    tenant = principal_of(request.scope).tenant
+    job = await videos.submit(params, asked.blobs, tenant, metrics.meter(request.scope))
     return JSONResponse(video_api.job_json(job, model_name(pool, settings)))
 
 
 @inference
 async def retrieve(
-    video_id: str, settings: SettingsDep, pool: PoolDep, videos: VideosDep
+    video_id: str, request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
 ) -> JSONResponse:
-    held = await videos.find(video_id)
+    held = await videos.find(video_id, _scope(request))
     return JSONResponse(video_api.job_json(held.job, model_name(pool, settings)))
 
 
@@ -43,21 +46,28 @@ async def list_videos(
     request: Request, settings: SettingsDep, pool: PoolDep, videos: VideosDep
 ) -> JSONResponse:
     query = video_api.parse_list(request.query_params)
-    jobs, has_more = video_api.page(await videos.all_jobs(), query)
+    jobs, has_more = video_api.page(await videos.all_jobs(_scope(request)), query)
     return JSONResponse(video_api.list_json(jobs, has_more, model_name(pool, settings)))
 
 
 @inference
-async def content(video_id: str, videos: VideosDep, variant: str = "video") -> Response:
-    meta, data = await videos.content(video_id, variant)
+async def content(
+    video_id: str, request: Request, videos: VideosDep, variant: str = "video"
+) -> Response:
+    meta, data = await videos.content(video_id, variant, _scope(request))
     disposition = f'attachment; filename="{video_api.filename(video_id, meta.variant)}"'
     return Response(data, media_type=meta.media_type, headers={"Content-Disposition": disposition})
 
 
 @inference
-async def delete(video_id: str, videos: VideosDep) -> JSONResponse:
-    job = await videos.delete(video_id)
+async def delete(video_id: str, request: Request, videos: VideosDep) -> JSONResponse:
+    job = await videos.delete(video_id, _scope(request))
     return JSONResponse(video_api.deleted_json(job.id))
+
+
+def _scope(request: Request) -> str | None:
+    """Whose jobs the caller sees (dpserve/router/tenants.py)."""
+    return principal_of(request.scope).scope
 
 
 def router() -> APIRouter:

@@ -93,14 +93,18 @@ class Admission:
         deadline = None  # sessions and control ops run to the end: they change state
         if message.kind == p.GENERATE and message.timeout_ms is not None:
             deadline = received + message.timeout_ms / 1000
-        self.scheduler.enqueue(Work(Client(identity), command, received, deadline))
+        work = Work(Client(identity), command, received, deadline, message.tenant)
+        self.scheduler.enqueue(work)
         return None
 
     def _cancel(self, sender: Client, message: p.Message) -> list[bytes] | None:
         """Answer the cancelled request (to its own sender); with ``any_client`` the
         cancel itself is answered too, saying where the request was."""
         request: p.CancelRequest = message.body_as(p.CancelRequest)
-        found = self.scheduler.cancel(request.request_id, None if request.any_client else sender)
+        if request.any_client:
+            found = self.scheduler.cancel(request.request_id, None, request.scope)
+        else:
+            found = self.scheduler.cancel(request.request_id, sender)
         if not request.any_client:
             return None
         return p.encode(

@@ -118,11 +118,11 @@ class Scheduler:
             for job_id in self.videos.overdue():  # past their run bound: stop at next step
                 self.work.cancel(job_id, None)
 
-    def cancel(self, request_id: str, to: Recipient | None) -> str:
-        """Cancel the generation ``request_id`` sent for ``to`` (None: for anyone): a
-        queued one is answered now, a running one stops at its next step. Says where
-        it was (protocol.CANCEL_*)."""
-        taken, found = self.work.cancel(request_id, to)
+    def cancel(self, request_id: str, to: Recipient | None, scope: str | None = None) -> str:
+        """Cancel the generation ``request_id`` sent for ``to`` (None: for anyone) of
+        ``scope``'s tenant (None: any): a queued one is answered now, a running one
+        stops at its next step. Says where it was (protocol.CANCEL_*)."""
+        taken, found = self.work.cancel(request_id, to, scope)
         for work in taken:
             gone = p.RequestError(
                 p.CANCELLED, f"request {work.command.id} was cancelled before it started"

@@ -50,17 +50,18 @@ class VideoDesk:
             case v.SUBMIT:
                 return self._submit(request, blobs), []
             case v.GET:
-                return book.get(request.job_id), []
+                return book.get(request.job_id, request.scope), []
             case v.LIST:
-                return book.list(), []
+                return book.list(request.scope), []
             case v.CONTENT:
-                body, data = book.content(request.job_id, request.variant)
+                body, data = book.content(request.job_id, request.variant, request.scope)
                 return body, [data]
             case _:  # DELETE
+                book.owned(request.job_id, request.scope)  # another tenant's: not found
                 # Queued: it leaves the queue; running: the gang stops it at its next step
                 # (its answer then finds no record, and is dropped).
                 self.scheduler.work.cancel(request.job_id, None)
-                return book.delete(request.job_id), []
+                return book.delete(request.job_id, request.scope), []
 
     def _submit(self, request: v.VideoRequest, blobs: list[bytes]) -> v.VideoJob:
         """Check a job whole with this replica's limits, record it, queue its generation."""
@@ -88,6 +89,7 @@ class VideoDesk:
             request.attempt,
             request.estimated_s,
             request.max_run_s,
+            request.tenant,
         )
         try:
             self.scheduler.enqueue(Work(Jobs(book), command, time.monotonic()))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dpserve.contract import protocol as p
+from dpserve.contract.owners import may_see
 from dpserve.worker.batch import Batching
 from dpserve.worker.commands import GangCommand
 from dpserve.worker.driver.outbox import Recipient
@@ -26,6 +27,7 @@ class Work:
     command: GangCommand
     received_at: float
     deadline: float | None = None  # on the driver's monotonic clock; generations only
+    tenant: str = ""  # whose request it is (the header's): a scoped cancel reaches its own only
 
 
 @dataclass(eq=False)
@@ -138,15 +140,19 @@ class WorkQueue:
             self._items = kept
             return taken
 
-    def cancel(self, request_id: str, to: Recipient | None) -> tuple[list[Work], str]:
-        """The generation ``request_id`` sent for ``to`` (None: for anyone): removed if
-        queued (and returned), marked if running; anything else is left alone. Also
-        says where it was (protocol.CANCEL_*)."""
+    def cancel(
+        self, request_id: str, to: Recipient | None, scope: str | None = None
+    ) -> tuple[list[Work], str]:
+        """The generation ``request_id`` sent for ``to`` (None: for anyone) of ``scope``'s
+        tenant (None: any; dpserve/contract/owners.py): removed if queued (and
+        returned), marked if running; anything else is left alone. Also says where it
+        was (protocol.CANCEL_*)."""
 
         def named(work: Work) -> bool:
             command = work.command
             return (
                 (to is None or work.to == to)
+                and may_see(scope, work.tenant)
                 and command.id == request_id
                 and command.kind == p.GENERATE
             )
