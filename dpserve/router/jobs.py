@@ -19,6 +19,7 @@ from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.registry import CANCELLED, COMPLETED, FAILED, InFlight, Registry
 from dpserve.router.service import Generated, RouterService
 from dpserve.router.streaming import completed_events, error_event, partial_event
+from dpserve.router.tenants import KEYLESS
 
 log = logging.getLogger(__name__)
 CANCELLED_MESSAGE = "the request was cancelled (POST /v1/images/{id}/cancel)"
@@ -37,6 +38,7 @@ def start(
     request_id: str,
     params: p.GenerateParams,
     blobs: list[bytes] | None = None,
+    tenant: str = KEYLESS.tenant,
 ) -> Job:
     entry = registry.admit(request_id)
     previews: asyncio.Queue[p.Message] | None = None
@@ -51,7 +53,9 @@ def start(
                 previews.put_nowait(message)
 
     task = asyncio.ensure_future(
-        service.generate(params, request_id, blobs, on_partial=on_partial, stage=entry)
+        service.generate(
+            params, request_id, blobs, on_partial=on_partial, stage=entry, tenant=tenant
+        )
     )
     entry.task = task
     task.add_done_callback(lambda t: registry.finish(entry, _outcome(t)))

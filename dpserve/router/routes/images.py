@@ -43,6 +43,7 @@ from dpserve.router.service import RouterService
 from dpserve.router.settings import RouterSettings
 from dpserve.router.store import OutputStore
 from dpserve.router.streaming import EDIT, GENERATION, EventStream
+from dpserve.router.tenants import principal_of
 
 T = TypeVar("T")
 REPLICA_HEADER = "X-Dpserve-Replica"
@@ -67,7 +68,7 @@ async def generate(
         deps.features(pool),
         served=deps.served_name(pool, settings),
     )
-    job = jobs.start(registry, service, rid, asked.params)
+    job = jobs.start(registry, service, rid, asked.params, tenant=_tenant(request))
     return await _answer(request, job, asked, GENERATION, store)
 
 
@@ -118,8 +119,13 @@ async def _edit(
     blobs = form.blobs()
     limits = deps.limits(pool)
     asked = parse_image_request(body, limits, store is not None, features, len(blobs), fields.EDITS)
-    job = jobs.start(registry, service, rid, asked.params, blobs)
+    job = jobs.start(registry, service, rid, asked.params, blobs, _tenant(request))
     return await _answer(request, job, asked, EDIT, store)
+
+
+def _tenant(request: Request) -> str:
+    """Whose share of the replicas the request waits in (docs/tenants.md)."""
+    return principal_of(request.scope).tenant
 
 
 async def _answer(
