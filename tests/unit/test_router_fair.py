@@ -84,10 +84,14 @@ def test_a_light_tenant_is_served_ahead_of_a_flooders_backlog() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         async with _service(ctx) as (service, stub):
             admission = service.pool.admission
+            blocker = await admission.acquire(set(), 5, _params("blocker", 0), "blocker")
             heavy = _send(service, "heavy", 12)
-            await until(lambda: admission.queue_depth == 11)
-            await asyncio.gather(*_send(service, "light", 1), *heavy)
-            assert _order(stub).index("light") <= 2, _order(stub)
+            await until(lambda: admission.queue_depth == 12)
+            light = _send(service, "light", 1)
+            await until(lambda: admission.queue_depth == 13)
+            admission.release(blocker)
+            await asyncio.gather(*light, *heavy)
+            assert _order(stub).index("light") <= 1, _order(stub)
             assert admission.held("heavy") == admission.held("light") == 0
 
     run_in_context(scenario)
@@ -96,12 +100,13 @@ def test_a_light_tenant_is_served_ahead_of_a_flooders_backlog() -> None:
 def test_weights_give_a_tenant_more_of_the_contended_replica() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         async with _service(ctx, tenant_weights={"gold": 3}) as (service, stub):
-            first = _send(service, "first", 1)
-            await until(lambda: len(stub.received) == 1)  # the slot is taken: the rest wait
+            admission = service.pool.admission
+            blocker = await admission.acquire(set(), 5, _params("blocker", 0), "blocker")
             rest = [*_send(service, "plain", 12), *_send(service, "gold", 12)]  # FIFO: plain
-            await until(lambda: service.pool.admission.queue_depth == 24)
-            await asyncio.gather(*first, *rest)
-            served = _order(stub)[1:13]  # the first twelve let go from the queue
+            await until(lambda: admission.queue_depth == 24)
+            admission.release(blocker)
+            await asyncio.gather(*rest)
+            served = _order(stub)[:12]  # the first twelve let go from the queue
             assert served.count("gold") >= 8, served  # 9 of 12 at 3:1
 
     run_in_context(scenario)
@@ -113,16 +118,18 @@ def test_a_flooder_fills_its_own_share_of_the_queue_and_gets_its_own_429s() -> N
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         async with _service(ctx, max_queue=4) as (service, stub):
             admission = service.pool.admission
-            heavy = _send(service, "heavy", 8)  # one runs, four wait, three are refused
+            blocker = await admission.acquire(set(), 5, _params("blocker", 0), "blocker")
+            heavy = _send(service, "heavy", 8)  # four wait, four are refused
             await until(lambda: admission.queue_depth == 4)
             light = _send(service, "light", 2)  # each takes a heavy waiter's place
             await until(lambda: admission.held("light") == 2)
             assert admission.queue_depth == 4
+            admission.release(blocker)
             assert len(await asyncio.gather(*light)) == 2
             refused = _refusals(await asyncio.gather(*heavy, return_exceptions=True))
-            assert len(refused) == 5
+            assert len(refused) == 6
             assert sum("gave way to another tenant's" in r for r in refused) == 2
-            assert sum("--max-waiting 4" in r for r in refused) == 5
+            assert sum("--max-waiting 4" in r for r in refused) == 6
             assert _order(stub).count("light") == 2
 
     run_in_context(scenario)
@@ -142,6 +149,29 @@ def test_a_tenant_past_its_cap_gets_429_and_another_goes_on() -> None:
             assert "--max-requests-per-tenant 3" in refused[0]
             assert len(await asyncio.gather(*light)) == 2
             assert admission.held("heavy") == admission.held("light") == 0
+
+    run_in_context(scenario)
+
+
+def test_a_waiter_that_leaves_takes_its_count_and_a_slot_handed_to_it_goes_back() -> None:
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        async with _service(ctx, max_per_tenant=2) as (service, _):
+            admission, (replica,) = service.pool.admission, service.pool.members()
+            running = await admission.acquire(set(), 5, _params("a", 0), "a")
+            waiting = asyncio.create_task(admission.acquire(set(), 5, _params("b", 1), "b"))
+            await until(lambda: admission.queue_depth == 1)
+            admission.release(running)  # hands the slot to b's waiter...
+            waiting.cancel()  # ...which is cancelled in the same turn
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert (replica.inflight, admission.held("a"), admission.held("b")) == (0, 0, 0)
+            # A waiter that times out leaves its count too.
+            running = await admission.acquire(set(), 5, _params("a", 2), "a")
+            with pytest.raises(p.RequestError, match="within 0s"):
+                await admission.acquire(set(), 0.05, _params("a", 3), "a")
+            assert admission.held("a") == 1
+            admission.release(running)
+            assert admission.held("a") == 0 and admission.queue_depth == 0
 
     run_in_context(scenario)
 
