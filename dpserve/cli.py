@@ -215,6 +215,11 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
 
     config = RouterConfig.from_args(args, serve=args.command == "serve")
     settings = RouterSettings.from_config(config, _wire_key(args.wire_key_file))
+    try:
+        settings.check()
+    except ValueError as exc:
+        print(f"dpserve {args.command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return dataclasses.replace(settings, workers=tuple(workers))
 
 

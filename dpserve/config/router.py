@@ -62,6 +62,32 @@ def parse_served_name(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+@dataclass(frozen=True)
+class TenantWeight:
+    """``--tenant-weight NAME=W``: a tenant's weight in the fair order (docs/tenants.md)."""
+
+    tenant: str
+    weight: int
+
+    def __str__(self) -> str:
+        return f"{self.tenant}={self.weight}"
+
+
+def parse_tenant_weight(value: str) -> TenantWeight:
+    from dpserve.router.tenants import check_tenant
+
+    name, sep, weight = value.partition("=")
+    try:
+        if not sep:
+            raise ValueError(f"{value!r} is not NAME=WEIGHT")
+        number = int(weight)
+        if not 1 <= number <= 1000:
+            raise ValueError(f"{value!r}: a weight is a whole number in 1..1000")
+        return TenantWeight(check_tenant(name, f"--tenant-weight {value!r}"), number)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _KEYS = "Bearer key for %s routes (repeatable; visible in ps: prefer the file)"
 _KEY_FILES = (
     "file of %s keys, one a line, alone or after its tenant's name (blank lines and # "
@@ -129,6 +155,25 @@ class RouterConfig:
     )
     max_waiting: int = field(  # router-wide
         default=256, metadata=flag("queued requests, then 429", positive)
+    )
+    # Fair shares between tenants (docs/tenants.md): a cap per tenant on this router's
+    # requests in flight and waiting, and weights in the order waiters are served.
+    max_requests_per_tenant: int = field(
+        default=0,
+        metadata=flag(
+            "requests one tenant may have in flight and waiting at this router, then 429; "
+            "0: no cap",
+            non_negative,
+        ),
+    )
+    tenant_weight: tuple[TenantWeight, ...] = field(
+        default=(),
+        metadata=flag(
+            "NAME=W: tenant NAME (a key file's) gets W shares of the replicas when they are "
+            "contended (default 1; repeatable)",
+            parse_tenant_weight,
+            many=True,
+        ),
     )
     output_dir: Path | None = field(
         default=None, metadata=flag("enables response_format=url", Path)
@@ -239,6 +284,11 @@ class RouterConfig:
     def api_keys(self) -> tuple[str | TenantKey, ...]:
         """The inference keys, given one by one and in files."""
         return (*self.api_key, *(k for keys in self.api_key_file for k in keys))
+
+    @property
+    def tenant_weights(self) -> dict[str, int]:
+        """Each weighted tenant's weight (the last given wins)."""
+        return {w.tenant: w.weight for w in self.tenant_weight}
 
     @property
     def admin_keys(self) -> tuple[str | TenantKey, ...]:

@@ -584,6 +584,8 @@ def router_options(svc: Svc) -> dict[str, Any]:
         "served_model_name": r.servedModelName or svc.name,
         "video_max_estimate": r.videoMaxEstimateSeconds,
         "max_connections_per_peer": r.maxConnectionsPerPeer,
+        "max_requests_per_tenant": r.maxRequestsPerTenant,
+        "tenant_weight": tuple(f"{name}={w}" for name, w in sorted(r.tenantWeights.items())),
         "allowed_host": (*router_host_names(svc), *r.allowedHosts),
         # The user's key Secret, mounted at AUTH_DIR (build_router_deployment).
         "api_key_file": (f"{AUTH_DIR}/{API_KEYS}",) if r.auth else (),

@@ -11,9 +11,10 @@ queue bounds, policy) are the process's own, read from ``WorkerConfig`` and
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.config import JsonDict
 
 from dpserve.config.router import PolicyName
@@ -273,6 +274,10 @@ class RouterAuth(_Model):
     )
 
 
+# A tenant's name, as the router checks it (dpserve/router/tenants.py; the operator
+# never imports the router).
+TENANT_NAME: Final = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+
 # A Host name (no port), or '*' for any (dpserve/router/hosts.py).
 HostName = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^(\*|[A-Za-z0-9_.-]+)$")]
 
@@ -316,6 +321,36 @@ class RouterSpec(_Model):
         "and IP addresses (an Ingress's host, say; '*': any); others get 421, against DNS "
         "rebinding (docs/router.md, Security)",
     )
+    maxRequestsPerTenant: int = Field(
+        _router("max_requests_per_tenant"),
+        ge=0,
+        le=1_000_000,
+        description="requests one tenant (a key, or a name in the keys Secret) may have in "
+        "flight and waiting at each router pod, then 429; 0: no cap (docs/tenants.md, "
+        "Fair shares)",
+    )
+    tenantWeights: dict[str, Annotated[int, Field(ge=1, le=1000)]] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="shares of the replicas each named tenant gets when they are contended "
+        "(others weigh 1); every name must be a tenant of the keys Secret, or the router "
+        "does not start (docs/tenants.md, Fair shares)",
+    )
+
+    @field_validator("tenantWeights")
+    @classmethod
+    def _tenant_names(cls, weights: dict[str, int]) -> dict[str, int]:
+        # Not a CEL rule: a regex over map keys of unbounded length exceeds the API
+        # server's cost budget; the operator refuses the spec instead (a condition).
+        for name in weights:
+            if not TENANT_NAME.match(name):
+                raise ValueError(
+                    f"spec.router.tenantWeights: {name[:64]!r} is no tenant name (1-63 "
+                    "lowercase letters, digits, '.', '_' or '-', starting and ending with a "
+                    "letter or digit)"
+                )
+        return weights
+
     videoMaxEstimateSeconds: int = Field(
         _router("video_max_estimate"),
         ge=1,

@@ -113,6 +113,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
+    settings.check()  # ValueError: a weight names a tenant no key has
     keys = Keys.of(settings.api_keys, settings.admin_keys)
     app.state.settings = settings
     app.state.started = int(time.time())  # the Model object's created

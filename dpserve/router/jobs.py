@@ -19,6 +19,7 @@ from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.registry import CANCELLED, COMPLETED, FAILED, InFlight, Registry
 from dpserve.router.service import Generated, RouterService
 from dpserve.router.streaming import completed_events, error_event, partial_event
+from dpserve.router.tenants import KEYLESS
 from dpserve.router.usage import Work
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def start(
     params: p.GenerateParams,
     blobs: list[bytes] | None = None,
     meter: Callable[[Work], None] | None = None,
-    tenant: str = "",
+    tenant: str = KEYLESS.tenant,
 ) -> Job:
     """``meter`` counts what the request made once a replica answered it (its tenant's
     usage, its route's histograms); ``tenant`` owns the request (who may cancel it)."""

@@ -17,7 +17,8 @@ only what spans the parts: who is in the pool and serving, and the ``/health`` J
 - :class:`~dpserve.router.admission.Admission` (``pool.admission``): generation
   requests take a slot on a serving replica (the routing policy picks: least
   estimated work, or round-robin; at most ``max_inflight`` x the replica's batch
-  size each) or wait in a bounded FIFO; video jobs are placed at once, past the cap.
+  size each) or wait in a bounded queue, served fairly between tenants; video jobs
+  are placed at once, past the cap.
 - :class:`~dpserve.router.load.Load` (``pool.load``): each request's estimated cost,
   so the pool knows every replica's outstanding work (dpserve.contract.cost, docs/router.md).
 
@@ -65,6 +66,10 @@ class PoolSettings:
     max_inflight: int = option("max_inflight_per_replica")  # times a replica's batch size
     policy: PolicyName = field(default=option("policy"))  # docs/router.md, Routing policies
     max_queue: int = option("max_waiting")  # requests waiting for a slot, router-wide
+    # Fair shares (docs/tenants.md): per tenant, requests in flight and waiting (0: no
+    # cap); weights of the fair order (an unnamed tenant weighs 1).
+    max_per_tenant: int = option("max_requests_per_tenant")
+    tenant_weights: dict[str, int] = field(default_factory=dict)
     # The service's wire key: the router is a CURVE client of every driver with it.
     # None: plaintext (only for a wire nobody else can reach; warned at start).
     wire_key: WireKey | None = None
@@ -82,7 +87,13 @@ class ReplicaPool:
         self.membership = Membership(self.ctx, settings.wire_key, settings.request_timeout_s)
         self.load = Load(self.membership)
         self.admission = Admission(
-            self.membership, self.load, settings.policy, settings.max_inflight, settings.max_queue
+            self.membership,
+            self.load,
+            settings.policy,
+            settings.max_inflight,
+            settings.max_queue,
+            settings.max_per_tenant,
+            settings.tenant_weights,
         )
         self.health = Health(
             self.membership,

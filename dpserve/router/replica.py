@@ -78,3 +78,4 @@ class Slot:
     ticket: int
     units: float
     seconds: float
+    tenant: str | None = None  # whose per-tenant count it is in (None: a video job's)

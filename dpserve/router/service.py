@@ -18,6 +18,7 @@ from dpserve.router.connection import ReplicaLost
 from dpserve.router.policies import FanoutAnswer, merge_fanout
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.replica import Replica, Slot
+from dpserve.router.tenants import KEYLESS
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class RouterService:
         blobs: list[bytes] | None = None,
         on_partial: Callable[[p.Message], None] | None = None,
         stage: Stage | None = None,
-        tenant: str = "",
+        tenant: str = KEYLESS.tenant,
     ) -> Generated:
         """Serve on a replica; if it fails before replying, once more on another.
 
@@ -72,8 +73,9 @@ class RouterService:
         request, waits and retry included; each replica is told the time left.
         ``request_id`` names it on the wire, the retry included (a cancel by id finds
         it); ``blobs`` go with it (an edit's uploads); ``on_partial`` gets its
-        previews (a retry's come again from the start); ``tenant`` goes with it, so a
-        cancel through another router reaches it only for its own tenant.
+        previews (a retry's come again from the start). ``tenant``: whose share of the
+        replicas it waits in (docs/tenants.md, "Fair shares"); it goes with the request,
+        so a cancel through another router reaches it only for its own tenant.
         """
         request_id = request_id or uuid.uuid4().hex
         params = pv.fill_seeds(params)
@@ -88,7 +90,9 @@ class RouterService:
             if stage is not None:
                 stage.queued()
             asked = time.monotonic()
-            slot = await self.pool.admission.acquire(tried, max(0.0, deadline - asked), params)
+            slot = await self.pool.admission.acquire(
+                tried, max(0.0, deadline - asked), params, tenant
+            )
             waited_s += time.monotonic() - asked
             replica = slot.replica
             tried.add(replica.endpoint)

@@ -57,6 +57,14 @@ class RouterSettings:
     video_poll_s: float = option("video_poll")
     video_max_estimate_s: float = option("video_max_estimate")
 
+    def check(self) -> None:
+        """What no single flag can check: weights name configured tenants (ValueError)."""
+        from dpserve.router.fair import check_weights
+        from dpserve.router.tenants import tenant_key
+
+        tenants = {tenant_key(k).tenant for k in (*self.api_keys, *self.admin_keys)}
+        check_weights(self.pool.tenant_weights, tenants)
+
     @classmethod
     def from_config(cls, config: RouterConfig, wire_key: WireKey | None) -> RouterSettings:
         """The settings of a parsed command line, whose wire key file the caller read.
@@ -68,6 +76,8 @@ class RouterSettings:
             max_inflight=config.max_inflight_per_replica,
             policy=config.policy,
             max_queue=config.max_waiting,
+            max_per_tenant=config.max_requests_per_tenant,
+            tenant_weights=config.tenant_weights,
             wire_key=wire_key,
         )
         return cls(

@@ -16,6 +16,7 @@ from dpserve.config.router import RouterConfig, router_flags
 from dpserve.operator import builders as b
 from dpserve.operator.spec import DiffusionServiceSpec, RouterSpec
 from dpserve.router.settings import RouterSettings
+from dpserve.router.tenants import tenant_key
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
 FLAGS: dict[str, Flag] = {n: f.metadata["flag"] for n, f in FIELDS.items() if "flag" in f.metadata}
@@ -93,7 +94,7 @@ def test_key_files_are_read_while_parsing(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# inference\n" + "b" * 16 + "\n\n" + "c" * 16 + "\n")
     config = _router(["--worker", "tcp://a:1", "--api-key", "a" * 16, "--api-key-file", str(keys)])
-    assert config.api_keys == ("a" * 16, "b" * 16, "c" * 16)
+    assert [tenant_key(k).key for k in config.api_keys] == ["a" * 16, "b" * 16, "c" * 16]
     assert config.admin_keys == ()
 
 
@@ -161,3 +162,41 @@ def test_the_operator_passes_the_spec_to_the_router() -> None:
     )
     assert config.max_connections_per_peer == 0
     assert config.allowed_host[-2:] == ("images.example.com", "*")
+
+
+def test_fair_shares_travel_from_the_command_line_and_the_crd_to_the_pool() -> None:
+    from dpserve.config.router import TenantWeight
+
+    config = _router(
+        [
+            *("--worker", "tcp://a:1", "--max-requests-per-tenant", "5"),
+            *("--tenant-weight", "team-a=2", "--tenant-weight", "team-b=30"),
+        ]
+    )
+    assert config.tenant_weight == (TenantWeight("team-a", 2), TenantWeight("team-b", 30))
+    pool = RouterSettings.from_config(config, None).pool
+    assert (pool.max_per_tenant, pool.tenant_weights) == (5, {"team-a": 2, "team-b": 30})
+    assert RouterSettings().pool.max_per_tenant == 0  # no cap unless asked
+    assert RouterSpec().maxRequestsPerTenant == FIELDS["max_requests_per_tenant"].default
+    passed = _operator_router(maxRequestsPerTenant=7, tenantWeights={"team-b": 3, "team-a": 1})
+    assert passed.max_requests_per_tenant == 7
+    assert passed.tenant_weights == {"team-a": 1, "team-b": 3}
+
+
+@pytest.mark.parametrize("bad", ["team-a", "team-a=0", "team-a=1001", "Team=2", "=2", "a=x"])
+def test_a_bad_tenant_weight_is_a_usage_error(bad: str) -> None:
+    with pytest.raises(SystemExit):
+        _router(["--worker", "tcp://a:1", "--tenant-weight", bad])
+
+
+def test_the_crd_refuses_weights_for_names_no_tenant_can_have() -> None:
+    from pydantic import ValidationError
+
+    from dpserve.operator.spec import TENANT_NAME
+    from dpserve.router.tenants import _NAME
+
+    assert TENANT_NAME.pattern == _NAME.pattern  # the operator's copy of the router's rule
+    with pytest.raises(ValidationError, match="is no tenant name"):
+        RouterSpec(tenantWeights={"Team A": 2})
+    with pytest.raises(ValidationError):
+        RouterSpec(tenantWeights={"team-a": 0})

@@ -71,9 +71,8 @@ async def generate(
         deps.features(pool),
         served=deps.served_name(pool, settings),
     )
-    tenant = principal_of(request.scope).tenant
     meter = metrics.meter(request.scope)
-    job = jobs.start(registry, service, rid, asked.params, meter=meter, tenant=tenant)
+    job = jobs.start(registry, service, rid, asked.params, meter=meter, tenant=_tenant(request))
     return await _answer(request, job, asked, GENERATION, store)
 
 
@@ -136,9 +135,14 @@ async def _edit(
         asked.params,
         blobs,
         meter=metrics.meter(request.scope),
-        tenant=principal_of(request.scope).tenant,
+        tenant=_tenant(request),
     )
     return await _answer(request, job, asked, EDIT, store)
+
+
+def _tenant(request: Request) -> str:
+    """Whose share of the replicas the request waits in (docs/tenants.md)."""
+    return principal_of(request.scope).tenant
 
 
 async def _answer(
