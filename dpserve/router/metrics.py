@@ -218,6 +218,12 @@ class Meter:
         self.metrics.queue_time.labels(self.route).observe(work.queue_s)
         self.metrics.inference_time.labels(self.route).observe(work.inference_s)
 
+    def frame(self, inference_s: float) -> None:
+        """A realtime session's frame: it waits in no queue (its session holds the
+        replica), so only its pipeline time is observed."""
+        self.metrics.usage.made(self.tenant, Work(realtime_frames=1, inference_s=inference_s))
+        self.metrics.inference_time.labels(self.route).observe(inference_s)
+
 
 def _route_of(scope: Any) -> str:
     """The route template the app will pick for ``scope``, known before it runs.

@@ -91,12 +91,14 @@ class RealtimeConnection:
         limits: Callable[[], pv.Limits],
         settings: RealtimeSettings,
         served: Callable[[], str | None] = lambda: None,
+        counted: Callable[[float], None] = lambda inference_s: None,
     ) -> None:
         self.ws = ws
         self.sessions = sessions
         self.limits = limits
         self.settings = settings
         self.served = served  # the served model's name, which an init's model must be
+        self.counted = counted  # each frame sent, for its tenant's usage (its pipeline time)
         self.attached: Attached | None = None  # set as soon as the owner holds a session
 
     async def run(self) -> None:
@@ -148,6 +150,7 @@ class RealtimeConnection:
                     self.attached, first = await self.sessions.open(init, tenant)
                     replica = first.meta.replica
                     await self._ack(self.attached, replica, init.options, resumed=False, frames=1)
+                    self.counted(first.meta.inference_time_s)
                     await self._send(frame_message(first))
                     return _Drive(init.options, frames=1)
                 if isinstance(message, rt.ResumeMessage):
@@ -265,6 +268,7 @@ class RealtimeConnection:
                 await asyncio.sleep(0.5)  # a refusing replica is not asked in a tight loop
                 continue
             drive.frames += 1
+            self.counted(frame.meta.inference_time_s)
             await self._send(frame_message(frame))
         await self._send(encode("done", session_id=attached.session_id, frames=drive.frames))
         await self.ws.close(1000)

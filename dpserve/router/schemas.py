@@ -125,6 +125,7 @@ class TenantUsage(BaseModel):
     )
     images: int = Field(description="images made (answered generations, edits, variations)")
     video_frames: int = Field(description="frames of video jobs this router placed, completed")
+    realtime_frames: int = Field(description="frames realtime sessions streamed")
     cost_units: float = Field(description="the router's cost estimate of the completed work")
     inference_seconds: float = Field(
         description="seconds the replicas' pipelines ran for it (times GPUs per replica: "

@@ -33,6 +33,7 @@ class Work:
     units: float = 0.0
     inference_s: float = 0.0
     queue_s: float = 0.0
+    realtime_frames: int = 0
 
 
 @dataclass
@@ -40,12 +41,14 @@ class TenantTotals:
     requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (route, outcome)
     images: int = 0
     video_frames: int = 0
+    realtime_frames: int = 0
     cost_units: float = 0.0
     inference_seconds: float = 0.0
 
     def add(self, work: Work) -> None:
         self.images += work.images
         self.video_frames += work.frames
+        self.realtime_frames += work.realtime_frames
         self.cost_units += work.units
         self.inference_seconds += work.inference_s
 
@@ -65,14 +68,15 @@ class TenantTotals:
             "requests_by_route": by_route,
             "images": self.images,
             "video_frames": self.video_frames,
+            "realtime_frames": self.realtime_frames,
             "cost_units": self.cost_units,
             "inference_seconds": self.inference_seconds,
         }
 
 
 class Usage:
-    """Per-tenant totals: requests by route and outcome, images, video frames, cost
-    units and inference seconds. A Prometheus collector over those totals."""
+    """Per-tenant totals: requests by route and outcome, images, video frames, realtime
+    frames, cost units and inference seconds. A Prometheus collector over those totals."""
 
     def __init__(self, tenants: Iterable[str]) -> None:
         self._totals = {tenant: TenantTotals() for tenant in sorted(set(tenants))}
@@ -122,6 +126,11 @@ class Usage:
             "Video frames made for each tenant (jobs this router placed, once completed)",
             labels=["tenant"],
         )
+        realtime = CounterMetricFamily(
+            "dpserve_tenant_realtime_frames",
+            "Frames of realtime sessions streamed to each tenant",
+            labels=["tenant"],
+        )
         units = CounterMetricFamily(
             "dpserve_tenant_cost_units",
             "Estimated cost units of each tenant's completed work (the routing cost model)",
@@ -138,6 +147,7 @@ class Usage:
                 requests.add_metric([tenant, route, outcome], n)
             images.add_metric([tenant], totals.images)
             frames.add_metric([tenant], totals.video_frames)
+            realtime.add_metric([tenant], totals.realtime_frames)
             units.add_metric([tenant], totals.cost_units)
             seconds.add_metric([tenant], totals.inference_seconds)
-        yield from (requests, images, frames, units, seconds)
+        yield from (requests, images, frames, realtime, units, seconds)

@@ -16,16 +16,19 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import httpx
+import msgspec
 import pytest
 import zmq.asyncio
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import connect
 
 from dpserve.contract import validation as pv
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.pool import PoolSettings
 from dpserve.router.tenants import TenantKey
 from tests.stub_replica import StubReplica
+from tests.unit.test_router_owners import _serving
 
 T = TypeVar("T")
 FAST = PoolSettings(ping_interval_s=0.05, ping_timeout_s=0.5, control_timeout_s=5)
@@ -243,3 +246,36 @@ def test_nothing_a_request_sends_makes_a_tenant_label() -> None:
     # Without keys every caller is the one tenant: the request counted, as "default".
     assert _value(keyless, "dpserve_tenant_images_total", tenant="default") == 1
     assert [t["tenant"] for t in usage["tenants"]] == ["default"]
+
+
+def test_realtime_frames_count_for_the_sessions_tenant() -> None:
+    """Each frame a session streams is its tenant's: the first (with the ack) and every
+    one after, up to ``max_frames``; another tenant's totals do not move."""
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        stub = StubReplica(ctx)
+        try:
+            settings = RouterSettings(workers=(stub.endpoint,), pool=FAST, **KEYED)
+            async with _serving(settings) as url:
+                init = {"type": "init", "prompt": "a kite", "mode": "stream", "max_frames": 3}
+                async with connect(url, additional_headers=_bearer(A1)) as ws:
+                    await ws.send(msgspec.msgpack.encode(init))
+                    kinds = []
+                    while not kinds or kinds[-1] != "done":
+                        message = msgspec.msgpack.decode(await asyncio.wait_for(ws.recv(), 10))
+                        kinds.append(message["type"])
+                assert kinds.count("frame") == 3, kinds
+                base = url.replace("ws://", "http://").split("/v1/")[0]
+                async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+                    usage = (await http.get("/v1/usage", headers=_bearer(ADMIN_KEY))).json()
+                    text = (await http.get("/metrics")).text
+        finally:
+            await stub.close()
+            ctx.term()
+        shown = {t["tenant"]: t["realtime_frames"] for t in usage["tenants"]}
+        assert shown["team-a"] == 3 and shown["team-b"] == 0, shown
+        assert _value(text, "dpserve_tenant_realtime_frames_total", tenant="team-a") == 3
+        assert _value(text, "dpserve_tenant_realtime_frames_total", tenant="team-b") == 0
+
+    _run(scenario)
