@@ -55,6 +55,21 @@ def _seen(http: httpx.Client, job_id: str) -> None:
         assert mp4.status_code == 200 and mp4.headers["content-type"] == "video/mp4"
 
 
+def _counted(http: httpx.Client, frames: int, timeout_s: float = 30) -> None:
+    """The admin's usage shows team-a's frames (once the placing router's watch saw the
+    job completed) and none for team-b; a tenant's key may not read it."""
+    assert http.get("/v1/usage", headers=_as(B1)).status_code == 403
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = http.get("/v1/usage", headers=_as(ROOT)).json()
+        made = {t["tenant"]: t["video_frames"] for t in usage["tenants"]}
+        if made["team-a"] == frames:
+            break
+        assert time.monotonic() < deadline, made
+        time.sleep(0.1)
+    assert made == {"team-a": frames, "team-b": 0, "ops": 0}
+
+
 def test_a_video_job_is_its_tenants_through_every_router(
     tiny_video_model: Path, tmp_path: Path
 ) -> None:
@@ -62,11 +77,13 @@ def test_a_video_job_is_its_tenants_through_every_router(
     keys.write_text(f"# team-a has two keys\nteam-a {A1}\nteam-a {A2}\nteam-b {B1}\n")
     admin.write_text(f"ops {ROOT}\n")
     files = ("--api-key-file", str(keys), "--admin-key-file", str(admin))
-    with ServeProcess(tiny_video_model, 1, *files, timeout_s=120) as serve:
+    shares = ("--max-requests-per-tenant", "4", "--tenant-weight", "team-a=2")
+    with ServeProcess(tiny_video_model, 1, *files, *shares, timeout_s=120) as serve:
         made = serve.http.post("/v1/videos", json={**JOB, **EXTRA}, headers=_as(A1))
         assert made.status_code == 200, made.text
         job_id = made.json()["id"]
         _completed(serve.http, job_id)
+        _counted(serve.http, frames=made.json()["num_frames"])
         _unseen(serve.http, job_id)
         _seen(serve.http, job_id)
         # Another router process, which never saw the job placed.
