@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 import zmq.asyncio
 
 from dpserve.contract import protocol as p
@@ -21,6 +20,7 @@ from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.policies import FanoutAnswer
 from dpserve.router.pool import PoolSettings, ReplicaPool
 from dpserve.router.service import RouterService
+from tests.in_process import serving_client
 from tests.polling import until
 from tests.stub_replica import StubReplica
 
@@ -116,14 +116,8 @@ def test_http_callers_past_the_bound_get_429_with_retry_after() -> None:
         ctx = zmq.asyncio.Context()
         stub = StubReplica(ctx, checksum_s=0.5)
         app = create_app(RouterSettings(workers=(stub.endpoint,), pool=FAST))
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
-                deadline = time.monotonic() + 5
-                while (await http.get("/ready")).status_code != 200:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.05)
-                answers = await asyncio.gather(*(http.get(f"/{OP}") for _ in range(12)))
+        async with serving_client(app) as http:
+            answers = await asyncio.gather(*(http.get(f"/{OP}") for _ in range(12)))
         await stub.close()
         ctx.term()
         statuses = sorted(a.status_code for a in answers)

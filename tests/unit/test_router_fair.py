@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import zmq.asyncio
 
@@ -26,6 +25,7 @@ from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.pool import PoolSettings, ReplicaPool
 from dpserve.router.service import Generated, RouterService
 from dpserve.router.tenants import TenantKey
+from tests.in_process import serving_client
 from tests.polling import until
 from tests.stub_replica import StubReplica, run_in_context
 
@@ -194,29 +194,24 @@ def test_the_cap_is_per_tenant_of_the_requests_key() -> None:
         pool = dataclasses.replace(ONE_SLOT, max_per_tenant=1)
         app = create_app(RouterSettings(workers=(stub.endpoint,), pool=pool, api_keys=keys))
         try:
-            async with app.router.lifespan_context(app):
-                transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(
-                    transport=transport, base_url="http://localhost", timeout=30
-                ) as http:
-                    admission = app.state.running.pool.admission
-                    await until(lambda: len(app.state.running.pool.serving()) == 1)
+            async with serving_client(app) as http:
+                admission = app.state.running.pool.admission
 
-                    def post(key: str) -> Any:
-                        headers = {"Authorization": f"Bearer {key}"}
-                        return asyncio.create_task(
-                            http.post("/v1/images/generations", json=BODY, headers=headers)
-                        )
+                def post(key: str) -> Any:
+                    headers = {"Authorization": f"Bearer {key}"}
+                    return asyncio.create_task(
+                        http.post("/v1/images/generations", json=BODY, headers=headers)
+                    )
 
-                    first = post(HEAVY_KEY)
-                    await until(lambda: admission.held("heavy") == 1)
-                    over = await post(HEAVY_KEY + "-2")
-                    light = post(LIGHT_KEY)
-                    assert over.status_code == 429, over.text
-                    assert over.headers["Retry-After"] == "1"
-                    message = over.json()["error"]["message"]
-                    assert "--max-requests-per-tenant 1" in message and "'heavy'" in message
-                    assert (await first).status_code == (await light).status_code == 200
+                first = post(HEAVY_KEY)
+                await until(lambda: admission.held("heavy") == 1)
+                over = await post(HEAVY_KEY + "-2")
+                light = post(LIGHT_KEY)
+                assert over.status_code == 429, over.text
+                assert over.headers["Retry-After"] == "1"
+                message = over.json()["error"]["message"]
+                assert "--max-requests-per-tenant 1" in message and "'heavy'" in message
+                assert (await first).status_code == (await light).status_code == 200
         finally:
             await stub.close()
 

@@ -34,6 +34,7 @@ from dpserve.router.playground import PATHS as PLAYGROUND_PATHS
 from dpserve.router.pool import PoolSettings
 from dpserve.router.request_ids import HEADER
 from dpserve.router.routes import flat
+from tests.in_process import serving_client
 from tests.polling import until
 from tests.stub_replica import StubReplica
 from tests.unit.test_router_edges import _serving
@@ -62,14 +63,8 @@ async def _router(
     replica = StubReplica(ctx, **(stub or {}))
     app = create_app(RouterSettings(workers=(replica.endpoint,), pool=FAST, **settings))
     try:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://localhost", timeout=30
-            ) as http:
-                pool = app.state.running.pool
-                await until(lambda: len(pool.serving()) == 1, 10)
-                yield app, http, replica
+        async with serving_client(app) as http:
+            yield app, http, replica
     finally:
         await replica.close()
         ctx.term()

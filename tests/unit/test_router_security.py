@@ -33,6 +33,7 @@ from dpserve.router.auth import Keys, Refusal, load_key_file
 from dpserve.router.pool import PoolSettings
 from dpserve.router.routes import flat
 from dpserve.router.tenants import ANONYMOUS, KEYLESS, Principal, unnamed
+from tests.in_process import serving_client
 from tests.stub_replica import StubReplica
 from tests.workers import free_port
 
@@ -54,14 +55,8 @@ async def _router(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     stub = StubReplica(ctx)
     app = create_app(RouterSettings(workers=(stub.endpoint,), pool=FAST, **settings))
     try:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
-                deadline = time.monotonic() + 10
-                while (await http.get("/ready")).status_code != 200:
-                    assert time.monotonic() < deadline, "the stub replica never served"
-                    await asyncio.sleep(0.02)
-                yield http
+        async with serving_client(app) as http:
+            yield http
     finally:
         await stub.close()
         ctx.term()
@@ -514,26 +509,18 @@ def test_open_and_inference_routes_show_no_replica_errors_or_host_paths() -> Non
         settings = RouterSettings(workers=(stub.endpoint, silent), pool=FAST, **KEYED)
         app = create_app(settings)
         try:
-            async with app.router.lifespan_context(app):
-                transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(
-                    transport=transport, base_url="http://localhost"
-                ) as http:
-                    deadline = time.monotonic() + 10
-                    while (await http.get("/ready")).status_code != 200:
-                        assert time.monotonic() < deadline, "the stub replica never served"
-                        await asyncio.sleep(0.02)
-                    health = await http.get("/health")
-                    assert health.status_code == 503
-                    [shown] = health.json()["silent"]
-                    assert shown["endpoint"] == silent and set(shown) == {"replica", "endpoint"}
-                    admin = await http.get("/health/replicas", headers=_bearer(ADMIN_KEY))
-                    assert any(r["last_error"] for r in admin.json()["replicas"])
-                    info = await http.get("/model_info", headers=_bearer(API))
-                    assert info.status_code == 200 and "model_path" not in info.json()
-                    assert "/stub" not in info.text
-                    server = await http.get("/server_info", headers=_bearer(ADMIN_KEY))
-                    assert server.json()["model_path"] == "/stub"
+            async with serving_client(app) as http:
+                health = await http.get("/health")
+                assert health.status_code == 503
+                [shown] = health.json()["silent"]
+                assert shown["endpoint"] == silent and set(shown) == {"replica", "endpoint"}
+                admin = await http.get("/health/replicas", headers=_bearer(ADMIN_KEY))
+                assert any(r["last_error"] for r in admin.json()["replicas"])
+                info = await http.get("/model_info", headers=_bearer(API))
+                assert info.status_code == 200 and "model_path" not in info.json()
+                assert "/stub" not in info.text
+                server = await http.get("/server_info", headers=_bearer(ADMIN_KEY))
+                assert server.json()["model_path"] == "/stub"
         finally:
             await stub.close()
             ctx.term()

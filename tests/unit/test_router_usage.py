@@ -27,6 +27,7 @@ from dpserve.contract import validation as pv
 from dpserve.router.app import RouterSettings, create_app
 from dpserve.router.pool import PoolSettings
 from dpserve.router.tenants import TenantKey
+from tests.in_process import serving_client
 from tests.stub_replica import StubReplica
 from tests.unit.test_router_owners import _serving
 
@@ -61,16 +62,8 @@ async def _router(stub: dict[str, Any] | None = None, **settings: Any) -> AsyncI
         RouterSettings(workers=(replica.endpoint,), pool=FAST, video_poll_s=0.05, **settings)
     )
     try:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://localhost", timeout=30
-            ) as http:
-                deadline = time.monotonic() + 10
-                while (await http.get("/ready")).status_code != 200:
-                    assert time.monotonic() < deadline, "the stub replica never served"
-                    await asyncio.sleep(0.02)
-                yield http
+        async with serving_client(app) as http:
+            yield http
     finally:
         await replica.close()
         ctx.term()
