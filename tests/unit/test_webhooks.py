@@ -30,8 +30,8 @@ from dpserve.cli import _router_settings, build_parser
 from dpserve.router import webhooks as wh
 from dpserve.router.webhooks import WebhookSettings
 from tests.polling import until, until_async
-from tests.stub_replica import run_in_context
-from tests.unit.test_router_videos import BODY, create, routers, stubs, until_status
+from tests.stub_replica import StubReplica, run_in_context
+from tests.unit.test_router_videos import BODY, SLOW, create, routers, stubs, until_status
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 KEY = base64.b64decode(SECRET.removeprefix("whsec_"))
@@ -177,6 +177,29 @@ def test_a_receiver_that_fails_twice_gets_the_event_on_the_third_try_under_one_i
         assert waits[1] > waits[0] * 1.5  # the wait doubles
 
     run_in_context(scenario)
+
+
+def test_a_job_given_up_after_its_third_lost_attempt_sends_video_failed() -> None:
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        with receiving(Receiver()) as receiver:
+            async with (
+                stubs(ctx) as [stub],
+                routers([stub], webhook=_settings(receiver.url)) as [(_, http)],
+            ):
+                job = await create(http, SLOW)
+                for attempt in (1, 2, 3):
+                    await until(lambda: _attempt(stub, job["id"]) == attempt, 10)  # noqa: B023
+                    stub.reboot()
+                await until(lambda: len(receiver.got) == 1, 10)
+        body = _verified(receiver.got[0])
+        assert body["type"] == "video.failed" and body["data"] == {"id": job["id"]}
+
+    run_in_context(scenario)
+
+
+def _attempt(stub: StubReplica, job_id: str) -> int:
+    job = stub.job(job_id)
+    return 0 if job is None else job.attempt
 
 
 def _closed_port() -> int:
