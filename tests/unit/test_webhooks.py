@@ -8,15 +8,11 @@ checks every delivery with the official openai client's ``webhooks.verify_signat
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -32,60 +28,12 @@ from dpserve.router.webhooks import WebhookSettings
 from tests.polling import until, until_async
 from tests.stub_replica import StubReplica, run_in_context
 from tests.unit.test_router_videos import BODY, SLOW, create, routers, stubs, until_status
+from tests.webhook_receiver import Delivery, Receiver, receiving
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 KEY = base64.b64decode(SECRET.removeprefix("whsec_"))
 FAILING = "a kite that will not fly"
 CLIENT = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9")
-
-
-@dataclass
-class Delivery:
-    headers: dict[str, str]
-    body: bytes
-    at: float  # monotonic
-
-
-@dataclass
-class Receiver:
-    """A webhook endpoint: answers each POST with the next of ``answers`` (then 200);
-    with ``hold`` set, it holds every answer until the event is set (a slow receiver)."""
-
-    answers: list[int] = field(default_factory=list)
-    hold: threading.Event | None = None
-    got: list[Delivery] = field(default_factory=list)
-    url: str = ""
-
-
-@contextlib.contextmanager
-def receiving(receiver: Receiver) -> Iterator[Receiver]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # http.server names it
-            body = self.rfile.read(int(self.headers["content-length"]))
-            headers = {k.lower(): v for k, v in self.headers.items()}
-            receiver.got.append(Delivery(headers, body, time.monotonic()))
-            if receiver.hold is not None:
-                receiver.hold.wait(30)
-            status = receiver.answers.pop(0) if receiver.answers else 200
-            self.send_response(status)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    receiver.url = f"http://127.0.0.1:{server.server_address[1]}/hooks/dpserve"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield receiver
-    finally:
-        if receiver.hold is not None:
-            receiver.hold.set()
-        server.shutdown()
-        server.server_close()
 
 
 def _settings(url: str, **kw: Any) -> WebhookSettings:
