@@ -97,6 +97,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         count = app.state.metrics.webhook_events
         webhooks = Webhooks(settings.webhook, lambda kind, end: count.labels(kind, end).inc())
         webhooks.start()
+        app.state.metrics.webhook_waiting.set_function(lambda: webhooks.waiting)
     jobs = VideoJobs(
         pool,
         settings.video_poll_s,

@@ -169,6 +169,12 @@ class RouterMetrics:
             ["type", "outcome"],
             registry=self.registry,
         )
+        # Read at scrape time from the running app's webhook queue (app.py's lifespan).
+        self.webhook_waiting = Gauge(
+            "dpserve_webhook_events_waiting",
+            "Webhook events queued for a sender (not those being sent or retried)",
+            registry=self.registry,
+        )
 
     def observe(
         self, route: str, method: str, status: int, seconds: float, disconnected: bool = False

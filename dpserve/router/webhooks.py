@@ -163,6 +163,11 @@ class Webhooks:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
 
+    @property
+    def waiting(self) -> int:
+        """Events queued for a sender."""
+        return self._queue.qsize()
+
     def start(self) -> None:
         self._http = httpx.AsyncClient(
             timeout=self.settings.attempt_timeout_s, follow_redirects=False

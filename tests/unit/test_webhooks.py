@@ -7,6 +7,7 @@ checks every delivery with the official openai client's ``webhooks.verify_signat
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -23,6 +24,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.cli import _router_settings, build_parser
+from dpserve.contract import video
 from dpserve.router import webhooks as wh
 from dpserve.router.webhooks import WebhookSettings
 from tests.polling import until, until_async
@@ -150,6 +152,43 @@ def _attempt(stub: StubReplica, job_id: str) -> int:
     return 0 if job is None else job.attempt
 
 
+def test_two_routers_that_send_the_same_event_send_the_same_id_and_body() -> None:
+    """However many routers see a job end (or one sees it twice), a receiver gets one
+    id and one body: it drops the repeats by ``webhook-id``."""
+    job = video.VideoJob(
+        id="video_abc", status=video.COMPLETED, created_at=1, completed_at=1764860000,
+        width=64, height=64, num_frames=9, fps=8, seconds=1.1, seed=1,
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        senders = [wh.Webhooks(_settings(receiver.url), lambda *_: None) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+            sender.emit(job)
+        try:
+            await until(lambda: len(receiver.got) == 2, 5)
+        finally:
+            for sender in senders:
+                await sender.close()
+
+    with receiving(Receiver()) as receiver:
+        asyncio.run(scenario())
+    first, second = receiver.got
+    assert first.headers["webhook-id"] == second.headers["webhook-id"]
+    assert first.body == second.body
+    assert _verified(first)["created_at"] == 1764860000
+
+
+def _gauge(scrape: str) -> float:
+    (value,) = [
+        s.value
+        for family in text_string_to_metric_families(scrape)
+        if family.name == "dpserve_webhook_events_waiting"
+        for s in family.samples
+    ]
+    return value
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -194,6 +233,7 @@ def test_a_slow_receiver_delays_nothing_and_events_past_the_queue_are_dropped_an
                 # One event is held by the receiver, one waits in the queue, one is dropped.
                 await until_async(lambda: _counted(http, "dropped"), 5)
                 assert len(receiver.got) == 1  # held: the one sender waits for its answer
+                assert _gauge((await http.get("/metrics")).text) == 1.0  # the one queued
                 assert receiver.hold is not None
                 receiver.hold.set()
                 await until(lambda: len(receiver.got) == 2, 5)
