@@ -38,8 +38,13 @@ tenant with the job (a re-run carries it on), and every ask says whose jobs the
 caller sees, so each replica answers a caller about its own tenant's jobs only.
 Another tenant's job is the 404 of an unknown id, from any router, after any restart.
 
+**Tell.** The watch hands the record it ends on (completed or failed; a given-up
+job as failed) to ``on_finish``: the webhooks' queue (dpserve/router/webhooks.py),
+which never makes it wait.
+
 A job whose router goes away is not re-run if its holder is lost later (nobody
-watches it); it runs to its end where it is, and any router finds it.
+watches it); it runs to its end where it is, and any router finds it (and no
+webhook event is sent for it).
 """
 
 from __future__ import annotations
