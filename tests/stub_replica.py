@@ -136,6 +136,7 @@ class StubReplica:
     video_max_queue: int = 8  # unfinished jobs it holds, then overloaded
     video_submits: list[tuple[v.VideoRequest, int]] = field(default_factory=list)  # and blobs
     video_cancelled: list[str] = field(default_factory=list)  # unfinished jobs deleted
+    video_fail_prompts: set[str] = field(default_factory=set)  # jobs that fail at their end
     # Set: a video delete waits for it before it is done and answered (pings still are).
     delete_gate: asyncio.Event | None = None
     deletes_waiting: int = 0
@@ -539,6 +540,12 @@ class StubReplica:
                     await asyncio.sleep(0.01)
                 job.progress = step * 99 // steps
             now = int(time.time())
+            if job.prompt in self.video_fail_prompts:  # a pipeline error (the job's fault)
+                job.status, job.completed_at = v.FAILED, now
+                job.error = v.VideoError(code=p.INTERNAL, message="the stub pipeline failed")
+                self._runs.pop(job.id, None)
+                self._units.pop((_JOB, job.id), None)
+                return
             job.status, job.progress, job.bytes = v.COMPLETED, 100, len(MP4)
             job.completed_at, job.expires_at = now, now + 3600
             job.inference_time_s = steps * self.step_s

@@ -62,6 +62,25 @@ def parse_served_name(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_webhook_url(value: str) -> str:
+    from dpserve.router.webhooks import check_url
+
+    try:
+        return check_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_webhook_secret_file(value: str) -> bytes:
+    """The signing key of a ``whsec_`` file, read while parsing: a bad one fails the start."""
+    from dpserve.router.webhooks import load_secret
+
+    try:
+        return load_secret(Path(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class TenantWeight:
     """``--tenant-weight NAME=W``: a tenant's weight in the fair order (docs/tenants.md)."""
@@ -247,6 +266,31 @@ class RouterConfig:
         metadata=flag(
             "seconds a video job may run: one estimated longer is a 400, one that runs "
             "longer is stopped",
+            seconds,
+        ),
+    )
+    # Video job events (docs/webhooks.md): the URL is configuration only, never a
+    # request's; the secret file's key is read while parsing.
+    webhook_url: str | None = field(
+        default=None,
+        metadata=flag(
+            "POST video.completed and video.failed events here, signed (Standard Webhooks); "
+            "needs --webhook-secret-file",
+            parse_webhook_url,
+        ),
+    )
+    webhook_secret_file: bytes | None = field(
+        default=None,
+        repr=False,
+        metadata=flag(
+            "file holding the webhook signing secret, one line whsec_<base64>",
+            parse_webhook_secret_file,
+        ),
+    )
+    webhook_retry_for: float = field(
+        default=3600.0,
+        metadata=flag(
+            "seconds an undelivered webhook event is retried (waits doubling up to 60 s)",
             seconds,
         ),
     )

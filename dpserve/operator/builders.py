@@ -35,6 +35,8 @@ WIRE_DIR: Final = "/etc/dpserve/wire"
 WIRE_KEY: Final = "wire.key"
 WIRE_KEY_FILE: Final = f"{WIRE_DIR}/{WIRE_KEY}"
 AUTH_DIR: Final = "/etc/dpserve/auth"
+WEBHOOK_DIR: Final = "/etc/dpserve/webhook"
+WEBHOOK_SECRET: Final = "webhook-secret"
 API_KEYS: Final = "api-keys"
 ADMIN_KEYS: Final = "admin-keys"
 # The root filesystem is read-only: every write goes to an emptyDir here, and the
@@ -590,6 +592,10 @@ def router_options(svc: Svc) -> dict[str, Any]:
         # The user's key Secret, mounted at AUTH_DIR (build_router_deployment).
         "api_key_file": (f"{AUTH_DIR}/{API_KEYS}",) if r.auth else (),
         "admin_key_file": (f"{AUTH_DIR}/{ADMIN_KEYS}",) if r.auth else (),
+        # The user's webhook Secret, mounted at WEBHOOK_DIR (build_router_deployment).
+        "webhook_url": r.webhook.url if r.webhook else None,
+        "webhook_secret_file": f"{WEBHOOK_DIR}/{WEBHOOK_SECRET}" if r.webhook else None,
+        "webhook_retry_for": r.webhook.retryForSeconds if r.webhook else None,
     }
 
 
@@ -614,6 +620,9 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
     if r.auth:
         volumes.append(_secret_volume("auth", r.auth.secretName))
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+    if r.webhook:
+        volumes.append(_secret_volume("webhook", r.webhook.secretName))
+        mounts.append({"name": "webhook", "mountPath": WEBHOOK_DIR, "readOnly": True})
     container = {
         "name": "router",
         "image": r.image or images.router,

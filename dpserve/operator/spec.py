@@ -274,6 +274,30 @@ class RouterAuth(_Model):
     )
 
 
+class RouterWebhook(_Model):
+    """Where the routers POST video job events (docs/webhooks.md), and their secret."""
+
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        pattern=r"^https?://[^\s@#/?]+([/?][^\s#]*)?$",
+        description="http(s) URL that receives video.completed and video.failed events "
+        "(no user:password@, no #fragment)",
+    )
+    secretName: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Secret in the service's namespace whose key webhook-secret holds the "
+        "signing secret, whsec_<base64> (Standard Webhooks); mounted into the router pods",
+    )
+    retryForSeconds: int = Field(
+        _router("webhook_retry_for"),
+        ge=1,
+        le=7 * 86400,
+        description="seconds an undelivered event is retried, waits doubling up to 60 s",
+    )
+
+
 # A tenant's name, as the router checks it (dpserve/router/tenants.py; the operator
 # never imports the router).
 TENANT_NAME: Final = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -351,6 +375,9 @@ class RouterSpec(_Model):
                 )
         return weights
 
+    webhook: RouterWebhook | None = Field(
+        None, description="video job events, signed, to one URL (docs/webhooks.md)"
+    )
     videoMaxEstimateSeconds: int = Field(
         _router("video_max_estimate"),
         ge=1,

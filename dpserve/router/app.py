@@ -56,6 +56,7 @@ from dpserve.router.slots import SlotLimits
 from dpserve.router.store import OutputStore
 from dpserve.router.tenants import KEYLESS
 from dpserve.router.videos import VideoJobs
+from dpserve.router.webhooks import Webhooks
 
 __all__ = [
     "REPLICA_HEADER",
@@ -91,7 +92,18 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         discovery = kube.EndpointSliceDiscovery(k8s.namespace, k8s.service, pool.set_endpoints)
         await discovery.start()
     await pool.start()
-    jobs = VideoJobs(pool, settings.video_poll_s, settings.video_max_estimate_s)
+    webhooks = None
+    if settings.webhook is not None:
+        count = app.state.metrics.webhook_events
+        webhooks = Webhooks(settings.webhook, lambda kind, end: count.labels(kind, end).inc())
+        webhooks.start()
+        app.state.metrics.webhook_waiting.set_function(lambda: webhooks.waiting)
+    jobs = VideoJobs(
+        pool,
+        settings.video_poll_s,
+        settings.video_max_estimate_s,
+        on_finish=webhooks.emit if webhooks is not None else None,
+    )
     app.state.metrics.video_jobs.set_function(lambda: jobs.watched)
     app.state.running = Running(pool, RouterService(pool), SessionRouter(pool), Registry(), jobs)
     try:
@@ -99,6 +111,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         app.state.running = None
         await jobs.close()
+        if webhooks is not None:
+            await webhooks.close()
         if discovery is not None:
             await discovery.stop()
         await pool.close()

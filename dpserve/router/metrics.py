@@ -162,6 +162,19 @@ class RouterMetrics:
             "Video jobs this router placed and watches until they finish",
             registry=self.registry,
         )
+        self.webhook_events = Counter(
+            "dpserve_webhook_events",
+            "Webhook events (docs/webhooks.md) by type and how they ended: delivered, "
+            "dropped (the queue was full) or given_up (no 2xx within --webhook-retry-for)",
+            ["type", "outcome"],
+            registry=self.registry,
+        )
+        # Read at scrape time from the running app's webhook queue (app.py's lifespan).
+        self.webhook_waiting = Gauge(
+            "dpserve_webhook_events_waiting",
+            "Webhook events queued for a sender (not those being sent or retried)",
+            registry=self.registry,
+        )
 
     def observe(
         self, route: str, method: str, status: int, seconds: float, disconnected: bool = False

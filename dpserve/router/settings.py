@@ -19,6 +19,7 @@ from dpserve.router.realtime_ws import RealtimeSettings
 if TYPE_CHECKING:
     from dpserve.plumbing.curve import WireKey
     from dpserve.router.tenants import TenantKey
+    from dpserve.router.webhooks import WebhookSettings
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class RouterSettings:
     output_max_age_s: float = option("output_max_age")
     video_poll_s: float = option("video_poll")
     video_max_estimate_s: float = option("video_max_estimate")
+    webhook: WebhookSettings | None = None  # None: no events are sent
 
     def check(self) -> None:
         """What no single flag can check: weights name configured tenants (ValueError)."""
@@ -70,6 +72,7 @@ class RouterSettings:
         """The settings of a parsed command line, whose wire key file the caller read.
 
         Its ``discovery`` options are left to the caller, which checks them first.
+        A webhook URL without its secret file, or the other way round, is a ValueError.
         """
         pool = PoolSettings(
             request_timeout_s=config.request_timeout,
@@ -100,4 +103,21 @@ class RouterSettings:
             output_max_age_s=config.output_max_age,
             video_poll_s=config.video_poll,
             video_max_estimate_s=config.video_max_estimate,
+            webhook=_webhook(config),
         )
+
+
+def _webhook(config: RouterConfig) -> WebhookSettings | None:
+    url, key = config.webhook_url, config.webhook_secret_file
+    if url is None and key is None:
+        return None
+    if url is None or key is None:
+        given, missing = (
+            ("--webhook-url", "--webhook-secret-file")
+            if key is None
+            else ("--webhook-secret-file", "--webhook-url")
+        )
+        raise ValueError(f"{given} needs {missing}: events are sent signed, to one URL")
+    from dpserve.router.webhooks import WebhookSettings
+
+    return WebhookSettings(url, key, retry_for_s=config.webhook_retry_for)

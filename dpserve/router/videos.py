@@ -38,8 +38,13 @@ tenant with the job (a re-run carries it on), and every ask says whose jobs the
 caller sees, so each replica answers a caller about its own tenant's jobs only.
 Another tenant's job is the 404 of an unknown id, from any router, after any restart.
 
+**Tell.** The watch hands the record it ends on (completed or failed; a given-up
+job as failed) to ``on_finish``: the webhooks' queue (dpserve/router/webhooks.py),
+which never makes it wait.
+
 A job whose router goes away is not re-run if its holder is lost later (nobody
-watches it); it runs to its end where it is, and any router finds it.
+watches it); it runs to its end where it is, and any router finds it (and no
+webhook event is sent for it).
 """
 
 from __future__ import annotations
@@ -118,10 +123,14 @@ class VideoJobs:
         pool: ReplicaPool,
         poll_s: float,
         max_run_s: float,
+        on_finish: Callable[[video.VideoJob], None] | None = None,
     ) -> None:
         """``poll_s``: between looks at each job; ``max_run_s``: the longest a job may
-        run, in seconds (the router's --video-poll and --video-max-estimate)."""
+        run, in seconds (the router's --video-poll and --video-max-estimate);
+        ``on_finish``: told each job's terminal record once its watch sees it, or a
+        failed one when it is given up (the webhooks' emit: it must not wait)."""
         self.pool = pool
+        self._on_finish = on_finish
         self.poll_s = poll_s
         self.max_run_s = max_run_s
         self._watches: dict[str, _Watch] = {}
@@ -319,6 +328,7 @@ class VideoJobs:
             if job.status == video.COMPLETED and watch.meter is not None:
                 units = watch.slot.units
                 watch.meter(Work(0, job.num_frames, units, job.inference_time_s, job.queue_time_s))
+            self._finished(job)
             return True
         return False
 
@@ -347,13 +357,12 @@ class VideoJobs:
             return False
         waited = time.monotonic() - watch.lost_at
         if watch.attempt >= MAX_ATTEMPTS or waited > self.pool.settings.request_timeout_s:
-            log.error(
-                "video job %s is given up: its replica was lost after %d attempts, and "
-                "%.0f s without a replica to run it again",
-                watch.job_id,
-                watch.attempt,
-                waited,
+            why = (
+                f"its replica was lost after {watch.attempt} attempts, and {waited:.0f} s "
+                "without a replica to run it again"
             )
+            log.error("video job %s is given up: %s", watch.job_id, why)
+            self._give_up(watch, why)
             return True
         try:
             slot = self.pool.admission.place({replica.endpoint}, watch.params)
@@ -376,6 +385,7 @@ class VideoJobs:
                 return False
             name = slot.replica.name
             log.error("video job %s is given up: %s refused it: %s", watch.job_id, name, exc)
+            self._give_up(watch, f"{name} refused to run it again: {exc}")
             return True
         except (ReplicaLost, TimeoutError):
             self.pool.admission.release(slot)
@@ -387,6 +397,18 @@ class VideoJobs:
         watch.slot, watch.boot, watch.attempt = slot, slot.replica.boot_id, attempt
         watch.lost, watch.lost_at, watch.last = None, None, job
         return False
+
+    def _finished(self, job: video.VideoJob) -> None:
+        if self._on_finish is not None:
+            self._on_finish(job)
+
+    def _give_up(self, watch: _Watch, why: str) -> None:
+        """No replica holds the job any more, and none will: it failed."""
+        error = video.VideoError(code=p.UNAVAILABLE, message=f"the job was given up: {why}")
+        now = int(time.time())
+        self._finished(
+            msgspec.structs.replace(watch.last, status=video.FAILED, completed_at=now, error=error)
+        )
 
     async def _delete_stale(self, watch: _Watch) -> None:
         """A holder that came back after the job ran again elsewhere drops its copy."""

@@ -439,6 +439,51 @@ def test_router_auth_mounts_the_users_secret_and_passes_the_key_files() -> None:
     assert args[args.index("--admin-key-file") + 1] == "/etc/dpserve/auth/admin-keys"
 
 
+def test_router_webhook_mounts_the_users_secret_and_its_flags_reach_the_settings(
+    tmp_path: Any,
+) -> None:
+    import base64
+
+    from pydantic import ValidationError
+
+    from dpserve.cli import _router_settings, build_parser
+
+    hook = {"url": "https://hooks.example.com/dpserve", "secretName": "hook"}
+    deployment = b.build_router_deployment(svc(router={"webhook": hook}), IMAGES)
+    pod = deployment["spec"]["template"]["spec"]
+    assert {"name": "webhook", "secret": {"secretName": "hook", "defaultMode": 0o440}} in pod[
+        "volumes"
+    ]
+    (container,) = pod["containers"]
+    mount = {"name": "webhook", "mountPath": "/etc/dpserve/webhook", "readOnly": True}
+    assert mount in container["volumeMounts"]
+    args = container["args"]
+    assert args[args.index("--webhook-url") + 1] == hook["url"]
+    assert args[args.index("--webhook-secret-file") + 1] == "/etc/dpserve/webhook/webhook-secret"
+    assert args[args.index("--webhook-retry-for") + 1] == "3600"
+    # The router reads the mounted key while parsing: here, from a file of the same form.
+    key = bytes(range(32))
+    secret = tmp_path / "webhook-secret"
+    secret.write_text("whsec_" + base64.b64encode(key).decode())
+    args = [str(secret) if a.startswith("/etc/dpserve/webhook/") else a for a in args]
+    parsed = build_parser().parse_args(args)
+    parsed.wire_key_file = None  # the wire key's own file is not here either
+    webhook = _router_settings(parsed, ()).webhook
+    assert webhook is not None and (webhook.url, webhook.key) == (hook["url"], key)
+    assert webhook.retry_for_s == 3600
+    plain = b.router_args(svc())
+    assert not any(a.startswith("--webhook") for a in plain)
+    assert not any(
+        v.get("name") == "webhook"
+        for v in b.build_router_deployment(svc(), IMAGES)["spec"]["template"]["spec"]["volumes"]
+    )
+    for bad in ("ftp://x/h", "https://u:p@x/h", "https://x/h#frag", "not a url"):
+        with pytest.raises(ValidationError):
+            svc(router={"webhook": {**hook, "url": bad}})
+    with pytest.raises(ValidationError):
+        svc(router={"webhook": {"url": hook["url"], "secretName": ""}})
+
+
 def test_router_worker_and_probe_args_parse_with_the_cli() -> None:
     import argparse
 
