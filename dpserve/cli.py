@@ -214,8 +214,9 @@ def _router_settings(args: argparse.Namespace, workers: Sequence[str]) -> Router
     from dpserve.router.app import RouterSettings
 
     config = RouterConfig.from_args(args, serve=args.command == "serve")
-    settings = RouterSettings.from_config(config, _wire_key(args.wire_key_file))
+    wire_key = _wire_key(args.wire_key_file)
     try:
+        settings = RouterSettings.from_config(config, wire_key)
         settings.check()
     except ValueError as exc:
         print(f"dpserve {args.command}: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ from dpserve.router.realtime_ws import RealtimeSettings
 if TYPE_CHECKING:
     from dpserve.plumbing.curve import WireKey
     from dpserve.router.tenants import TenantKey
+    from dpserve.sources.uri import S3Source
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class RouterSettings:
     realtime: RealtimeSettings = field(default_factory=RealtimeSettings)
     max_body_bytes: int = option("max_body")
     max_upload_bytes: int = option("max_upload_bytes")
-    output_dir: Path | None = None
+    output_dir: Path | None = None  # a local output store (--output-dir, or a folder)
+    output_s3: S3Source | None = None  # a bucket output store (docs/outputs.md)
     public_url: str = f"http://{option('host')}:{option('port')}"
     served_model_name: str | None = None
     # Bare keys are their own tenants (dpserve/router/tenants.py).
@@ -54,6 +56,7 @@ class RouterSettings:
     backlog: int = option("backlog")
     output_max_files: int = option("output_max_files")
     output_max_age_s: float = option("output_max_age")
+    output_url_ttl_s: int = option("output_url_ttl")
     video_poll_s: float = option("video_poll")
     video_max_estimate_s: float = option("video_max_estimate")
 
@@ -70,7 +73,15 @@ class RouterSettings:
         """The settings of a parsed command line, whose wire key file the caller read.
 
         Its ``discovery`` options are left to the caller, which checks them first.
+        ValueError: both --output-dir and --output-store.
         """
+        store, output_dir = config.output_store, config.output_dir
+        if store is not None and output_dir is not None:
+            raise ValueError(
+                "give --output-store or --output-dir, not both (--output-dir PATH is "
+                "--output-store PATH)"
+            )
+        local = store if isinstance(store, Path) else output_dir
         pool = PoolSettings(
             request_timeout_s=config.request_timeout,
             max_inflight=config.max_inflight_per_replica,
@@ -83,7 +94,8 @@ class RouterSettings:
         return cls(
             workers=config.worker,
             pool=pool,
-            output_dir=config.output_dir,
+            output_dir=local,
+            output_s3=None if store is None or isinstance(store, Path) else store,
             public_url=config.public_url or f"http://{config.host}:{config.port}",
             served_model_name=config.served_model_name,
             api_keys=config.api_keys,
@@ -98,6 +110,7 @@ class RouterSettings:
             backlog=config.backlog,
             output_max_files=config.output_max_files,
             output_max_age_s=config.output_max_age,
+            output_url_ttl_s=config.output_url_ttl,
             video_poll_s=config.video_poll,
             video_max_estimate_s=config.video_max_estimate,
         )
