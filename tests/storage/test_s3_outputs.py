@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import os
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import pytest
 import zmq.asyncio
+from PIL import Image
 
 from dpserve.plumbing.ports import free_port
 from dpserve.router.tenants import TenantKey
 from dpserve.sources.uri import S3Source
 from tests.polling import eventually
+from tests.servers import ServeProcess
 from tests.storage.s3 import S3Server
 from tests.stub_replica import StubReplica
 from tests.unit.test_router_images import BODY, GEN, _apps
@@ -145,3 +149,25 @@ def test_a_store_that_is_down_is_a_503_that_says_so_in_seconds(
     assert "could not be stored" in message and "s3://outputs/" in message
     assert "did not answer" in message and "b64_json" in message
     assert took < 20  # a clear refusal, not a hang
+
+
+def test_serve_with_an_output_store_answers_links_to_a_real_models_images(
+    s3_server: S3Server, aws_env: dict[str, str], tiny_model: Path
+) -> None:
+    """The way a user reaches it: ``dpserve serve --output-store s3://…`` configured by
+    the AWS_* variables alone, a real model behind it."""
+    bucket = s3_server.new_bucket("outputs")
+    store = ("--output-store", f"s3://{bucket}/serve", "--output-url-ttl", "30")
+    with ServeProcess(tiny_model, 1, *store) as serve:
+        features = serve.http.get("/v1/models").json()["data"][0]["router_features"]
+        assert features["response_formats"] == ["b64_json", "url"]
+        made = serve.http.post(
+            GEN, json={**BODY, "num_inference_steps": 2, "response_format": "url"}
+        )
+        assert made.status_code == 200, made.text
+        url = made.json()["data"][0]["url"]
+    assert "X-Amz-Expires=30" in url and f"/{bucket}/serve/images/" in url
+    got = _get(url)  # serve is gone: the store answers
+    assert got.status_code == 200, got.text
+    with Image.open(io.BytesIO(got.content)) as image:
+        assert (image.format, image.size) == ("PNG", (64, 64))
