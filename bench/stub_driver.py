@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import random
 import uuid
 from pathlib import Path
 
@@ -28,9 +29,16 @@ from dpserve.plumbing.curve import Gatekeeper, WireKey
 from dpserve.plumbing.transport import bind_router
 
 
-def _png() -> bytes:
+def _png(side: int = 64) -> bytes:
+    """The answer's PNG: one colour at 64² (the default), else ``side``² of seeded
+    noise, about as many bytes as a photo-like image of that size (for benches that
+    move the bytes: bench/outputs.py)."""
     buf = io.BytesIO()
-    Image.new("RGB", (64, 64), (200, 120, 40)).save(buf, format="PNG")
+    if side == 64:
+        Image.new("RGB", (64, 64), (200, 120, 40)).save(buf, format="PNG")
+    else:
+        noise = random.Random(side).randbytes(side * side * 3)
+        Image.frombytes("RGB", (side, side), noise).save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -81,12 +89,12 @@ def _model_info(replica: int) -> mi.ModelInfo:
     )
 
 
-async def serve(port: int, replica: int, key: WireKey | None = None) -> None:
+async def serve(port: int, replica: int, key: WireKey | None = None, side: int = 64) -> None:
     ctx = zmq.asyncio.Context()
     # Held for the process's life, as a driver's socket thread holds its own.
     _gate = Gatekeeper(ctx, key) if key is not None else None
     sock = bind_router(ctx, f"tcp://127.0.0.1:{port}", key=key)
-    png, boot, served = _png(), uuid.uuid4().hex, 0
+    png, boot, served = _png(side), uuid.uuid4().hex, 0
     held: dict[str, object] = StateDoc().to_builtins()
     info = msgspec.to_builtins(_model_info(replica))
     while True:
@@ -109,7 +117,7 @@ async def serve(port: int, replica: int, key: WireKey | None = None) -> None:
             )
         else:
             served += 1
-            meta = p.ImageMeta(index=0, blob=0, seed=1, format="png", width=64, height=64)
+            meta = p.ImageMeta(index=0, blob=0, seed=1, format="png", width=side, height=side)
             result = p.GenerateResult(
                 images=[meta], replica=replica, inference_time_s=0.0, queue_time_s=0.0,
                 peak_memory_mb=0.0,
@@ -123,6 +131,7 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--wire-key-file", type=Path, default=None, help="serve under CURVE")
+    parser.add_argument("--side", type=int, default=64, help="the answer's width and height")
     args = parser.parse_args()
     key = None if args.wire_key_file is None else WireKey.load(args.wire_key_file)
-    asyncio.run(serve(args.port, args.replica, key))
+    asyncio.run(serve(args.port, args.replica, key, args.side))

@@ -28,6 +28,7 @@ from dpserve.config.flags import flag, non_negative, port_number, positive, seco
 
 if TYPE_CHECKING:
     from dpserve.router.tenants import TenantKey
+    from dpserve.sources.uri import S3Source
 
 Discovery = Literal["static", "kubernetes"]
 # The routing policies (dpserve.router.policies, docs/router.md, Routing policies).
@@ -51,6 +52,26 @@ def parse_key_file(value: str) -> tuple[TenantKey, ...]:
         return load_key_file(Path(value))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_output_store(value: str) -> S3Source | Path:
+    from dpserve.router.bucket import parse_output_store as parse
+
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_url_ttl(value: str) -> int:
+    from dpserve.router.bucket import MAX_URL_TTL_S
+
+    ttl = positive(value)
+    if ttl > MAX_URL_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"{ttl} s: a presigned link lives at most {MAX_URL_TTL_S} s (seven days)"
+        )
+    return ttl
 
 
 def parse_served_name(value: str) -> str:
@@ -197,6 +218,17 @@ class RouterConfig:
     output_dir: Path | None = field(
         default=None, metadata=flag("enables response_format=url", Path)
     )
+    # Where url images go (docs/outputs.md): a bucket any router pod presigns links
+    # into, or a local folder (what --output-dir names).
+    output_store: S3Source | Path | None = field(
+        default=None,
+        metadata=flag(
+            "enables response_format=url: s3://BUCKET/PREFIX (presigned links; AWS_* "
+            "variables configure the client), or a folder (file:///PATH or PATH) as "
+            "--output-dir",
+            parse_output_store,
+        ),
+    )
     public_url: str | None = field(  # None: http://HOST:PORT
         default=None, metadata=flag("base of image URLs (default: own address)")
     )
@@ -249,6 +281,14 @@ class RouterConfig:
     )
     output_max_age: float = field(
         default=3600.0, metadata=flag("seconds a url image is kept", seconds)
+    )
+    output_url_ttl: int = field(
+        default=3600,
+        metadata=flag(
+            "seconds a url answer's link is good for (a folder's files live the shorter "
+            "of this and --output-max-age)",
+            parse_url_ttl,
+        ),
     )
     # How often the router polls each video job it placed (dpserve/router/videos.py):
     # how soon it sees one finish, and re-runs one whose replica was lost.

@@ -589,6 +589,9 @@ def router_options(svc: Svc) -> dict[str, Any]:
         "max_requests_per_tenant": r.maxRequestsPerTenant,
         "tenant_weight": tuple(f"{name}={w}" for name, w in sorted(r.tenantWeights.items())),
         "allowed_host": (*router_host_names(svc), *r.allowedHosts),
+        # Its credentials come as the pod's environment (build_router_deployment).
+        "output_store": r.outputStore.uri if r.outputStore else None,
+        "output_url_ttl": r.outputStore.urlTtlSeconds if r.outputStore else None,
         # The user's key Secret, mounted at AUTH_DIR (build_router_deployment).
         "api_key_file": (f"{AUTH_DIR}/{API_KEYS}",) if r.auth else (),
         "admin_key_file": (f"{AUTH_DIR}/{ADMIN_KEYS}",) if r.auth else (),
@@ -637,6 +640,10 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
         "volumeMounts": mounts,
         "securityContext": container_security(),
     }
+    if r.outputStore and r.outputStore.credentials:
+        # The output store's Secret as the environment boto3 reads (AWS_*), as a model
+        # source's reaches its fill Job: only the router pods get it.
+        container["envFrom"] = [{"secretRef": {"name": r.outputStore.credentials.secretName}}]
     template = {
         "metadata": {"labels": labels(svc, "router")},
         "spec": {

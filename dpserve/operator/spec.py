@@ -298,6 +298,40 @@ class RouterWebhook(_Model):
     )
 
 
+class OutputCredentials(_Model):
+    secretName: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Secret in the service's namespace whose keys become the router pods' "
+        "environment: the store's own variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_ENDPOINT_URL, AWS_REGION)",
+    )
+
+
+class OutputStore(_Model):
+    """Where response_format=url images go (docs/outputs.md): a bucket every router pod
+    uploads to and presigns links into."""
+
+    uri: str = Field(
+        min_length=6,
+        max_length=1024,
+        pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$",
+        description="s3://BUCKET/PREFIX on any S3-compatible store (AWS_ENDPOINT_URL in "
+        "the credentials Secret for one other than AWS)",
+    )
+    urlTtlSeconds: int = Field(
+        _router("output_url_ttl"),
+        ge=1,
+        le=7 * 24 * 3600,
+        description="seconds a url answer's presigned link is good for",
+    )
+    credentials: OutputCredentials | None = Field(
+        None,
+        description="the store's credentials and endpoint, from a Secret (none: the pod's "
+        "own, e.g. a workload identity)",
+    )
+
+
 # A tenant's name, as the router checks it (dpserve/router/tenants.py; the operator
 # never imports the router).
 TENANT_NAME: Final = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -377,6 +411,9 @@ class RouterSpec(_Model):
 
     webhook: RouterWebhook | None = Field(
         None, description="video job events, signed, to one URL (docs/webhooks.md)"
+    )
+    outputStore: OutputStore | None = Field(
+        None, description="enables response_format=url: images go to a bucket as presigned links"
     )
     videoMaxEstimateSeconds: int = Field(
         _router("video_max_estimate"),

@@ -27,6 +27,7 @@ from dpserve.contract import realtime as rt
 from dpserve.router.access import Levels
 from dpserve.router.auth import AuthMiddleware, Keys, document_security
 from dpserve.router.bodies import BadBody
+from dpserve.router.bucket import BucketStore
 from dpserve.router.deps import Running
 from dpserve.router.desired import DesiredState
 from dpserve.router.hosts import AllowedHosts
@@ -118,6 +119,21 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.close()
 
 
+def output_store(settings: RouterSettings) -> OutputStore | BucketStore | None:
+    """Where url images go (docs/outputs.md). A folder's file lives no longer than its
+    link: the shorter of --output-max-age and --output-url-ttl."""
+    if settings.output_s3 is not None:
+        return BucketStore(settings.output_s3, settings.output_url_ttl_s)
+    if settings.output_dir is None:
+        return None
+    return OutputStore(
+        settings.output_dir,
+        settings.public_url,
+        settings.output_max_files,
+        min(settings.output_max_age_s, settings.output_url_ttl_s),
+    )
+
+
 def create_app(settings: RouterSettings) -> FastAPI:
     # The schema and its pages are the docs area's: the same, with their files served here.
     app = FastAPI(
@@ -134,16 +150,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     # Usage is labelled by tenant: the configured ones, or the one keyless tenant.
     app.state.metrics = RouterMetrics(keys.tenants if keys.enabled else (KEYLESS.tenant,))
     app.state.running = None
-    app.state.store = (
-        OutputStore(
-            settings.output_dir,
-            settings.public_url,
-            settings.output_max_files,
-            settings.output_max_age_s,
-        )
-        if settings.output_dir
-        else None
-    )
+    app.state.store = output_store(settings)
     _handle_errors(app)
     for area in (images, videos, info, control, health, usage, realtime, docs, playground):
         # Each area's routes join the app's own list: an included router is one node

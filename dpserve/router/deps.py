@@ -19,6 +19,7 @@ from starlette.requests import HTTPConnection
 from dpserve.contract import validation as pv
 from dpserve.contract.model_info import Features, ModelInfo
 from dpserve.router import served_model
+from dpserve.router.bucket import BucketStore
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.registry import Registry
@@ -52,8 +53,12 @@ async def settings(conn: HTTPConnection) -> RouterSettings:
     return found
 
 
-async def store(conn: HTTPConnection) -> OutputStore | None:
-    found: OutputStore | None = conn.app.state.store
+# Where url images go: a folder this router serves, or a bucket it presigns links into.
+ImageStore = OutputStore | BucketStore
+
+
+async def store(conn: HTTPConnection) -> ImageStore | None:
+    found: ImageStore | None = conn.app.state.store
     return found
 
 
@@ -89,7 +94,7 @@ ServiceDep = Annotated[RouterService, Depends(service)]
 RegistryDep = Annotated[Registry, Depends(registry)]
 VideosDep = Annotated[VideoJobs, Depends(videos)]
 SettingsDep = Annotated[RouterSettings, Depends(settings)]
-StoreDep = Annotated["OutputStore | None", Depends(store)]
+StoreDep = Annotated["ImageStore | None", Depends(store)]
 MetricsDep = Annotated[RouterMetrics, Depends(metrics)]
 RequestIdDep = Annotated[str, Depends(request_id)]
 

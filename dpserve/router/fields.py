@@ -59,7 +59,7 @@ ROUTER_FIELDS: Final = (
             "response_format",
             Literal["b64_json", "url"],
             "b64_json",
-            description="url needs the router's --output-dir; not with stream",
+            description="url needs the router's --output-store (or --output-dir); not with stream",
         )
     ),
     _images(

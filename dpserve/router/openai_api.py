@@ -103,7 +103,8 @@ def parse_image_request(
         problems.append(
             p.FieldError(
                 "response_format",
-                "url needs an output store (start the router with --output-dir); use b64_json",
+                "url needs an output store (start the router with --output-store or "
+                "--output-dir); use b64_json",
             )
         )
     params: p.GenerateParams | None = None

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from dpserve.plumbing.curve import WireKey
     from dpserve.router.tenants import TenantKey
     from dpserve.router.webhooks import WebhookSettings
+    from dpserve.sources.uri import S3Source
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class RouterSettings:
     realtime: RealtimeSettings = field(default_factory=RealtimeSettings)
     max_body_bytes: int = option("max_body")
     max_upload_bytes: int = option("max_upload_bytes")
-    output_dir: Path | None = None
+    output_dir: Path | None = None  # a local output store (--output-dir, or a folder)
+    output_s3: S3Source | None = None  # a bucket output store (docs/outputs.md)
     public_url: str = f"http://{option('host')}:{option('port')}"
     served_model_name: str | None = None
     # Bare keys are their own tenants (dpserve/router/tenants.py).
@@ -55,6 +57,7 @@ class RouterSettings:
     backlog: int = option("backlog")
     output_max_files: int = option("output_max_files")
     output_max_age_s: float = option("output_max_age")
+    output_url_ttl_s: int = option("output_url_ttl")
     video_poll_s: float = option("video_poll")
     video_max_estimate_s: float = option("video_max_estimate")
     webhook: WebhookSettings | None = None  # None: no events are sent
@@ -72,8 +75,16 @@ class RouterSettings:
         """The settings of a parsed command line, whose wire key file the caller read.
 
         Its ``discovery`` options are left to the caller, which checks them first.
-        A webhook URL without its secret file, or the other way round, is a ValueError.
+        A webhook URL without its secret file, or the other way round, is a ValueError;
+        so are both --output-dir and --output-store.
         """
+        store, output_dir = config.output_store, config.output_dir
+        if store is not None and output_dir is not None:
+            raise ValueError(
+                "give --output-store or --output-dir, not both (--output-dir PATH is "
+                "--output-store PATH)"
+            )
+        local = store if isinstance(store, Path) else output_dir
         pool = PoolSettings(
             request_timeout_s=config.request_timeout,
             max_inflight=config.max_inflight_per_replica,
@@ -86,7 +97,8 @@ class RouterSettings:
         return cls(
             workers=config.worker,
             pool=pool,
-            output_dir=config.output_dir,
+            output_dir=local,
+            output_s3=None if store is None or isinstance(store, Path) else store,
             public_url=config.public_url or f"http://{config.host}:{config.port}",
             served_model_name=config.served_model_name,
             api_keys=config.api_keys,
@@ -101,6 +113,7 @@ class RouterSettings:
             backlog=config.backlog,
             output_max_files=config.output_max_files,
             output_max_age_s=config.output_max_age,
+            output_url_ttl_s=config.output_url_ttl,
             video_poll_s=config.video_poll,
             video_max_estimate_s=config.video_max_estimate,
             webhook=_webhook(config),

@@ -39,6 +39,27 @@ _MD5 = re.compile(r"^[0-9a-f]{32}$")
 FOLDER = "model"  # the pipeline folder inside an entry
 
 
+def s3_client(**config: Any) -> Any:
+    """A boto3 S3 client configured by the environment (``AWS_*``, profiles), as every
+    part of dpserve that talks to a bucket makes it; ``config``: more botocore
+    ``Config`` options (timeouts, say)."""
+    import boto3
+    from botocore.config import Config
+
+    # Checksums only when an operation needs them: a ranged GET of an object with a
+    # stored checksum has none to validate. SigV4 throughout: a presigned link boto3
+    # signs with SigV2 unless told otherwise, which current stores refuse.
+    options: dict[str, Any] = {
+        "response_checksum_validation": "when_required",
+        "retries": {"mode": "standard"},
+        "signature_version": "s3v4",
+        **config,
+    }
+    # A session of its own: boto3's default one is process-wide and keeps the
+    # credentials it first resolved.
+    return boto3.session.Session().client("s3", config=Config(**options))
+
+
 def entry_name(source: S3Source) -> str:
     """The cache folder of a bucket prefix: readable, and unique by a hash of it."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{source.bucket}--{source.prefix}").strip("-.")
@@ -59,17 +80,7 @@ class S3Store:
     @property
     def client(self) -> Any:
         if self._client is None:
-            import boto3
-            from botocore.config import Config
-
-            # Checksums only when an operation needs them: a ranged GET of an object
-            # with a stored checksum has none to validate.
-            config = Config(
-                response_checksum_validation="when_required", retries={"mode": "standard"}
-            )
-            # A session of its own: boto3's default one is process-wide and keeps the
-            # credentials it first resolved.
-            self._client = boto3.session.Session().client("s3", config=config)
+            self._client = s3_client()
         return self._client
 
     def plan(self) -> Plan:

@@ -200,3 +200,109 @@ def test_the_crd_refuses_weights_for_names_no_tenant_can_have() -> None:
         RouterSpec(tenantWeights={"Team A": 2})
     with pytest.raises(ValidationError):
         RouterSpec(tenantWeights={"team-a": 0})
+
+
+# ---------------------------------------------------------------- the output store
+
+
+def test_the_output_store_flags_reach_the_settings_and_the_store() -> None:
+    from dpserve.router.app import output_store
+    from dpserve.router.bucket import BucketStore
+    from dpserve.router.store import OutputStore
+    from dpserve.sources.uri import S3Source
+
+    for command in ("router", "serve"):
+        args = ["--output-store", "s3://outs/fleet/a", "--output-url-ttl", "120"]
+        base = ["--worker", "tcp://a:1"] if command == "router" else ["--model", "/m"]
+        config = RouterConfig.from_args(
+            build_parser().parse_args([command, *base, *args]), serve=command == "serve"
+        )
+        settings = RouterSettings.from_config(config, None)
+        assert (settings.output_s3, settings.output_dir) == (S3Source("outs", "fleet/a/"), None)
+        assert settings.output_url_ttl_s == 120
+    store = output_store(settings)
+    assert isinstance(store, BucketStore) and store.url_ttl_s == 120
+    # A folder, by URI or bare path, is --output-dir's store; its files live no longer
+    # than their links.
+    for given in ("file:///srv/out", "/srv/out", "srv/out"):
+        local = RouterSettings.from_config(
+            _router(["--worker", "tcp://a:1", "--output-store", given, "--output-url-ttl", "60"]),
+            None,
+        )
+        assert local.output_dir == Path(given.removeprefix("file://"))
+        assert local.output_s3 is None
+        folder = output_store(local)
+        assert isinstance(folder, OutputStore) and folder.max_age_s == 60
+    plain = RouterSettings.from_config(
+        _router(["--worker", "tcp://a:1", "--output-dir", "/o"]), None
+    )
+    assert (plain.output_url_ttl_s, plain.output_max_age_s) == (3600, 3600.0)
+    assert output_store(plain) == OutputStore(Path("/o"), plain.public_url, 1000, 3600.0)
+    assert output_store(RouterSettings()) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--output-store", "s3://Bad_Bucket/p"], "is not a bucket name"),
+        (["--output-store", "hf://org/name"], "not a model hub"),
+        (["--output-store", "gs://b/p"], "unknown scheme"),
+        (["--output-store", "file://relative"], "file:///ABSOLUTE/PATH"),
+        (["--output-store", "s3://key:secret@b/p"], "credentials do not belong"),
+        (["--output-url-ttl", "0"], "must be >= 1"),
+        (["--output-url-ttl", "604801"], "at most 604800 s"),
+    ],
+)
+def test_a_bad_output_store_is_a_usage_error_that_says_why(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _router(["--worker", "tcp://a:1", *flags])
+    assert said in capsys.readouterr().err
+
+
+def test_output_store_and_output_dir_together_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dpserve.cli import _router_settings
+
+    args = ["router", "--worker", "tcp://a:1", "--output-dir", "/o", "--output-store", "/p"]
+    with pytest.raises(SystemExit) as exited:
+        _router_settings(build_parser().parse_args(args), ["tcp://a:1"])
+    assert exited.value.code == 2
+    assert "give --output-store or --output-dir, not both" in capsys.readouterr().err
+
+
+def test_the_crd_output_store_reaches_the_router_with_its_secret_as_env() -> None:
+    from pydantic import ValidationError
+
+    store = {"uri": "s3://outs/fleet", "urlTtlSeconds": 90, "credentials": {"secretName": "s3"}}
+    config = _operator_router(outputStore=store)
+    assert (str(config.output_store), config.output_url_ttl) == ("s3://outs/fleet/", 90)
+    spec = DiffusionServiceSpec.model_validate(
+        {"model": {"path": "/models/m"}, "router": {"outputStore": store}}
+    )
+    deployment = b.build_router_deployment(
+        b.Svc("qwen", "ml", "uid-1", 1, spec), b.Images("w", "r")
+    )
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": "s3"}}]
+    # No store: no flag, no Secret; one without credentials uses the pod's own.
+    assert _operator_router().output_store is None
+    keyless = _operator_router(outputStore={"uri": "s3://outs"})
+    assert keyless.output_url_ttl == FIELDS["output_url_ttl"].default
+    bare = b.build_router_deployment(
+        b.Svc(
+            "qwen",
+            "ml",
+            "uid-1",
+            1,
+            DiffusionServiceSpec.model_validate(
+                {"model": {"path": "/models/m"}, "router": {"outputStore": {"uri": "s3://outs"}}}
+            ),
+        ),
+        b.Images("w", "r"),
+    )
+    assert "envFrom" not in bare["spec"]["template"]["spec"]["containers"][0]
+    with pytest.raises(ValidationError):
+        RouterSpec.model_validate({"outputStore": {"uri": "/srv/out"}})  # pods share no folder

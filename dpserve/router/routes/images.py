@@ -4,7 +4,7 @@ hands the request to a job (dpserve/router/jobs.py) and shapes the answer."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -14,7 +14,9 @@ from dpserve.contract import protocol as p
 from dpserve.router import deps, fields, jobs, schemas
 from dpserve.router.access import inference, public
 from dpserve.router.bodies import BadBody, parse_object, read_body
+from dpserve.router.bucket import StoreDown
 from dpserve.router.deps import (
+    ImageStore,
     MetricsDep,
     PoolDep,
     RegistryDep,
@@ -119,7 +121,7 @@ async def _edit(
     pool: ReplicaPool,
     service: RouterService,
     registry: Registry,
-    store: OutputStore | None,
+    store: ImageStore | None,
     metrics: RouterMetrics,
 ) -> Response:
     check_model(body.get("model"), deps.served_name(pool, settings))
@@ -146,7 +148,7 @@ def _tenant(request: Request) -> str:
 
 
 async def _answer(
-    request: Request, job: jobs.Job, asked: ImageRequest, kind: str, store: OutputStore | None
+    request: Request, job: jobs.Job, asked: ImageRequest, kind: str, store: ImageStore | None
 ) -> Response:
     rid = job.entry.request_id
     if asked.stream:
@@ -155,11 +157,26 @@ async def _answer(
     urls = None
     if asked.response_format == "url" and store is not None:
         tenant, fmt = principal_of(request.scope).tenant, asked.params.output_format
-        urls = [store.save(img, fmt, tenant) for img in done.images]
+        urls = await _saved(store, done.images, fmt, tenant)
     return JSONResponse(
         image_response(rid, done.result, done.images, urls),
         headers={REPLICA_HEADER: done.replica},
     )
+
+
+async def _saved(store: ImageStore, images: Sequence[bytes], fmt: str, tenant: str) -> list[str]:
+    """The images in the output store, their links. A bucket is written off the event
+    loop; one that does not take them is a 503 that says so (the images are lost)."""
+    if isinstance(store, OutputStore):
+        return [store.save(img, fmt, tenant) for img in images]
+    try:
+        return await asyncio.to_thread(lambda: [store.save(img, fmt, tenant) for img in images])
+    except StoreDown as exc:
+        raise p.RequestError(
+            p.UNAVAILABLE,
+            f"the image was made but could not be stored: {exc}; retry, or ask "
+            "for response_format=b64_json",
+        ) from None
 
 
 @inference
@@ -207,7 +224,8 @@ def _too_late(request_id: str, ended: str) -> str:
 # anyway must be one of the image's tenant (docs/tenants.md, "Ownership").
 @public
 async def stored_image(name: str, request: Request, store: StoreDep) -> Response:
-    path = store.path(name) if store is not None else None
+    # A bucket's links go to the store itself: nothing of it is served here.
+    path = store.path(name) if isinstance(store, OutputStore) else None
     if path is None or not may_open(presented_of(request.scope), owner(name)):
         raise p.RequestError(p.NOT_FOUND, f"no stored image {name[:80]!r}")
     return FileResponse(path)

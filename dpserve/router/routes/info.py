@@ -99,7 +99,9 @@ def router_features(settings: RouterSettings) -> dict[str, Any]:
         "request_ids": True,
         "max_upload_bytes": settings.max_upload_bytes,
         "max_partial_images": pv.MAX_PARTIAL_IMAGES,
-        "response_formats": ["b64_json", "url"] if settings.output_dir else ["b64_json"],
+        "response_formats": (
+            ["b64_json", "url"] if settings.output_dir or settings.output_s3 else ["b64_json"]
+        ),
         # Every field each image route takes (what the model takes: ``features``).
         "request_fields": request_fields(),
     }
