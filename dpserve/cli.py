@@ -269,6 +269,7 @@ def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConf
     from dpserve.config.worker import gang_options, worker_flags
     from dpserve.contract.layout import ParallelConfig
     from dpserve.local import ReplicaSetConfig, default_model
+    from dpserve.sources.uri import S3Source
 
     layout = ParallelConfig(  # fail fast, before a model is built or a replica starts
         tp=args.tp,
@@ -279,6 +280,9 @@ def _replica_set(args: argparse.Namespace, model: Path | None) -> ReplicaSetConf
         dp=args.dp_size,
     )
     flags = tuple(worker_flags(gang_options(args)))
+    store = getattr(args, "output_store", None)
+    if isinstance(store, S3Source):  # a bucket: replicas upload their videos there too
+        flags += tuple(worker_flags({"output_store": store}))
     model = model or default_model()
     return ReplicaSetConfig(
         model, args.dp_size, args.scheduler_port, flags, layout.gang_size, args.wire_key_file

@@ -22,11 +22,27 @@ from typing import Any, Literal, get_args
 from dpserve.config import flags
 from dpserve.config.flags import flag, non_negative, port_number, positive, seconds
 from dpserve.contract.layout import ParallelConfig
+from dpserve.sources.uri import S3Source
 
 Device = Literal["auto", "cpu", "cuda"]
 # protocol.STEP_CACHE_KNOBS's kinds (spelled here: this module is stdlib only).
 StepCacheKind = Literal["first_block_cache", "taylorseer"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def output_bucket(text: str) -> S3Source:
+    """``--output-store``: a bucket prefix only (a replica's folder is --video-dir)."""
+    from dpserve.sources.uri import BadUri, parse
+
+    try:
+        found = parse(text)
+    except BadUri as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not isinstance(found, S3Source):
+        raise argparse.ArgumentTypeError(
+            f"{text}: a worker's output store is s3://BUCKET/PREFIX (a folder: --video-dir)"
+        )
+    return found
 
 
 def compile_size(text: str) -> str:
@@ -188,6 +204,18 @@ class WorkerConfig:
     video_max_bytes: int = field(
         default=2 << 30,
         metadata=flag("bytes of finished videos kept; the oldest go first", positive),
+    )
+    # A bucket finished videos go to instead of the disk, so they outlive the replica
+    # (docs/outputs.md). Not a gang flag of ``serve``: its own --output-store (the
+    # router's) reaches its replicas when it names a bucket.
+    output_store: S3Source | None = field(
+        default=None,
+        metadata=flag(
+            "s3://BUCKET/PREFIX finished videos and thumbnails are uploaded to (AWS_* "
+            "variables configure the client; default: kept in --video-dir)",
+            output_bucket,
+            serve=False,
+        ),
     )
     # Tuning that is no flag.
     warmup_steps: int = 2

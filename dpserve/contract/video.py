@@ -151,6 +151,10 @@ class VideoJob(msgspec.Struct, kw_only=True):
     inference_time_s: float = 0.0  # the pipeline, without encoding
     encode_time_s: float = 0.0  # mp4 and thumbnail
     tenant: str = ""  # who owns it ("" for a job a sender that predates tenants placed)
+    # Where its mp4 and thumbnail are once completed, when the owner has an output
+    # store (s3://…/videos/<id>/<attempt>.{mp4,jpg}); "" for the owner's own disk, or
+    # from a peer that predates the store.
+    location: str = ""
 
 
 class VideoList(msgspec.Struct, kw_only=True):

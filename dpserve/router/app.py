@@ -58,6 +58,7 @@ from dpserve.router.store import OutputStore
 from dpserve.router.tenants import KEYLESS
 from dpserve.router.videos import VideoJobs
 from dpserve.router.webhooks import Webhooks
+from dpserve.sources.outstore import VideoObjects
 
 __all__ = [
     "REPLICA_HEADER",
@@ -104,6 +105,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.video_poll_s,
         settings.video_max_estimate_s,
         on_finish=webhooks.emit if webhooks is not None else None,
+        objects=None if settings.output_s3 is None else VideoObjects(settings.output_s3),
     )
     app.state.metrics.video_jobs.set_function(lambda: jobs.watched)
     app.state.running = Running(pool, RouterService(pool), SessionRouter(pool), Registry(), jobs)

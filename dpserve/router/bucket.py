@@ -15,29 +15,20 @@ fails the upload within a few seconds (``StoreDown``), never hangs the request.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from dpserve.sources.outstore import StoreDown, bucket_client, store_errors
 from dpserve.sources.uri import BadUri, LocalSource, S3Source, parse
+
+__all__ = ["BucketStore", "StoreDown", "parse_output_store"]
 
 # SigV4's bound on a presigned link's life (seven days).
 MAX_URL_TTL_S: Final = 7 * 24 * 3600
-# A store that is down costs the request seconds, not boto3's minute-long defaults.
-_CLIENT_TIMEOUTS: Final = {
-    "connect_timeout": 3,
-    "read_timeout": 20,
-    "retries": {"mode": "standard", "max_attempts": 2},
-}
 _TYPES: Final = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 FORMS: Final = "s3://BUCKET/PREFIX, file:///PATH or a folder"
-
-
-class StoreDown(Exception):
-    """The store refused or did not answer an upload; the message says what to check."""
 
 
 def parse_output_store(text: str) -> S3Source | Path:
@@ -69,9 +60,7 @@ class BucketStore:
 
     def __post_init__(self) -> None:
         if self.client is None:
-            from dpserve.sources.s3 import s3_client
-
-            self.client = s3_client(**_CLIENT_TIMEOUTS)
+            self.client = bucket_client()
 
     def key(self, name: str) -> str:
         return f"{self.source.prefix}images/{name}"
@@ -81,7 +70,7 @@ class BucketStore:
         off the event loop). ``StoreDown`` when the store does not take it."""
         name = f"{uuid.uuid4().hex}.{tenant}.{fmt}" if tenant else f"{uuid.uuid4().hex}.{fmt}"
         key = self.key(name)
-        with _store_errors(self.source):
+        with store_errors(self.source):
             self.client.put_object(
                 Bucket=self.source.bucket,
                 Key=key,
@@ -95,24 +84,3 @@ class BucketStore:
             ExpiresIn=self.url_ttl_s,
         )
         return url
-
-
-@contextlib.contextmanager
-def _store_errors(source: S3Source) -> Iterator[None]:
-    """boto3's errors as ``StoreDown``, naming the store and what to check (never a
-    credential: boto3's messages name none)."""
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-    where = f"the output store {source}"
-    try:
-        yield
-    except NoCredentialsError:
-        raise StoreDown(
-            f"{where} has no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-            "(and AWS_ENDPOINT_URL for a store other than AWS)"
-        ) from None
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "?")
-        raise StoreDown(f"{where} refused the upload ({code})") from None
-    except BotoCoreError as exc:
-        raise StoreDown(f"{where} did not answer ({exc}); is AWS_ENDPOINT_URL right?") from None

@@ -67,6 +67,7 @@ from dpserve.router.connection import ReplicaLost
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.replica import Replica, Slot
 from dpserve.router.usage import Work
+from dpserve.sources.outstore import StoreDown, VideoObjects
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +125,16 @@ class VideoJobs:
         poll_s: float,
         max_run_s: float,
         on_finish: Callable[[video.VideoJob], None] | None = None,
+        objects: VideoObjects | None = None,
     ) -> None:
         """``poll_s``: between looks at each job; ``max_run_s``: the longest a job may
         run, in seconds (the router's --video-poll and --video-max-estimate);
         ``on_finish``: told each job's terminal record once its watch sees it, or a
-        failed one when it is given up (the webhooks' emit: it must not wait)."""
+        failed one when it is given up (the webhooks' emit: it must not wait);
+        ``objects``: the output store the replicas upload finished videos to, read
+        for content before any replica is asked (docs/outputs.md, "Videos")."""
         self.pool = pool
+        self.objects = objects
         self._on_finish = on_finish
         self.poll_s = poll_s
         self.max_run_s = max_run_s
@@ -464,6 +469,11 @@ class VideoJobs:
             raise pv.invalid_fields(
                 [p.FieldError("variant", f"is {variant[:40]!r}; this service offers {offered}")]
             )
+        stored = await self._stored(job_id, variant, scope)
+        if stored is not None:
+            return video.VideoContent(
+                id=job_id, variant=variant, media_type=video.MEDIA_TYPES[variant]
+            ), stored
         held = await self.find(job_id, scope)
         job, replica = held.job, held.replica
         if job.status != video.COMPLETED:
@@ -493,6 +503,16 @@ class VideoJobs:
             raise p.RequestError(
                 p.INTERNAL, f"unreadable content from {replica.name}: {exc}"
             ) from None
+
+    async def _stored(self, job_id: str, variant: str, scope: str | None) -> bytes | None:
+        """The store's copy, when there is a store and it holds one ``scope`` sees;
+        proxied, not redirected to (docs/outputs.md says why)."""
+        if self.objects is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.objects.read, job_id, variant, scope)
+        except StoreDown as exc:
+            raise p.RequestError(p.UNAVAILABLE, f"video {job_id}: {exc}; retry") from None
 
     async def all_jobs(self, scope: str | None = None) -> list[video.VideoJob]:
         """Every job of ``scope`` the answering replicas hold, one record per id (its
@@ -534,11 +554,33 @@ class VideoJobs:
             if slot is not None:
                 self.pool.admission.release(slot)
         held = _newest(list(found))
+        stored = await self._delete_stored(job_id, scope)
         if held is not None:
             return held.job
+        if stored:  # its owner is gone, its output was in the store
+            return _deleted_record(job_id)
         if watch is not None:  # waiting to run again: stopping its watch deleted it
             return msgspec.structs.replace(watch.last, status=video.CANCELLED)
         self._missing(job_id, owner)
+
+    async def _delete_stored(self, job_id: str, scope: str | None) -> bool:
+        """Remove the job's objects from the store (every attempt's), if ``scope``
+        sees them; whether there were any. The owner removes its own too: this covers
+        an owner that is gone."""
+        if self.objects is None:
+            return False
+        objects = self.objects
+
+        def remove() -> bool:
+            if not objects.holds(job_id, scope):
+                return False
+            objects.delete(job_id)
+            return True
+
+        try:
+            return await asyncio.to_thread(remove)
+        except StoreDown as exc:
+            raise p.RequestError(p.UNAVAILABLE, f"video {job_id}: {exc}; retry") from None
 
     # ------------------------------------------------------------ plumbing
 
@@ -636,6 +678,22 @@ def _job(reply: p.Message, replica: Replica) -> video.VideoJob:
     except p.ProtocolError as exc:
         raise p.RequestError(p.INTERNAL, f"unreadable job from {replica.name}: {exc}") from None
     return job
+
+
+def _deleted_record(job_id: str) -> video.VideoJob:
+    """What a delete answers for a job known only by its objects (its record is gone
+    with its owner): the id is all the answer says."""
+    return video.VideoJob(
+        id=job_id,
+        status=video.COMPLETED,
+        created_at=0,
+        width=0,
+        height=0,
+        num_frames=0,
+        fps=0,
+        seconds=0.0,
+        seed=0,
+    )
 
 
 def _given_up(job: video.VideoJob) -> bool:

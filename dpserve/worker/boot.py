@@ -257,6 +257,7 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
 
 def open_driver(cfg: WorkerConfig, executor: Executor) -> Driver:
     from dpserve.plumbing.curve import WireKey
+    from dpserve.sources.outstore import VideoObjects
     from dpserve.worker.batch import Batching
     from dpserve.worker.driver import Driver
     from dpserve.worker.video_jobs import VideoBook
@@ -277,7 +278,13 @@ def open_driver(cfg: WorkerConfig, executor: Executor) -> Driver:
         features=executor.features,
         batching=Batching(cfg.max_batch, cfg.batch_wait_ms / 1000),
         # A video model's jobs and their files (docs/video.md).
-        videos=VideoBook(cfg.video_dir, cfg.video_ttl_s, cfg.video_max_bytes, cfg.replica)
+        videos=VideoBook(
+            cfg.video_dir,
+            cfg.video_ttl_s,
+            cfg.video_max_bytes,
+            cfg.replica,
+            objects=None if cfg.output_store is None else VideoObjects(cfg.output_store),
+        )
         if limits.max_frames
         else None,
     )

@@ -13,6 +13,13 @@ bigger than the bound, or than one reply frame may carry, fails its job instead.
 At most ``max_records`` records are kept (the oldest finished go first). A deleted
 or expired id is remembered (``max_records`` of them), so the router that placed
 the job can tell "gone for good" from "the owner lost it" (router/videos.py).
+
+With an output store (``objects``: the worker's ``--output-store s3://…``) a finished
+video and its thumbnail go to the bucket instead of the disk, so they outlive this
+replica: uploaded off the gang loop's thread (one uploader thread), tried a bounded
+number of times, and only then is the job ``completed``, its record naming where
+they are (``location``); a store that stays down fails the job with the store's
+error. Deleting or expiring the job removes its objects (the same thread, after).
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
@@ -36,6 +44,9 @@ from dpserve.contract import protocol as p
 from dpserve.contract import video as v
 from dpserve.contract.owners import may_see
 from dpserve.worker.reply import Reply
+
+if TYPE_CHECKING:
+    from dpserve.sources.outstore import VideoObjects
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +75,10 @@ class VideoBook:
         replica: int,
         max_records: int = MAX_RECORDS,
         clock: Callable[[], float] = time.time,
+        objects: VideoObjects | None = None,
     ) -> None:
-        """``root`` None: a temporary folder, removed by :meth:`close`."""
+        """``root`` None: a temporary folder, removed by :meth:`close`; ``objects``:
+        the output store finished videos go to (None: ``root``)."""
         self._own_root = root is None
         self.root = Path(tempfile.mkdtemp(prefix="dpserve-videos-")) if root is None else root
         self.root.mkdir(parents=True, exist_ok=True)
@@ -78,6 +91,11 @@ class VideoBook:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # in submission order
         self._gone: OrderedDict[str, str] = OrderedDict()  # id -> why it is not held
         self._pruned_at = 0.0
+        self.objects = objects
+        # The store's calls, in order, off the gang loop and the socket thread.
+        self._uploader = (
+            ThreadPoolExecutor(1, thread_name_prefix="video-store") if objects else None
+        )
 
     # ------------------------------------------------------------ socket thread
 
@@ -153,11 +171,14 @@ class VideoBook:
             )
         with self._lock:
             entry = self._entry(job_id, scope)
-            if entry.job.status != v.COMPLETED or entry.files is None:
+            if entry.job.status != v.COMPLETED or (entry.files is None and not entry.job.location):
                 raise p.RequestError(p.CONFLICT, _unfinished(entry.job))
-            path = entry.files[0 if variant == v.VIDEO_VARIANT else 1]
-            # Read under the lock: a prune or delete cannot remove it half-read.
-            data = path.read_bytes()
+            if entry.files is not None:
+                path = entry.files[0 if variant == v.VIDEO_VARIANT else 1]
+                # Read under the lock: a prune or delete cannot remove it half-read.
+                data = path.read_bytes()
+        if entry.files is None:
+            data = self._stored(job_id, variant)
         return v.VideoContent(id=job_id, variant=variant, media_type=v.MEDIA_TYPES[variant]), data
 
     def owned(self, job_id: str, scope: str | None) -> None:
@@ -234,6 +255,20 @@ class VideoBook:
                 entry.job.status = v.IN_PROGRESS
                 entry.job.progress = _DENOISE_SHARE * step.step // max(1, step.steps)
 
+    def _stored(self, job_id: str, variant: str) -> bytes:
+        from dpserve.sources.outstore import StoreDown
+
+        assert self.objects is not None
+        try:
+            data = self.objects.read(job_id, variant, None)
+        except StoreDown as exc:
+            raise p.RequestError(p.UNAVAILABLE, f"video job {job_id}: {exc}") from None
+        if data is None:
+            raise p.RequestError(
+                p.NOT_FOUND, f"video job {job_id}'s objects are gone from the store"
+            )
+        return data
+
     def _completed(self, job_id: str, result: v.VideoResult, blobs: Sequence[bytes]) -> None:
         if len(blobs) < 2:
             self._failed(job_id, p.RequestError(p.INTERNAL, "the gang's answer lacks its files"))
@@ -246,24 +281,62 @@ class VideoBook:
         with self._lock:
             if job_id not in self._entries:
                 return  # deleted while it ran
+        if self._uploader is not None:
+            self._uploader.submit(self._upload, job_id, result, video, thumbnail)
+            return
         files = self._write(job_id, video, thumbnail)
-        now = self.clock()
         with self._lock:
-            entry = self._entries.get(job_id)
-            if entry is None:  # deleted while its files were written
+            if job_id not in self._entries:  # deleted while its files were written
                 _remove(files)
                 return
-            entry.files, entry.finished_at = files, now
-            job = entry.job
-            job.status, job.progress = v.COMPLETED, 100
-            job.completed_at = int(now)
-            job.expires_at = int(now + self.ttl_s)
-            job.bytes = len(video)
-            job.width, job.height, job.num_frames = result.width, result.height, result.num_frames
-            job.queue_time_s = round(result.queue_time_s, 3)
-            job.inference_time_s = round(result.inference_time_s, 3)
-            job.encode_time_s = round(result.encode_time_s, 3)
-            self._keep_within_bytes(job_id)
+            self._done(job_id, result, len(video), files=files)
+
+    def _upload(self, job_id: str, result: v.VideoResult, video: bytes, thumbnail: bytes) -> None:
+        """The uploader thread's: the objects first, then ``completed``."""
+        from dpserve.sources.outstore import StoreDown
+
+        assert self.objects is not None
+        with self._lock:
+            entry = self._entries.get(job_id)
+            if entry is None:
+                return  # deleted while it waited
+            attempt, tenant = entry.job.attempt, entry.job.tenant
+        try:
+            location = self.objects.put(job_id, attempt, tenant, video, thumbnail)
+        except StoreDown as exc:
+            log.error("video job %s: %s", job_id, exc)
+            why = f"the video was made but could not be stored: {exc}; submit it again"
+            self._failed(job_id, p.RequestError(p.UNAVAILABLE, why))
+            return
+        with self._lock:
+            if job_id in self._entries:
+                self._done(job_id, result, len(video), location=location)
+                return
+        self._drop_objects(job_id, attempt)  # deleted while it was uploaded
+
+    def _done(
+        self,
+        job_id: str,
+        result: v.VideoResult,
+        size: int,
+        files: tuple[Path, Path] | None = None,
+        location: str = "",
+    ) -> None:
+        """Under the lock: the job is completed, its output at ``files`` or ``location``."""
+        now = self.clock()
+        entry = self._entries[job_id]
+        entry.files, entry.finished_at = files, now
+        job = entry.job
+        job.location = location
+        job.status, job.progress = v.COMPLETED, 100
+        job.completed_at = int(now)
+        job.expires_at = int(now + self.ttl_s)
+        job.bytes = size
+        job.width, job.height, job.num_frames = result.width, result.height, result.num_frames
+        job.queue_time_s = round(result.queue_time_s, 3)
+        job.inference_time_s = round(result.inference_time_s, 3)
+        job.encode_time_s = round(result.encode_time_s, 3)
+        self._keep_within_bytes(job_id)
 
     def _failed(self, job_id: str, error: p.RequestError) -> None:
         now = self.clock()
@@ -295,6 +368,8 @@ class VideoBook:
         entry = self._entries.pop(job_id, None)
         if entry is not None and entry.files is not None:
             _remove(entry.files)
+        if entry is not None and entry.job.location and self._uploader is not None:
+            self._uploader.submit(self._drop_objects, job_id, entry.job.attempt)
         self._gone[job_id] = why
         while len(self._gone) > self.max_records:
             self._gone.popitem(last=False)
@@ -328,7 +403,18 @@ class VideoBook:
             os.replace(partial, path)
         return paths
 
+    def _drop_objects(self, job_id: str, attempt: int) -> None:
+        from dpserve.sources.outstore import StoreDown
+
+        assert self.objects is not None
+        try:
+            self.objects.delete(job_id, attempt)
+        except StoreDown as exc:  # the bucket's lifecycle rule is the backstop
+            log.warning("video job %s: its objects stay in the store: %s", job_id, exc)
+
     def close(self) -> None:
+        if self._uploader is not None:
+            self._uploader.shutdown(wait=True)
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
