@@ -201,6 +201,8 @@ def spec_hash(spec: s.DiffusionServiceSpec, fetched: str | None = None) -> str:
         model.pop("source")
         model.pop("credentials", None)  # the fill Job's, not the replicas'
         model["fetched"] = fetched
+    if spec.router.outputStore is not None:  # replicas upload videos there (none: as before)
+        relevant["outputStore"] = spec.router.outputStore.model_dump(mode="json")
     keyed = {"spec": relevant, "shape": POD_SHAPE}
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -237,6 +239,9 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
         "max_frames": spec.video.maxFrames,
         "video_ttl_s": float(spec.video.ttlSeconds),
         "video_max_bytes": spec.video.maxBytes,
+        # Finished videos go to the router's bucket, so any router serves them after
+        # this pod is gone (docs/outputs.md); its Secret is the pod's environment.
+        "output_store": spec.router.outputStore.uri if spec.router.outputStore else None,
     }
 
 
@@ -465,6 +470,10 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
         },
         "securityContext": container_security(),
     }
+    store = spec.router.outputStore
+    if store is not None and store.credentials is not None:
+        # The same Secret as the router pods': the replicas write what routers read.
+        container["envFrom"] = [{"secretRef": {"name": store.credentials.secretName}}]
     pod_spec: dict[str, Any] = {
         **({"initContainers": [fetch_init_container(svc, images)]} if svc.node_fetch else {}),
         "containers": [container],
@@ -642,7 +651,7 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
     }
     if r.outputStore and r.outputStore.credentials:
         # The output store's Secret as the environment boto3 reads (AWS_*), as a model
-        # source's reaches its fill Job: only the router pods get it.
+        # source's reaches its fill Job (the replica pods get it too: their videos).
         container["envFrom"] = [{"secretRef": {"name": r.outputStore.credentials.secretName}}]
     template = {
         "metadata": {"labels": labels(svc, "router")},

@@ -302,15 +302,16 @@ class OutputCredentials(_Model):
     secretName: str = Field(
         min_length=1,
         max_length=253,
-        description="Secret in the service's namespace whose keys become the router pods' "
-        "environment: the store's own variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-        "AWS_ENDPOINT_URL, AWS_REGION)",
+        description="Secret in the service's namespace whose keys become the router and "
+        "replica pods' environment: the store's own variables (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION)",
     )
 
 
 class OutputStore(_Model):
-    """Where response_format=url images go (docs/outputs.md): a bucket every router pod
-    uploads to and presigns links into."""
+    """Where response_format=url images and finished videos go (docs/outputs.md): a
+    bucket every router pod uploads images to and presigns links into, and every
+    replica pod uploads its videos to."""
 
     uri: str = Field(
         min_length=6,
@@ -413,7 +414,9 @@ class RouterSpec(_Model):
         None, description="video job events, signed, to one URL (docs/webhooks.md)"
     )
     outputStore: OutputStore | None = Field(
-        None, description="enables response_format=url: images go to a bucket as presigned links"
+        None,
+        description="enables response_format=url (images go to a bucket as presigned "
+        "links); replicas upload finished videos there too",
     )
     videoMaxEstimateSeconds: int = Field(
         _router("video_max_estimate"),

@@ -469,12 +469,21 @@ class VideoJobs:
             raise pv.invalid_fields(
                 [p.FieldError("variant", f"is {variant[:40]!r}; this service offers {offered}")]
             )
-        stored = await self._stored(job_id, variant, scope)
+        store_down: StoreDown | None = None
+        try:
+            stored = await self._stored(job_id, variant, scope)
+        except StoreDown as exc:  # the owner may still say the job is not done
+            stored, store_down = None, exc
         if stored is not None:
             return video.VideoContent(
                 id=job_id, variant=variant, media_type=video.MEDIA_TYPES[variant]
             ), stored
-        held = await self.find(job_id, scope)
+        try:
+            held = await self.find(job_id, scope)
+        except p.RequestError:
+            if store_down is None:
+                raise
+            raise p.RequestError(p.UNAVAILABLE, f"video {job_id}: {store_down}; retry") from None
         job, replica = held.job, held.replica
         if job.status != video.COMPLETED:
             why = f": {job.error.message}" if job.error is not None else ""
@@ -509,10 +518,7 @@ class VideoJobs:
         proxied, not redirected to (docs/outputs.md says why)."""
         if self.objects is None:
             return None
-        try:
-            return await asyncio.to_thread(self.objects.read, job_id, variant, scope)
-        except StoreDown as exc:
-            raise p.RequestError(p.UNAVAILABLE, f"video {job_id}: {exc}; retry") from None
+        return await asyncio.to_thread(self.objects.read, job_id, variant, scope)
 
     async def all_jobs(self, scope: str | None = None) -> list[video.VideoJob]:
         """Every job of ``scope`` the answering replicas hold, one record per id (its
