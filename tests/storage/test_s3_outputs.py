@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -36,16 +35,6 @@ T = TypeVar("T")
 KEY = "sk-team-a-one"
 KEYS: dict[str, Any] = {"api_keys": (TenantKey(KEY, "team-a"),)}
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture
-def aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """This process's AWS_* variables point at the test server, and only there."""
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server.env()
 
 
 def _with_stub(scenario: Callable[[StubReplica], Coroutine[Any, Any, T]]) -> T:

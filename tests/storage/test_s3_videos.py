@@ -30,7 +30,6 @@ from dpserve.worker.video_jobs import VideoBook
 from tests.polling import eventually
 from tests.servers import ServeProcess
 from tests.storage.s3 import S3Server
-from tests.storage.test_s3_outputs import aws_env  # noqa: F401  (a fixture)
 from tests.stub_replica import StubReplica
 from tests.unit.test_router_images import _apps
 from tests.unit.test_video_book import JOB, Clock, _done, _params
@@ -178,6 +177,7 @@ JOB_BODY: dict[str, Any] = {"prompt": "a paper boat", "size": "64x48", "num_fram
 EXTRA = {"seed": 7, "num_inference_steps": 2, "fps": 8}
 
 
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 def test_serve_stores_a_video_that_outlives_its_replica(
     s3_server: S3Server, aws_env: dict[str, str], tiny_video_model: Path
 ) -> None:
