@@ -15,6 +15,7 @@ from dpserve.config.flags import Flag
 from dpserve.config.worker import WorkerConfig, worker_flags
 from dpserve.operator import builders as b
 from dpserve.operator.spec import DiffusionServiceSpec
+from dpserve.sources.uri import S3Source
 
 FIELDS = {f.name: f for f in dataclasses.fields(WorkerConfig)}
 FLAGS: dict[str, Flag] = {n: f.metadata["flag"] for n, f in FIELDS.items() if "flag" in f.metadata}
@@ -30,6 +31,7 @@ ODD = WorkerConfig(
     replica=3,
     first_gpu=4,
     wire_key_file=Path("/etc/dpserve/wire/wire.key"),
+    output_store=S3Source("outs", "fleet/"),
     model_cache=Path("/var/cache/dpserve/models"),
     allow_paths=(Path("/loras"), Path("/data/weights")),
     tp=2,
@@ -76,7 +78,8 @@ def _worker(flags: list[str]) -> WorkerConfig:
 def test_the_flags_are_every_option_but_internal_tuning() -> None:
     # A new field is a flag (with help and parser) or deliberately none of these.
     assert set(FIELDS) - set(FLAGS) == {"warmup_steps", "tick_s", "stall_s", "collective_timeout_s"}
-    assert set(FLAGS) - GANG == PER_REPLICA
+    # --output-store: serve's own (the router's) reaches its replicas when a bucket.
+    assert set(FLAGS) - GANG == PER_REPLICA | {"output_store"}
 
 
 @pytest.mark.parametrize("command", ["worker", "serve"])
