@@ -307,6 +307,7 @@ class VideoBook:
             log.error("video job %s: %s", job_id, exc)
             why = f"the video was made but could not be stored: {exc}; submit it again"
             self._failed(job_id, p.RequestError(p.UNAVAILABLE, why))
+            self._drop_objects(job_id, attempt)  # a half upload, if the store lets us
             return
         with self._lock:
             if job_id in self._entries:
