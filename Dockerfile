@@ -63,12 +63,16 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/dpserve
 WORKDIR /home/dpserve
 
+# Each venv first takes a current pip: the distribution's (23.0 on bookworm) backtracks
+# for over 20 minutes on the router's requirements (boto3 beside the Kubernetes client),
+# where a current one resolves them in seconds.
 FROM slim-runtime AS operator-deps
 RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
     --mount=type=bind,source=images/pip-run.sh,target=/run/pip-run.sh \
     --mount=type=bind,from=requirements,source=/requirements/operator.txt,target=/run/requirements.txt \
     --mount=type=cache,target=/root/.cache/pip \
     python3 -m venv /opt/venv \
+    && sh /run/pip-run.sh /opt/venv/bin/pip install --upgrade pip \
     && sh /run/pip-run.sh /opt/venv/bin/pip install -r /run/requirements.txt
 
 # The operator: kopf and the Kubernetes client. The chart runs it with a read-only root
@@ -90,6 +94,7 @@ RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
     --mount=type=bind,from=requirements,source=/requirements/router.txt,target=/run/requirements.txt \
     --mount=type=cache,target=/root/.cache/pip \
     python3 -m venv /opt/venv \
+    && sh /run/pip-run.sh /opt/venv/bin/pip install --upgrade pip \
     && sh /run/pip-run.sh /opt/venv/bin/pip install -r /run/requirements.txt
 
 # The router: FastAPI, uvicorn and the Kubernetes client (EndpointSlice discovery).
