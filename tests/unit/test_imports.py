@@ -155,3 +155,76 @@ def test_model_sources_need_neither_torch_nor_fastapi(module: str) -> None:
     assert {m.split(".")[0] for m in loaded} & heavy == set()
     if module.rsplit(".", 1)[1] in PURE_SOURCES:
         assert {m.split(".")[0] for m in loaded} & {"boto3", "botocore", "huggingface_hub"} == set()
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """The distributions ``requirements`` install, with what they require in turn (the
+    environment's markers; a requirement's extras followed, as pip does)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: set[str] = set()
+    todo = [(Requirement(r), "") for r in requirements]
+    while todo:
+        req, extra = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(req.name)
+        wanted = [(name, "")] + [(name, e) for e in req.extras]
+        for dist, extra_of in wanted:
+            if (dist, extra_of) in found:
+                continue
+            found.add((dist, extra_of))  # type: ignore[arg-type]
+            todo += [(Requirement(r), extra_of) for r in metadata.requires(dist) or []]
+    return {dist for dist, _ in found}  # type: ignore[misc]
+
+
+def _imported_by(modules: set[str]) -> set[str]:
+    """The top-level packages the source of ``modules`` (ours) imports, at any depth of
+    the file (a function's lazy import too)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    names: set[str] = set()
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(Path(spec.origin).read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("extra,modules", [("router", "dpserve.router.app, dpserve.cli")])
+def test_what_the_router_imports_its_image_installs(extra: str, modules: str) -> None:
+    """Every third-party package our router code imports comes with its extra's
+    requirements (the router image installs only those, images/requirements.py): httpx
+    once did not, and the router pod crash-looped while every test here passed."""
+    import runpy
+    from importlib import metadata
+    from pathlib import Path
+
+    from packaging.utils import canonicalize_name
+
+    # The list the image installs, as images/requirements.py writes it for the build.
+    made = runpy.run_path("images/requirements.py")
+    project = made["tomllib"].loads(Path("pyproject.toml").read_text())["project"]
+    installed = _closure(made["requirements"](project, extra))
+    owners = metadata.packages_distributions()
+    ours = _modules_of("dpserve", _modules_after_import(modules))
+    imported = _imported_by(ours) - set(sys.stdlib_module_names) - {"dpserve"}
+    # Imported only where the router never goes: the CLI's other commands (the worker's
+    # torch, the operator's kopf, the fetcher's hub client).
+    elsewhere = {"torch", "diffusers", "kopf", "huggingface_hub", "PIL", "numpy", "av"}
+    missing = {
+        (top, owners.get(top, ["?"])[0])
+        for top in imported - elsewhere
+        if not any(canonicalize_name(d) in installed for d in owners.get(top, []))
+    }
+    assert missing == set()
