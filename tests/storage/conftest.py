@@ -11,7 +11,7 @@ from tests.storage.s3 import S3Server
 
 @pytest.fixture
 def aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """This process's AWS_* variables point at the test server, and only there."""
+    """This process's (and its children's) AWS_* variables point at the test server."""
     for name in [n for n in os.environ if n.startswith("AWS_")]:
         monkeypatch.delenv(name)
     for name, value in s3_server.env().items():

@@ -57,16 +57,6 @@ def _synthetic(s3: Any, bucket: str, prefix: str, size: int = 12 * MiB) -> bytes
     return weights
 
 
-@pytest.fixture
-def aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """This process's (and its children's) AWS_* variables point at the test server."""
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server.env()
-
-
 def test_a_fetch_plans_verifies_each_digest_and_publishes(
     s3_server: S3Server, aws_env: dict[str, str], tiny_model: Path, tmp_path: Path
 ) -> None:
