@@ -125,16 +125,25 @@ class Leases:
 
     async def orphans(self) -> list[Stored]:
         """Records of active jobs whose lease ran out (their router is gone)."""
-        ids = [i for i in await asyncio.to_thread(self.records.active) if i not in self._held]
-        found = await asyncio.gather(*(asyncio.to_thread(self.records.read, i) for i in ids))
         now = time.time()
         orphans = []
-        for job_id, stored in zip(ids, found, strict=True):
+        for job_id, stored in await self._active(skip_held=True):
             if stored is None:  # deleted: its index entry is left over
                 await asyncio.to_thread(self.records.unindex, job_id)
             elif stored.record.lease_until < now:
                 orphans.append(stored)
         return orphans
+
+    async def active_records(self) -> list[JobRecord]:
+        """Records of every job that still needs a watcher."""
+        return [stored.record for _, stored in await self._active() if stored is not None]
+
+    async def _active(self, skip_held: bool = False) -> list[tuple[str, Stored | None]]:
+        ids = await asyncio.to_thread(self.records.active)
+        if skip_held:
+            ids = [i for i in ids if i not in self._held]
+        found = await asyncio.gather(*(asyncio.to_thread(self.records.read, i) for i in ids))
+        return list(zip(ids, found, strict=True))
 
     async def take(self, stored: Stored) -> JobRecord | None:
         """Take an orphan's lease; its record when this router won it."""

@@ -523,6 +523,9 @@ class VideoJobs:
         if self.leases is None:
             self._tell(job, lambda: None)
             return
+        if job.expires_at is None:  # a failed job's record expires too
+            ended = job.completed_at or int(time.time())
+            job = msgspec.structs.replace(job, expires_at=ended + int(self.video_ttl_s))
         silent = self._on_finish is None
         if not await self._note(job, announced=silent):
             return
@@ -738,7 +741,19 @@ class VideoJobs:
         for job_id, watch in self._watches.items():  # its holder silent, or none yet
             if job_id not in newest and may_see(scope, watch.tenant):
                 newest[job_id] = watch.view()
+        for record in await self._active_records():  # unfinished, no replica holds it
+            if record.job.id not in newest and may_see(scope, record.job.tenant):
+                newest[record.job.id] = record.job
         return list(newest.values())
+
+    async def _active_records(self) -> list[JobRecord]:
+        if self.leases is None:
+            return []
+        try:
+            return await self.leases.active_records()
+        except StoreDown as exc:
+            log.warning("video list: the store's unfinished jobs are left out: %s", exc)
+            return []
 
     async def delete(self, job_id: str, scope: str | None = None) -> video.VideoJob:
         """Delete every copy (a running one stops at its next step); its newest record.

@@ -142,6 +142,7 @@ def test_a_job_whose_router_and_replica_are_gone_is_answered_rerun_and_told_once
                 owner.reboot()
                 first = await b.get(f"/v1/videos/{job_id}")  # no replica holds it
                 seen["first"] = (first.status_code, first.json())
+                seen["listed"] = [j["id"] for j in (await b.get("/v1/videos")).json()["data"]]
                 seen["done"] = await until_status(b, job_id, "completed", 30)
                 # Settled: told, out of the active index; nothing sends it again.
                 records = JobRecords(VideoObjects(store))
@@ -159,6 +160,7 @@ def test_a_job_whose_router_and_replica_are_gone_is_answered_rerun_and_told_once
     job_id = seen["id"]
     status, first = seen["first"]
     assert status == 200 and first["status"] in ("queued", "in_progress"), first
+    assert seen["listed"] == [job_id]  # listed too, from its record
     assert seen["done"]["attempt"] == 2
     first_run, rerun = sorted(seen["submits"], key=lambda r: r.attempt)
     assert (rerun.job_id, rerun.attempt, rerun.created_at) == (job_id, 2, first_run.created_at)
