@@ -110,7 +110,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.video_max_estimate_s,
         on_finish=webhooks.emit if webhooks is not None else None,
         objects=objects,
-        leases=None if objects is None else Leases(JobRecords(objects), lease_seconds(poll_s)),
+        leases=None
+        if objects is None
+        else Leases(JobRecords(objects), lease_seconds(poll_s), settings.fleet),
     )
     jobs.start()
     app.state.metrics.video_jobs.set_function(lambda: jobs.watched)

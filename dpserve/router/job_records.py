@@ -44,6 +44,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     inputs: int = 0  # input images stored beside it (``input-<i>``)
     holder: str = ""  # the replica's endpoint holding it; "" while none does
     boot: str = ""  # that replica's boot id when it took the job
+    fleet: str = ""  # the service whose routers may take it over (RouterSettings.fleet)
     router: str = ""  # the router holding the lease
     lease_until: float = 0.0  # unix seconds
     announced: bool = False  # its terminal event was delivered, given up, or has none

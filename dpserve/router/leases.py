@@ -10,6 +10,11 @@ dies stops renewing: once ``lease_s`` has passed, any router may take the lease
 finds its write refused has lost the lease (it stalled past ``lease_s`` and another
 took over, or the job was deleted): it stops watching, and tells nothing.
 
+**Fleet.** A record names the service whose router placed it (its headless Service
+on Kubernetes, its replicas' endpoints otherwise): a router looks up, lists and
+takes over its own service's jobs only, so services sharing a bucket prefix never
+run (or answer for) each other's jobs.
+
 Clocks: a lease is unix time, so routers' clocks must agree to well within
 ``lease_s`` (NTP does; a pod's clock is its node's).
 """
@@ -53,9 +58,12 @@ class Leases:
     """The leases of one router; every method raises ``StoreDown`` when the store does
     not answer."""
 
-    def __init__(self, records: JobRecords, lease_s: float, me: str | None = None) -> None:
+    def __init__(
+        self, records: JobRecords, lease_s: float, fleet: str = "", me: str | None = None
+    ) -> None:
         self.records = records
         self.lease_s = lease_s
+        self.fleet = fleet
         self.me = me or router_id()
         self._held: dict[str, Stored] = {}
 
@@ -76,6 +84,7 @@ class Leases:
             params=params,
             holder=holder,
             boot=boot,
+            fleet=self.fleet,
             router=self.me,
             lease_until=time.time() + self.lease_s,
         )
@@ -130,13 +139,14 @@ class Leases:
         for job_id, stored in await self._active(skip_held=True):
             if stored is None:  # deleted: its index entry is left over
                 await asyncio.to_thread(self.records.unindex, job_id)
-            elif stored.record.lease_until < now:
+            elif stored.record.fleet == self.fleet and stored.record.lease_until < now:
                 orphans.append(stored)
         return orphans
 
     async def active_records(self) -> list[JobRecord]:
         """Records of every job that still needs a watcher."""
-        return [stored.record for _, stored in await self._active() if stored is not None]
+        found = [stored for _, stored in await self._active() if stored is not None]
+        return [stored.record for stored in found if stored.record.fleet == self.fleet]
 
     async def _active(self, skip_held: bool = False) -> list[tuple[str, Stored | None]]:
         ids = await asyncio.to_thread(self.records.active)
@@ -161,7 +171,9 @@ class Leases:
         if held is not None:
             return held.record
         stored = await asyncio.to_thread(self.records.read, job_id)
-        return None if stored is None else stored.record
+        if stored is None or stored.record.fleet != self.fleet:
+            return None
+        return stored.record
 
     async def inputs(self, record: JobRecord) -> list[bytes]:
         return await asyncio.to_thread(self.records.inputs, record)

@@ -7,6 +7,7 @@ these settings.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -61,6 +62,16 @@ class RouterSettings:
     video_poll_s: float = option("video_poll")
     video_max_estimate_s: float = option("video_max_estimate")
     webhook: WebhookSettings | None = None  # None: no events are sent
+
+    @property
+    def fleet(self) -> str:
+        """The replicas this router serves, as job records name them: routers of one
+        service take over each other's video jobs, never another service's that
+        shares the bucket (dpserve/router/leases.py)."""
+        if self.kubernetes is not None:
+            return f"k8s:{self.kubernetes.namespace}/{self.kubernetes.service}"
+        joined = "\n".join(sorted(self.workers)).encode()
+        return f"workers:{hashlib.sha256(joined).hexdigest()[:16]}"
 
     def check(self) -> None:
         """What no single flag can check: weights name configured tenants (ValueError)."""

@@ -62,7 +62,9 @@ def test_of_two_routers_taking_an_orphan_one_wins_and_the_loser_learns_it(
     assert records.active() == [JOB]
 
     async def race() -> tuple[list[JobRecord | None], Leases, Leases]:
-        a, b = Leases(records, 30.0, "a"), Leases(records, 30.0, "b")
+        a, b = Leases(records, 30.0, me="a"), Leases(records, 30.0, me="b")
+        other = Leases(records, 30.0, fleet="k8s:other/service")  # shares the bucket only
+        assert (await other.orphans(), await other.lookup(JOB)) == ([], None)
         [orphan_a], [orphan_b] = await asyncio.gather(a.orphans(), b.orphans())
         taken = await asyncio.gather(a.take(orphan_a), b.take(orphan_b))
         return list(taken), a, b
