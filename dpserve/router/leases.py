@@ -115,6 +115,15 @@ class Leases:
             return True
         return await self._write(held, record)
 
+    async def keep(self, job_id: str) -> bool:
+        """Renew the lease if a third of it is spent; False when it is lost."""
+        held = self._held.get(job_id)
+        if held is None:
+            return False
+        if held.record.lease_until - time.time() > self.lease_s * 2 / 3:
+            return True
+        return await self._write(held, held.record)
+
     async def renew(self, job_id: str) -> bool:
         """Keep the lease of a job whose status does not change (its event in flight)."""
         held = self._held.get(job_id)

@@ -341,7 +341,7 @@ class VideoJobs:
             while True:
                 await asyncio.sleep(self.poll_s)
                 try:
-                    if await self._look(watch):
+                    if await self._look(watch) or not await self._keep(watch.job_id):
                         return
                 except Exception:  # one bad look must not end the watch
                     log.exception("watching video job %s failed", watch.job_id)
@@ -379,6 +379,8 @@ class VideoJobs:
             if boot != watch.boot:  # not_found from a restart its pings have not shown yet
                 why = "it does not hold the job"
                 return await self._lose(watch, why, may_return=boot is None)
+            if await self._still_recorded(watch.job_id):  # not deleted: never got there
+                return await self._lose(watch, "it does not hold the job", may_return=False)
             log.info("video job %s is gone from %s: %s", watch.job_id, holder.name, exc)
             return True
         watch.misses, watch.last = 0, job
@@ -462,6 +464,13 @@ class VideoJobs:
         except p.RequestError:
             return False  # none serves now: next poll
         attempt = watch.attempt + 1
+        # Claim the run in the record before it starts: of two routers that both think
+        # they watch the job (one stalled past its lease), only the one whose claim
+        # lands runs it; the other runs and deletes nothing.
+        claim = msgspec.structs.replace(watch.last, attempt=attempt, status=video.QUEUED)
+        if not await self._note(claim, slot.replica.endpoint, slot.replica.boot_id):
+            self.pool.admission.release(slot)
+            return True
         try:
             job = await self._send(
                 slot,
@@ -525,6 +534,27 @@ class VideoJobs:
         except StoreDown as exc:
             log.warning("video job %s: its record is not updated: %s", job.id, exc)
             return True
+
+    async def _keep(self, job_id: str) -> bool:
+        """Renew the lease of a job being watched when a third of it is spent, whatever
+        the look did (a job waiting for a replica changes nothing for a while); False
+        when it is lost."""
+        if self.leases is None:
+            return True
+        try:
+            return await self.leases.keep(job_id)
+        except StoreDown as exc:
+            log.warning("video job %s: its lease is not renewed: %s", job_id, exc)
+            return True
+
+    async def _still_recorded(self, job_id: str) -> bool:
+        """Whether the store still has the job (a delete removes it)."""
+        if self.leases is None:
+            return False
+        try:
+            return await self.leases.lookup(job_id) is not None
+        except StoreDown:
+            return False
 
     async def _end(self, job: video.VideoJob) -> None:
         """A job reached its end: recorded, then told once. Only the router holding
