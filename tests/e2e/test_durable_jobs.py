@@ -86,7 +86,10 @@ def test_a_job_outlives_its_router_and_its_replica(
             assert done["attempt"] == 2, done
             video = serve.http.get(f"/v1/videos/{job_id}/content")
             assert video.status_code == 200, video.text
-            assert video.content[4:8] == b"ftyp" and len(video.content) == done["bytes"]
+            stored = s3_server.client().get_object(
+                Bucket=bucket, Key=f"fleet/videos/{job_id}/2.mp4"
+            )
+            assert video.content[4:8] == b"ftyp" and video.content == stored["Body"].read()
             eventually(lambda: _for(receiver, job_id), 30, "the job's event")
         deliveries = _for(receiver, job_id)
     assert {d.headers["webhook-id"] for d in deliveries} == {deliveries[0].headers["webhook-id"]}
