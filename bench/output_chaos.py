@@ -153,6 +153,8 @@ def chaos(
         f"kills {dict(tally.kills)}, {tally.unavailable} looks answered 503, "
         f"lost: {dict(Counter(lost.values())) or 'none'}"
     )
+    for job_id, why in sorted(lost.items()):
+        print(f"chaos: lost {job_id}: {why}")
     return {
         "jobs": len(ids),
         "jobs_lost": len(lost),
@@ -220,7 +222,12 @@ def _follow(
             except httpx.TransportError:
                 continue
         time.sleep(0.5)
-    return lost | dict.fromkeys(waiting, "not ended")
+    for job_id in waiting:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            job = routers.pick(rng).get(f"/v1/videos/{job_id}", timeout=30).json()
+            lost[job_id] = f"not ended ({job['status']}, attempt {job['attempt']})"
+        lost.setdefault(job_id, "not ended")
+    return lost
 
 
 def _not_downloadable(http: httpx.Client, got: httpx.Response) -> str | None:
