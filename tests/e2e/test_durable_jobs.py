@@ -1,9 +1,13 @@
-"""A video job outlives the router that placed it and the replica that ran it
-(issue 29, docs/outputs.md "Videos"): two routers, `dpserve serve --dp-size 2` and a
-second `dpserve router`, share one S3 output store; the second places a job and is
-SIGKILLed with the job's replica while it runs. Serve's router answers the job all
-along, runs it again (attempt 2) and completes it; its video downloads; the webhook
-receiver gets one event for it, which the openai client verifies.
+"""Video jobs that outlive the processes that touched them (issue 29, docs/outputs.md
+"Jobs that outlive their pods"): `dpserve serve` and a second `dpserve router` over
+its replicas share one S3 output store, a 0.2 s video poll and a webhook receiver.
+
+The journey: the second router places a job and is SIGKILLed with the job's replica
+while it runs; serve's router answers the job all along (never a 404), takes it
+over, runs it again (attempt 2) and completes it; its video downloads (the object
+stored for attempt 2); the receiver gets one event id for it, which the openai
+client verifies. Then a replica that restarts slower than a lease, both routers
+alive: the job still runs again once and completes.
 
 Real parts only: the S3 server of tests/storage/s3.py, the tiny video model, router
 and replica processes, a receiver on a real socket.
