@@ -39,8 +39,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.s3]
 T = TypeVar("T")
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
-# Steps enough that the job still runs when both processes are killed (about 4 s on
-# a CPU), few enough that its re-run ends quickly.
+# Steps enough that a look every 20 ms catches the job running and the kills land
+# before it ends (about 0.3 s of inference on a CPU); few, so that its re-run is quick.
 JOB: dict[str, Any] = {
     "prompt": "a paper boat",
     "size": "64x48",
