@@ -40,14 +40,14 @@ T = TypeVar("T")
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 # Steps enough that a look every 20 ms catches the job running and the kills land
-# before it ends (about 0.3 s of inference on a CPU); few, so that its re-run is quick.
+# before it ends (the most a request may ask: about 0.7 s of inference on a CPU).
 JOB: dict[str, Any] = {
     "prompt": "a paper boat",
     "size": "64x48",
     "num_frames": 9,
     "seed": 7,
     "fps": 8,
-    "num_inference_steps": 40,
+    "num_inference_steps": 100,
 }
 
 
