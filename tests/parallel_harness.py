@@ -47,7 +47,14 @@ PRELOAD = (
 
 
 def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` fresh processes, until all of them return."""
+    """``fn(rank, *args)`` in ``nprocs`` fresh processes, until all of them return.
+
+    On CUDA they are spawned: there the preloads leave the driver initialized in the
+    forkserver (seen on the H200: "Cannot re-initialize CUDA in forked subprocess"),
+    and the imports' seconds matter little on a GPU machine's cores."""
+    if os.environ.get("DPSERVE_TEST_DEVICE", "cpu").startswith("cuda"):
+        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+        return
     mp.set_forkserver_preload(list(PRELOAD))
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 

@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS: Final = 3
 EXPIRY_SWEEP_S: Final = 60.0  # between two looks for expired jobs in the store
+HAND_OVER_S: Final = 5.0  # a stopping router's last writes: its leases end now
 # Submit carries an input image, content the mp4 (up to a reply frame): more than a
 # ping's time. Every other action is a record and is answered in a ping's time.
 TRANSFER_TIMEOUT_S: Final = 60.0
@@ -182,6 +183,14 @@ class VideoJobs:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.leases is not None:  # a crash skips this: its leases run out instead
+            try:
+                handed = await asyncio.wait_for(self.leases.hand_over(), HAND_OVER_S)
+            except TimeoutError:
+                log.warning("video jobs: the store did not take the hand-over in time")
+            else:
+                if handed:
+                    log.info("video jobs: %d handed over to the other routers", handed)
 
     # ------------------------------------------------------------ submit
 

@@ -83,13 +83,25 @@ def test_of_two_routers_taking_an_orphan_one_wins_and_the_loser_learns_it(
         orphans = await loser.orphans()  # its lease is fresh: nobody's orphan
         # Someone else writes the record (a router that took it over): the winner's
         # next write is refused, and it stops holding the lease.
-        records.replace(records.read(JOB) or stored, stored.record)  # type: ignore[arg-type]
+        current = records.read(JOB)
+        assert current is not None
+        records.replace(current, msgspec.structs.replace(current.record, lease_until=0.0))
         done = msgspec.structs.replace(running, status=v.COMPLETED)
         return lost, kept, orphans, await winner.note(done)
 
     lost, kept, orphans, after_theft = asyncio.run(afterwards())
     assert (lost, kept, orphans, after_theft) == (False, True, [], False)
     assert not winner.holds(JOB)
+
+    async def stopping() -> tuple[int, list[Any]]:
+        # A router that stops hands its leases over: the others need not wait them out.
+        [orphan] = await winner.orphans()
+        record = await winner.take(orphan)
+        assert record is not None and winner.holds(JOB)
+        return await winner.hand_over(), await loser.orphans()
+
+    handed, orphans = asyncio.run(stopping())
+    assert handed == 1 and [o.record.job.id for o in orphans] == [JOB]
 
 
 def test_settled_jobs_leave_the_active_index_and_expire_with_their_objects(
