@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,6 +80,16 @@ def s3_server() -> Iterator[S3Server]:
 
     with running_s3(build_server()) as server:
         yield server
+
+
+@pytest.fixture
+def aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """This process's (and its children's) AWS_* variables point at the test server."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server.env()
 
 
 @pytest.fixture(scope="session")

@@ -118,13 +118,19 @@ def assert_all_answered(http: httpx.Client) -> dict[str, int]:
 class RouterProcess:
     """`dpserve router` over given replica endpoints, ready once /ready answers 200."""
 
-    def __init__(self, workers: list[str], *args: str, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, workers: list[str], *args: str, timeout_s: float = 60.0, log: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dpserve", "router", "--port", str(self.port), *args]
         for worker in workers:
             cmd += ["--worker", worker]
-        self.proc = subprocess.Popen(cmd)
+        if log is None:
+            self.proc = subprocess.Popen(cmd)
+        else:  # a benchmark keeps its own output to its figures
+            with log.open("ab") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=120)
         deadline = time.monotonic() + timeout_s
         while True:
