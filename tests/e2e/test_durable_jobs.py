@@ -144,19 +144,14 @@ def test_a_job_outlives_its_router_and_its_replica(
         fleet.events(job_id)
 
 
-@pytest.mark.xfail(
-    reason="bug in the job records (reported by the chaos helper, 2026-12-04): while no "
-    "replica serves, the placing router does not renew its lease; another router takes "
-    "the job over and both run it again on the returning replica; the one whose record "
-    "write is refused deletes its copy, which is the other's (same id): the job never "
-    "ends, or ends without its event",
-    strict=False,
-)
 def test_a_job_whose_only_replica_restarts_slowly_runs_again_once(
     s3_server: S3Server, aws_env: dict[str, str], tiny_video_model: Path, tmp_path: Path
 ) -> None:
     """Both routers live; the replica's restart outlasts a lease (its crash backoff
-    and start-up take longer than max(3 s, 10 polls))."""
+    and start-up take longer than max(3 s, 10 polls)). The placing router keeps its
+    lease while the job waits for a replica, so one router runs it again, once, and
+    tells it once (the chaos helper found both routers running it, and one deleting
+    the other's run)."""
     with _fleet(s3_server, tiny_video_model, 1, tmp_path) as fleet:
         job_id = _placed_and_running(fleet.second.http)
         fleet.kill_replica(0)
