@@ -45,7 +45,7 @@ from tests.storage.s3 import S3Server, build_server, running_s3
 from tests.webhook_receiver import Receiver, receiving
 
 # As the other journeys: the images build and reach the node first (minutes when cold).
-pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.s3, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.s3, pytest.mark.timeout(2400)]
 NS = "outputs"
 VIDEO, IMAGE = "vid", "img"
 STORE_SECRET, HOOK_SECRET = "output-store", "output-webhook"
