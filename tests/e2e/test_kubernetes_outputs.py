@@ -135,6 +135,20 @@ def seen() -> Seen:
     return Seen()
 
 
+@pytest.fixture(autouse=True)
+def logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed step shows what the pods said (a deleted pod's logs are gone with it)."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed or "node" not in request.fixturenames:
+        return
+    node: NodeBackend = request.getfixturevalue("node")
+    for component in ("router", "replica"):
+        got = node.kubectl("-n", NS, "logs", "-l", f"app.kubernetes.io/component={component}",
+                           "--prefix", "--tail=60", check=False)  # fmt: skip
+        print(f"--- {component} pods' logs:\n{got.stdout}{got.stderr}")
+
+
 def service(name: str, model: str, replicas: int, store: Store, hook: str) -> dict[str, Any]:
     return {
         "apiVersion": "dpserve.dev/v1alpha1",
