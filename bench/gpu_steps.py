@@ -57,7 +57,11 @@ def roots() -> list[str]:
 
 # On the GPU machine already, never downloaded: torch and its CUDA packages (gigabytes),
 # and numpy (16 MB of the 64 the device tool carries), which its transformers needs.
-_BROUGHT_BY_MACHINE = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|numpy)$")
+# Not downloaded either: what no GPU check loads (video encoding, S3 sources), 55 MB
+# together, which the device tool's 64 MB could not carry beside the rest.
+_BROUGHT_BY_MACHINE = re.compile(
+    r"^(torch|triton|nvidia-.*|cuda-.*|numpy|av|boto3|botocore|s3transfer|jmespath)$"
+)
 
 
 def _canonical(name: str) -> str:

@@ -32,6 +32,8 @@ from dpserve.router.deps import Running
 from dpserve.router.desired import DesiredState
 from dpserve.router.hosts import AllowedHosts
 from dpserve.router.http_server import GuardedConfig
+from dpserve.router.job_records import JobRecords
+from dpserve.router.leases import Leases, lease_seconds
 from dpserve.router.metrics import MetricsMiddleware, RouterMetrics
 from dpserve.router.openai_api import INTERNAL_MESSAGE, error_body
 from dpserve.router.playground import routes as playground
@@ -100,13 +102,17 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         webhooks = Webhooks(settings.webhook, lambda kind, end: count.labels(kind, end).inc())
         webhooks.start()
         app.state.metrics.webhook_waiting.set_function(lambda: webhooks.waiting)
+    objects = None if settings.output_s3 is None else VideoObjects(settings.output_s3)
+    poll_s = settings.video_poll_s
     jobs = VideoJobs(
         pool,
-        settings.video_poll_s,
+        poll_s,
         settings.video_max_estimate_s,
         on_finish=webhooks.emit if webhooks is not None else None,
-        objects=None if settings.output_s3 is None else VideoObjects(settings.output_s3),
+        objects=objects,
+        leases=None if objects is None else Leases(JobRecords(objects), lease_seconds(poll_s)),
     )
+    jobs.start()
     app.state.metrics.video_jobs.set_function(lambda: jobs.watched)
     app.state.running = Running(pool, RouterService(pool), SessionRouter(pool), Registry(), jobs)
     try:

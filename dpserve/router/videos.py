@@ -53,9 +53,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
 import msgspec
 
@@ -64,6 +64,8 @@ from dpserve.contract import validation as pv
 from dpserve.contract import video
 from dpserve.contract.owners import may_see
 from dpserve.router.connection import ReplicaLost
+from dpserve.router.job_records import JobRecord
+from dpserve.router.leases import Leases
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.replica import Replica, Slot
 from dpserve.router.usage import Work
@@ -72,6 +74,7 @@ from dpserve.sources.outstore import StoreDown, VideoObjects
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS: Final = 3
+EXPIRY_SWEEP_S: Final = 60.0  # between two looks for expired jobs in the store
 # Submit carries an input image, content the mp4 (up to a reply frame): more than a
 # ping's time. Every other action is a record and is answered in a ping's time.
 TRANSFER_TIMEOUT_S: Final = 60.0
@@ -86,6 +89,7 @@ class Held:
 
     job: video.VideoJob
     replica: Replica | None
+    recorded: bool = False  # the store's record: no replica holds the job
 
 
 @dataclass
@@ -103,8 +107,9 @@ class _Watch:
     attempt: int = 1
     misses: int = 0  # gets in a row that timed out
     lost_at: float | None = None  # monotonic; when its holder was lost
-    lost: tuple[Replica, str] | None = None  # that holder, and its boot then
+    lost: tuple[Replica | None, str] | None = None  # that holder (None: unknown here), its boot
     may_return: bool = False  # the lost holder was unreachable: it may still hold the job
+    lost_endpoint: str = ""  # that holder's endpoint (a taken-over job's may be unknown here)
     stale: list[tuple[Replica, str]] = field(default_factory=list)  # copies left behind
     task: asyncio.Task[None] | None = None
     meter: Callable[[Work], None] | None = None  # counts its frames once it completes
@@ -124,22 +129,42 @@ class VideoJobs:
         pool: ReplicaPool,
         poll_s: float,
         max_run_s: float,
-        on_finish: Callable[[video.VideoJob], None] | None = None,
+        on_finish: Callable[[video.VideoJob, Callable[[], None]], None] | None = None,
         objects: VideoObjects | None = None,
+        leases: Leases | None = None,
+        video_ttl_s: float = 3600.0,
     ) -> None:
         """``poll_s``: between looks at each job; ``max_run_s``: the longest a job may
         run, in seconds (the router's --video-poll and --video-max-estimate);
         ``on_finish``: told each job's terminal record once its watch sees it, or a
-        failed one when it is given up (the webhooks' emit: it must not wait);
-        ``objects``: the output store the replicas upload finished videos to, read
-        for content before any replica is asked (docs/outputs.md, "Videos")."""
+        failed one when it is given up, and a callback to call once it is delivered
+        or given up (the webhooks' emit: it must not wait); ``objects``: the output
+        store the replicas upload finished videos to, read for content before any
+        replica is asked (docs/outputs.md, "Videos"); ``leases``: the job records
+        in that store, which let any router answer for and take over a job whose
+        router is gone (None: jobs live on their replicas only); ``video_ttl_s``:
+        how long a job found finished in the store alone is kept (its replica's
+        --video-ttl, which it did not live to apply)."""
         self.pool = pool
         self.objects = objects
         self._on_finish = on_finish
         self.poll_s = poll_s
         self.max_run_s = max_run_s
+        self.leases = leases
+        self.video_ttl_s = video_ttl_s
         self._watches: dict[str, _Watch] = {}
         self._submits: set[asyncio.Task[video.VideoJob]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # the sweep, and events in flight
+
+    def start(self) -> None:
+        """With job records: sweep for jobs whose router is gone, and for expired ones."""
+        if self.leases is not None:
+            self._spawn(self._sweep_forever(self.leases), "video job sweep")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @property
     def watched(self) -> int:
@@ -147,7 +172,11 @@ class VideoJobs:
         return len(self._watches)
 
     async def close(self) -> None:
-        tasks = [*self._submits, *(w.task for w in self._watches.values() if w.task)]
+        tasks = [
+            *self._submits,
+            *self._tasks,
+            *(w.task for w in self._watches.values() if w.task),
+        ]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -220,6 +249,7 @@ class VideoJobs:
                 continue
             watch = _Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job, tenant)
             watch.meter = meter
+            await self._record(watch, job)
             self._watch(watch)
             return job
         code = p.OVERLOADED if busy else p.UNAVAILABLE
@@ -258,6 +288,24 @@ class VideoJobs:
             self.pool.health.mark_failed(replica, f"video submit failed: {str(exc) or 'timed out'}")
             raise
         return _job(reply, replica)
+
+    async def _record(self, watch: _Watch, job: video.VideoJob) -> None:
+        """Keep a new job's record in the store before its id is answered: a job the
+        store does not hold would not outlive its router. With the store down the job
+        is taken back from its replica and the client gets a 503."""
+        if self.leases is None:
+            return
+        assert watch.slot is not None
+        replica = watch.slot.replica
+        try:
+            await self.leases.open(job, watch.params, watch.blobs, replica.endpoint, watch.boot)
+        except StoreDown as exc:
+            self.pool.admission.release(watch.slot)
+            with contextlib.suppress(ReplicaLost, TimeoutError, p.RequestError):
+                await self._ask(replica, _delete(watch.job_id))
+            raise p.RequestError(
+                p.UNAVAILABLE, f"the video job was not kept ({exc}); retry"
+            ) from None
 
     def _check_bound(self, replica: Replica, params: p.GenerateParams) -> None:
         """A 400 when the job's estimated run time there is past the bound."""
@@ -333,9 +381,9 @@ class VideoJobs:
             if job.status == video.COMPLETED and watch.meter is not None:
                 units = watch.slot.units
                 watch.meter(Work(0, job.num_frames, units, job.inference_time_s, job.queue_time_s))
-            self._finished(job)
+            await self._end(job)
             return True
-        return False
+        return not await self._note(job)  # lost its lease: another router watches it
 
     def _lost(self, holder: Replica, boot: str) -> bool:
         gone = not self.pool.membership.holds(holder)
@@ -350,13 +398,44 @@ class VideoJobs:
         self.pool.admission.release(watch.slot)
         watch.slot, watch.misses, watch.lost_at = None, 0, time.monotonic()
         watch.lost, watch.may_return = (holder, watch.boot), may_return
+        watch.lost_endpoint = holder.endpoint
+        if await self._uploaded(watch):
+            return True
         return await self._rerun(watch)
+
+    async def _uploaded(self, watch: _Watch) -> bool:
+        """Whether the lost holder had uploaded the job's outputs (it died before its
+        record said completed): then the job is completed as it is, not run again."""
+        if self.objects is None:
+            return False
+        try:
+            location = await asyncio.to_thread(self.objects.finished, watch.job_id, watch.attempt)
+        except StoreDown as exc:
+            log.warning("video job %s: the store did not say if it is done: %s", watch.job_id, exc)
+            return False
+        if location is None:
+            return False
+        now = int(time.time())
+        job = msgspec.structs.replace(
+            watch.last,
+            status=video.COMPLETED,
+            progress=100,
+            completed_at=now,
+            expires_at=now + int(self.video_ttl_s),
+            location=location,
+            error=None,
+        )
+        log.info("video job %s was uploaded by its lost replica: completed", watch.job_id)
+        watch.last = job
+        await self._end(job)
+        return True
 
     async def _rerun(self, watch: _Watch) -> bool:
         """Place the job again; True when it is given up."""
         assert watch.lost is not None and watch.lost_at is not None
         replica, boot = watch.lost
-        if watch.may_return and not self._lost(replica, boot):  # back, holding it: watch it
+        if watch.may_return and replica is not None and not self._lost(replica, boot):
+            # back, holding it: watch it
             watch.slot, watch.boot = self.pool.admission.take(replica, watch.params), boot
             watch.lost = watch.lost_at = None
             return False
@@ -367,10 +446,10 @@ class VideoJobs:
                 "without a replica to run it again"
             )
             log.error("video job %s is given up: %s", watch.job_id, why)
-            self._give_up(watch, why)
+            await self._give_up(watch, why)
             return True
         try:
-            slot = self.pool.admission.place({replica.endpoint}, watch.params)
+            slot = self.pool.admission.place({watch.lost_endpoint}, watch.params)
         except p.RequestError:
             return False  # none serves now: next poll
         attempt = watch.attempt + 1
@@ -390,30 +469,153 @@ class VideoJobs:
                 return False
             name = slot.replica.name
             log.error("video job %s is given up: %s refused it: %s", watch.job_id, name, exc)
-            self._give_up(watch, f"{name} refused to run it again: {exc}")
+            await self._give_up(watch, f"{name} refused to run it again: {exc}")
             return True
         except (ReplicaLost, TimeoutError):
             self.pool.admission.release(slot)
             return False
         name = slot.replica.name
         log.warning("video job %s runs again on %s (attempt %d)", watch.job_id, name, attempt)
-        if slot.replica is not replica or slot.replica.boot_id != boot:
-            watch.stale.append(watch.lost)  # its copy, if it has one, goes when it answers
+        if replica is not None and (slot.replica is not replica or slot.replica.boot_id != boot):
+            watch.stale.append((replica, boot))  # its copy, if it has one, goes when it answers
         watch.slot, watch.boot, watch.attempt = slot, slot.replica.boot_id, attempt
         watch.lost, watch.lost_at, watch.last = None, None, job
+        if not await self._note(job, slot.replica.endpoint, slot.replica.boot_id):
+            # Another router took the job over meanwhile: this copy is not its own.
+            with contextlib.suppress(ReplicaLost, TimeoutError, p.RequestError):
+                await self._ask(slot.replica, _delete(watch.job_id))
+            return True
         return False
 
-    def _finished(self, job: video.VideoJob) -> None:
-        if self._on_finish is not None:
-            self._on_finish(job)
-
-    def _give_up(self, watch: _Watch, why: str) -> None:
+    async def _give_up(self, watch: _Watch, why: str) -> None:
         """No replica holds the job any more, and none will: it failed."""
         error = video.VideoError(code=p.UNAVAILABLE, message=f"the job was given up: {why}")
         now = int(time.time())
-        self._finished(
-            msgspec.structs.replace(watch.last, status=video.FAILED, completed_at=now, error=error)
+        watch.last = msgspec.structs.replace(
+            watch.last, status=video.FAILED, completed_at=now, error=error
         )
+        await self._end(watch.last)
+
+    # ------------------------------------------------------------ records and events
+
+    async def _note(
+        self,
+        job: video.VideoJob,
+        holder: str | None = None,
+        boot: str | None = None,
+        announced: bool = False,
+    ) -> bool:
+        """Record the job's status in the store; False when this router lost its lease
+        (another router watches the job now, or it was deleted). A store that does
+        not answer is logged: the lease may run out, and the router that takes it
+        over is then the one whose writes land."""
+        if self.leases is None:
+            return True
+        try:
+            return await self.leases.note(job, holder, boot, announced)
+        except StoreDown as exc:
+            log.warning("video job %s: its record is not updated: %s", job.id, exc)
+            return True
+
+    async def _end(self, job: video.VideoJob) -> None:
+        """A job reached its end: recorded, then told once. Only the router holding
+        its lease tells; one that lost it leaves that to the router that took it."""
+        if self.leases is None:
+            self._tell(job, lambda: None)
+            return
+        if job.expires_at is None:  # a failed job's record expires too
+            ended = job.completed_at or int(time.time())
+            job = msgspec.structs.replace(job, expires_at=ended + int(self.video_ttl_s))
+        silent = self._on_finish is None
+        if not await self._note(job, announced=silent):
+            return
+        if silent:
+            await self._settle(self.leases, job.id)
+        else:
+            self._spawn(self._announce(self.leases, job), f"video {job.id} event")
+
+    def _tell(self, job: video.VideoJob, done: Callable[[], None]) -> None:
+        if self._on_finish is None:
+            done()
+        else:
+            self._on_finish(job, done)
+
+    async def _announce(self, leases: Leases, job: video.VideoJob) -> None:
+        """Tell a job's end, holding its lease until the event is delivered or given
+        up: a router that dies first leaves the event to the one that takes the lease
+        over (the same event id: receivers drop the repeat)."""
+        told = asyncio.Event()
+        self._tell(job, told.set)
+        while not told.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(told.wait(), leases.lease_s / 3)
+            if not told.is_set() and not await self._renew(leases, job.id):
+                return
+        if await self._note(job, announced=True):
+            await self._settle(leases, job.id)
+
+    async def _renew(self, leases: Leases, job_id: str) -> bool:
+        try:
+            return await leases.renew(job_id)
+        except StoreDown as exc:
+            log.warning("video job %s: its lease is not renewed: %s", job_id, exc)
+            return True
+
+    async def _settle(self, leases: Leases, job_id: str) -> None:
+        try:
+            await leases.settle(job_id)
+        except StoreDown as exc:  # a sweep finds it active, told: it settles it then
+            log.warning("video job %s: not settled in the store: %s", job_id, exc)
+
+    # ------------------------------------------------------------ take over
+
+    async def _sweep_forever(self, leases: Leases) -> None:
+        """Take over the jobs of routers that are gone; remove expired jobs."""
+        last_expiry = 0.0
+        while True:
+            await asyncio.sleep(leases.lease_s / 2)
+            try:
+                for stored in await leases.orphans():
+                    if stored.record.job.id not in self._watches:
+                        await self._adopt(leases, stored.record.job.id, await leases.take(stored))
+                if time.monotonic() - last_expiry > EXPIRY_SWEEP_S:
+                    last_expiry = time.monotonic()
+                    if removed := await leases.expire():
+                        log.info("%d expired video jobs were removed from the store", removed)
+            except StoreDown as exc:
+                log.warning("the video job sweep did not run: %s", exc)
+            except Exception:  # one bad sweep must not end them
+                log.exception("the video job sweep failed")
+
+    async def _adopt(self, leases: Leases, job_id: str, record: JobRecord | None) -> None:
+        """Watch a job taken over (``record``: None when another router took it)."""
+        if record is None:
+            return
+        job = record.job
+        if job.status in video.TERMINAL:  # finished; its event was not told
+            if record.announced:
+                await self._settle(leases, job_id)
+            else:
+                await self._end(job)
+            return
+        try:
+            blobs = await leases.inputs(record)
+        except StoreDown:
+            leases.release(job_id)  # not watched here: its lease runs out, to be taken again
+            raise
+        watch = _Watch(
+            job_id, record.params, job.created_at, blobs, None, record.boot, job, job.tenant
+        )
+        watch.attempt = job.attempt
+        replica = self.pool.replicas.get(record.holder)
+        if replica is not None and not self._lost(replica, record.boot):
+            watch.slot = self.pool.admission.take(replica, record.params)
+        else:
+            watch.lost, watch.lost_at = (replica, record.boot), time.monotonic()
+            watch.lost_endpoint = record.holder
+            if await self._uploaded(watch):
+                return
+        self._watch(watch)
 
     async def _delete_stale(self, watch: _Watch) -> None:
         """A holder that came back after the job ran again elsewhere drops its copy."""
@@ -452,6 +654,9 @@ class VideoJobs:
         watch = self._watches.get(job_id)
         if watch is not None and may_see(scope, watch.tenant):
             return Held(watch.view(), None)
+        record = await self._recorded(job_id)
+        if record is not None and may_see(scope, record.job.tenant) and not _expired(record.job):
+            return Held(record.job, None, recorded=True)
         if silent:
             raise p.RequestError(
                 p.UNAVAILABLE,
@@ -493,6 +698,10 @@ class VideoJobs:
                 f"video {job_id} is {job.status} ({job.progress}%){why}: "
                 + ("it has no content" if done else "its content is not ready"),
             )
+        if held.recorded:  # the store's record says completed; its objects are not there
+            raise p.RequestError(
+                p.NOT_FOUND, f"video {job_id}'s content is gone from the store (deleted or expired)"
+            )
         if replica is None:
             raise p.RequestError(
                 p.UNAVAILABLE, f"the replica holding video {job_id} does not answer; retry"
@@ -532,7 +741,19 @@ class VideoJobs:
         for job_id, watch in self._watches.items():  # its holder silent, or none yet
             if job_id not in newest and may_see(scope, watch.tenant):
                 newest[job_id] = watch.view()
+        for record in await self._active_records():  # unfinished, no replica holds it
+            if record.job.id not in newest and may_see(scope, record.job.tenant):
+                newest[record.job.id] = record.job
         return list(newest.values())
+
+    async def _active_records(self) -> list[JobRecord]:
+        if self.leases is None:
+            return []
+        try:
+            return await self.leases.active_records()
+        except StoreDown as exc:
+            log.warning("video list: the store's unfinished jobs are left out: %s", exc)
+            return []
 
     async def delete(self, job_id: str, scope: str | None = None) -> video.VideoJob:
         """Delete every copy (a running one stops at its next step); its newest record.
@@ -563,30 +784,44 @@ class VideoJobs:
         stored = await self._delete_stored(job_id, scope)
         if held is not None:
             return held.job
-        if stored:  # its owner is gone, its output was in the store
-            return _deleted_record(job_id)
+        if stored is not None:  # its owner is gone; the store held the job
+            return stored
         if watch is not None:  # waiting to run again: stopping its watch deleted it
             return msgspec.structs.replace(watch.last, status=video.CANCELLED)
         self._missing(job_id, owner)
 
-    async def _delete_stored(self, job_id: str, scope: str | None) -> bool:
-        """Remove the job's objects from the store (every attempt's), if ``scope``
-        sees them; whether there were any. The owner removes its own too: this covers
-        an owner that is gone."""
+    async def _delete_stored(self, job_id: str, scope: str | None) -> video.VideoJob | None:
+        """Remove the job from the store (its record, every attempt's objects), if
+        ``scope`` sees it; its record then (None: the store held none of it). The owner
+        removes its objects too: this covers an owner that is gone."""
         if self.objects is None:
-            return False
-        objects = self.objects
-
-        def remove() -> bool:
-            if not objects.holds(job_id, scope):
-                return False
-            objects.delete(job_id)
-            return True
-
+            return None
+        objects, leases = self.objects, self.leases
         try:
-            return await asyncio.to_thread(remove)
+            if leases is not None:
+                record = await leases.lookup(job_id)
+                if record is not None:
+                    if not may_see(scope, record.job.tenant):
+                        return None
+                    await leases.remove(job_id)
+                    return msgspec.structs.replace(record.job, status=video.CANCELLED)
+            if not await asyncio.to_thread(objects.holds, job_id, scope):
+                return None
+            await asyncio.to_thread(objects.delete, job_id)
+            return _deleted_record(job_id)
         except StoreDown as exc:
             raise p.RequestError(p.UNAVAILABLE, f"video {job_id}: {exc}; retry") from None
+
+    async def _recorded(self, job_id: str) -> JobRecord | None:
+        """The store's record of the job (None: no record, or no store)."""
+        if self.leases is None:
+            return None
+        try:
+            return await self.leases.lookup(job_id)
+        except StoreDown as exc:
+            raise p.RequestError(
+                p.UNAVAILABLE, f"video {job_id} could not be looked up: {exc}; retry shortly"
+            ) from None
 
     # ------------------------------------------------------------ plumbing
 
@@ -700,6 +935,10 @@ def _deleted_record(job_id: str) -> video.VideoJob:
         seconds=0.0,
         seed=0,
     )
+
+
+def _expired(job: video.VideoJob) -> bool:
+    return job.expires_at is not None and job.expires_at <= time.time()
 
 
 def _given_up(job: video.VideoJob) -> bool:

@@ -122,9 +122,12 @@ class Event:
     body: bytes  # the same bytes on every try
     tenant: str  # whose job (logs only: receivers are the operator's, not a tenant's)
     made_at: float = field(default_factory=time.monotonic)
+    # Called once the event ends (delivered, given up or dropped): the job's record
+    # stops waiting for it (dpserve/router/videos.py, "Tell").
+    done: Callable[[], None] = field(default=lambda: None, compare=False)
 
 
-def job_event(job: video.VideoJob) -> Event | None:
+def job_event(job: video.VideoJob, done: Callable[[], None] = lambda: None) -> Event | None:
     """The event of a job's terminal status; None for one that has none (cancelled)."""
     event_type = EVENT_TYPES.get(job.status)
     if event_type is None:
@@ -138,7 +141,8 @@ def job_event(job: video.VideoJob) -> Event | None:
         "created_at": job.completed_at or int(time.time()),
         "data": {"id": job.id},
     }
-    return Event(eid, event_type, json.dumps(body, separators=(",", ":")).encode(), job.tenant)
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return Event(eid, event_type, data, job.tenant, done=done)
 
 
 @dataclass(frozen=True)
@@ -189,10 +193,12 @@ class Webhooks:
         if not self._queue.empty():
             log.warning("webhooks: %d events were not sent (shutting down)", self._queue.qsize())
 
-    def emit(self, job: video.VideoJob) -> None:
-        """Queue the event of a job's terminal status, if it has one; never waits."""
-        event = job_event(job)
+    def emit(self, job: video.VideoJob, done: Callable[[], None] = lambda: None) -> None:
+        """Queue the event of a job's terminal status, if it has one; never waits.
+        ``done`` is called once the event ends (at once when there is none)."""
+        event = job_event(job, done)
         if event is None:
+            done()
             return
         try:
             self._queue.put_nowait(event)
@@ -204,6 +210,7 @@ class Webhooks:
                 self._queue.qsize(),
             )
             self._count(event.type, DROPPED)
+            done()
 
     async def _send_forever(self) -> None:
         while True:
@@ -214,6 +221,7 @@ class Webhooks:
                 log.exception("webhook %s failed", event.id)
                 delivered = False
             self._count(event.type, DELIVERED if delivered else GIVEN_UP)
+            event.done()
 
     async def _deliver(self, event: Event) -> bool:
         """Try until a 2xx, or past the time bound."""

@@ -77,15 +77,15 @@ class VideoObjects:
         if self.client is None:
             self.client = bucket_client()
 
-    def _folder(self, job_id: str) -> str:
+    def folder(self, job_id: str) -> str:
         return f"{self.source.prefix}videos/{job_id}/"
 
     def key(self, job_id: str, attempt: int, variant: str) -> str:
-        return f"{self._folder(job_id)}{attempt}.{_VARIANTS[variant][0]}"
+        return f"{self.folder(job_id)}{attempt}.{_VARIANTS[variant][0]}"
 
     def location(self, job_id: str, attempt: int) -> str:
         """The job record's ``location``: where its two objects are."""
-        return f"s3://{self.source.bucket}/{self._folder(job_id)}{attempt}.{{mp4,jpg}}"
+        return f"s3://{self.source.bucket}/{self.folder(job_id)}{attempt}.{{mp4,jpg}}"
 
     def put(self, job_id: str, attempt: int, tenant: str, video: bytes, thumbnail: bytes) -> str:
         """Upload both objects, tried ``UPLOAD_TRIES`` times a piece; the location.
@@ -140,6 +140,13 @@ class VideoObjects:
                 return data
         return None
 
+    def finished(self, job_id: str, attempt: int) -> str | None:
+        """The attempt's location when both its objects are in the store (its upload
+        finished), else None."""
+        done = self._attempts(job_id).get(attempt, set())
+        wanted = {ext for ext, _ in _VARIANTS.values()}
+        return self.location(job_id, attempt) if wanted <= done else None
+
     def holds(self, job_id: str, scope: str | None) -> bool:
         """Does the store hold objects of the job that ``scope`` may see?"""
         listed = self._listed(job_id)
@@ -151,7 +158,7 @@ class VideoObjects:
 
     def _listed(self, job_id: str) -> list[tuple[str, str]]:
         """Every object of the job: (key, its name under the job's folder)."""
-        folder = self._folder(job_id)
+        folder = self.folder(job_id)
         with store_errors(self.source, "listing"):
             page = self.client.list_objects_v2(Bucket=self.source.bucket, Prefix=folder)
         return [(o["Key"], o["Key"][len(folder) :]) for o in page.get("Contents", [])]

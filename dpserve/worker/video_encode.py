@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -40,6 +39,8 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
 
 def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
     """``frames`` (8-bit RGB, F x H x W x 3, even sides) as an H.264 yuv420p mp4 at ``fps``."""
+    import av  # loaded by video models only: an image worker needs no PyAV (35 MB)
+
     count, height, width, _ = frames.shape
     if count == 0 or width % 2 or height % 2:
         raise ValueError(f"an mp4 needs frames with even sides, got {count}x{width}x{height}")

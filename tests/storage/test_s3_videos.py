@@ -195,8 +195,11 @@ def test_serve_stores_a_video_that_outlives_its_replica(
             0.05,
         )
         first = http.get(f"/v1/videos/{job_id}/content")
-        keys = _keys(s3_server, bucket)
-        assert keys == [f"serve/videos/{job_id}/1.jpg", f"serve/videos/{job_id}/1.mp4"]
+        folder = f"serve/videos/{job_id}/"
+        assert _keys(s3_server, bucket, folder) == [
+            f"{folder}{n}" for n in ("1.jpg", "1.mp4", "job.json")
+        ]
+        keys = [f"{folder}1.jpg", f"{folder}1.mp4"]
         stored = [s3_server.client().get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys]
         assert sdk.videos.download_content(job_id).content == stored[1] == first.content
         thumb = sdk.videos.download_content(job_id, variant="thumbnail").content
@@ -213,28 +216,17 @@ def test_serve_stores_a_video_that_outlives_its_replica(
         assert _keys(s3_server, bucket) == []
 
 
-def test_serve_fails_a_video_job_whose_store_is_down(
+def test_serve_refuses_a_video_job_it_cannot_keep_in_the_store(
     s3_server: S3Server, aws_env: dict[str, str], tiny_video_model: Path
 ) -> None:
-    """A bucket the store does not have: the upload is refused every try, and the job
-    fails naming the store and its error, never completed."""
+    """A bucket the store does not have: the job's record cannot be kept, so the job
+    is refused with a 503 naming the store and its error (a job the store does not
+    hold would not outlive its router), and no replica runs it."""
     store = ("--output-store", "s3://no-such-bucket/serve")
     with ServeProcess(tiny_video_model, 1, *store, timeout_s=120) as serve:
         made = serve.http.post("/v1/videos", json={**JOB_BODY, **EXTRA})
-        job_id = made.json()["id"]
-        ended = eventually(
-            lambda: (
-                (j := serve.http.get(f"/v1/videos/{job_id}").json())["status"]
-                not in ("queued", "in_progress")
-                and j
-            ),
-            60,
-            "the job to end",
-            0.05,
-        )
-        assert ended["status"] == "failed", ended
-        message = ended["error"]["message"]
-        assert "could not be stored" in message and "s3://no-such-bucket/serve/" in message
+        assert made.status_code == 503, made.text
+        message = made.json()["error"]["message"]
+        assert "not kept" in message and "s3://no-such-bucket/serve/" in message
         assert "NoSuchBucket" in message
-        content = serve.http.get(f"/v1/videos/{job_id}/content")
-        assert content.status_code == 409
+        assert serve.http.get("/v1/videos").json()["data"] == []  # taken back from its replica
