@@ -49,14 +49,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.s3, pytest.mark.
 NS = "outputs"
 VIDEO, IMAGE = "vid", "img"
 STORE_SECRET, HOOK_SECRET = "output-store", "output-webhook"
-PREFIX = "fleet/"
+# One folder of the bucket per service: a router sweeps its folder's active jobs and
+# takes over any whose lease ran out, though only its own replicas can run them.
+PREFIX = {VIDEO: "fleet/vid/", IMAGE: "fleet/img/"}
 ROUTER_PORT = 8000  # the router container's (dpserve/operator/builders.py)
 WHSEC = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
-# Long enough that three pods are deleted while it runs (about 5 s of steps and 5 of
+# Long enough that three pods are deleted while it runs (about 7 s of steps and 7 of
 # decoding and encoding on one thread), short enough that its re-run is quick.
-JOB = {"prompt": "a kite in the wind", "size": "192x144", "num_frames": 33, "seed": 5,
-       "num_inference_steps": 120}  # fmt: skip
+JOB = {"prompt": "a kite in the wind", "size": "192x144", "num_frames": 49, "seed": 5,
+       "num_inference_steps": 100}  # fmt: skip
 FORCE = ("--grace-period=0", "--force", "--wait=false")
 
 
@@ -161,7 +163,7 @@ def service(name: str, model: str, replicas: int, store: Store, hook: str) -> di
                           "limits": {"memory": "2Gi"}},
             "router": {
                 "replicas": 2,
-                "outputStore": {"uri": f"s3://{store.bucket}/{PREFIX}",
+                "outputStore": {"uri": f"s3://{store.bucket}/{PREFIX[name]}",
                                 "credentials": {"secretName": STORE_SECRET}},
                 "webhook": {"url": hook, "secretName": HOOK_SECRET},
             },
@@ -234,7 +236,7 @@ def test_an_image_link_downloads_after_its_router_pod_is_gone(
     fetched = httpx.get(link, timeout=30)
     assert fetched.status_code == 200 and fetched.content == png  # same seed, same bytes
     assert fetched.headers["content-type"] == "image/png"
-    (key,) = store.keys(f"{PREFIX}images/")
+    (key,) = store.keys(f"{PREFIX[IMAGE]}images/")
     assert store.read(key) == png
 
     uid = pods(k8s, IMAGE, "router")[first]["metadata"]["uid"]
@@ -282,7 +284,7 @@ def test_a_video_job_outlives_its_owner_and_both_router_pods(
     # What the replaced routers serve is the re-run's video, from the store.
     video = download(k8s.router_url(NS, VIDEO), job_id)
     assert video[4:8] == b"ftyp"  # an mp4 container
-    folder = f"{PREFIX}videos/{job_id}/"
+    folder = f"{PREFIX[VIDEO]}videos/{job_id}/"
     assert f"{folder}2.mp4" in store.keys(folder)
     assert store.read(f"{folder}2.mp4") == video
 
@@ -329,7 +331,7 @@ def test_the_receiver_got_one_verified_event_for_the_job(
     url = k8s.router_url(NS, VIDEO)
     assert httpx.delete(f"{url}/v1/videos/{seen.job_id}", timeout=60).status_code == 200
     assert httpx.get(f"{url}/v1/videos/{seen.job_id}", timeout=60).status_code == 404
-    assert store.keys(f"{PREFIX}videos/{seen.job_id}/") == []
+    assert store.keys(f"{PREFIX[VIDEO]}videos/{seen.job_id}/") == []
     seen.figures += [
         f"completed seen to first event: {first - seen.completed_at:+.1f} s",
         f"deliveries: {len(receiver.got)}, distinct event ids: {len(ids)}",
