@@ -31,7 +31,10 @@ class Receiver:
 
 
 @contextlib.contextmanager
-def receiving(receiver: Receiver) -> Iterator[Receiver]:
+def receiving(receiver: Receiver, host: str = "127.0.0.1") -> Iterator[Receiver]:
+    """``receiver`` listening on a free port of ``host`` for the block (pods reach it
+    where ``host`` is an address of their network: a test node's bridge gateway)."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # http.server names it
             body = self.rfile.read(int(self.headers["content-length"]))
@@ -47,9 +50,9 @@ def receiving(receiver: Receiver) -> Iterator[Receiver]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer((host, 0), Handler)
     server.daemon_threads = True
-    receiver.url = f"http://127.0.0.1:{server.server_address[1]}/hooks/dpserve"
+    receiver.url = f"http://{host}:{server.server_address[1]}/hooks/dpserve"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
