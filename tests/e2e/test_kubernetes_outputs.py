@@ -50,9 +50,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.s3, pytest.mark.
 NS = "outputs"
 VIDEO, IMAGE = "vid", "img"
 STORE_SECRET, HOOK_SECRET = "output-store", "output-webhook"
-# One folder of the bucket per service: a router sweeps its folder's active jobs and
-# takes over any whose lease ran out, though only its own replicas can run them.
-PREFIX = {VIDEO: "fleet/vid/", IMAGE: "fleet/img/"}
+# Both services share one folder of the bucket: each router takes over its own
+# service's jobs only (a job record names its service), so the image service's routers
+# never take the video job over while the video routers are gone.
+PREFIX = {VIDEO: "fleet/", IMAGE: "fleet/"}
 ROUTER_PORT = 8000  # the router container's (dpserve/operator/builders.py)
 WHSEC = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
