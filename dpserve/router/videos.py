@@ -609,8 +609,11 @@ class VideoJobs:
     # ------------------------------------------------------------ take over
 
     async def _sweep_forever(self, leases: Leases) -> None:
-        """Take over the jobs of routers that are gone; remove expired jobs."""
+        """Take over the jobs of routers that are gone; remove expired jobs. The first
+        sweep waits a whole lease: by then this router's pool has found and pinged its
+        replicas, so a holder still running a job is not taken for lost."""
         last_expiry = 0.0
+        await asyncio.sleep(leases.lease_s / 2)
         while True:
             await asyncio.sleep(leases.lease_s / 2)
             try:
@@ -637,6 +640,10 @@ class VideoJobs:
             else:
                 await self._end(job)
             return
+        replica = self.pool.replicas.get(record.holder)
+        if replica is not None and not replica.boot_id:  # not heard from yet: next sweep
+            leases.release(job_id)
+            return
         try:
             blobs = await leases.inputs(record)
         except StoreDown:
@@ -646,7 +653,6 @@ class VideoJobs:
             job_id, record.params, job.created_at, blobs, None, record.boot, job, job.tenant
         )
         watch.attempt = job.attempt
-        replica = self.pool.replicas.get(record.holder)
         if replica is not None and not self._lost(replica, record.boot):
             watch.slot = self.pool.admission.take(replica, record.params)
         else:

@@ -222,3 +222,34 @@ def test_a_job_uploaded_by_a_replica_that_died_before_saying_so_is_completed_not
     assert record.job.status == v.COMPLETED and record.announced
     assert record.job.location.endswith("/1.{mp4,jpg}")
     assert json.loads(msgspec.json.encode(record.params))["seed"] == [seen["done"]["seed"]]
+
+
+def test_a_stopping_routers_job_is_taken_over_where_it_runs_not_run_twice(
+    s3_server: S3Server, aws_env: dict[str, str]
+) -> None:
+    """Router A places a job and stops (a roll): it hands its lease over, router B takes
+    the job over at its next sweep and, its replica still running it, watches it there:
+    one run, one event, from B."""
+    store = S3Source(s3_server.new_bucket("jobs"), "")
+
+    async def scenario(ctx: zmq.asyncio.Context) -> dict[str, Any]:
+        with receiving(Receiver()) as receiver:
+            hook = _settings(receiver.url)
+            async with (
+                stubs(ctx, 2) as replicas,
+                routers(replicas, output_s3=store, webhook=hook) as [(_, b)],
+            ):
+                async with routers(replicas, output_s3=store, webhook=hook) as [(_, a)]:
+                    job = await create(a, LONG)
+                    await until_status(a, job["id"], "in_progress")
+                done = await until_status(b, job["id"], "completed", 10)
+                records = JobRecords(VideoObjects(store))
+                await until(lambda: len(receiver.got) >= 1 and records.active() == [], 10)
+                submits = sum(len(s.video_submits) for s in replicas)
+            events = list(receiver.got)
+        return {"done": done, "submits": submits, "events": events}
+
+    seen = run_in_context(scenario)
+    assert seen["done"]["attempt"] == 1 and seen["submits"] == 1  # never run twice
+    [event] = seen["events"]  # from B, which took it over: A's watch ended with A
+    assert _verified(event)["type"] == "video.completed"
