@@ -28,23 +28,20 @@ that comes back with its boot unchanged (it was only unreachable) had kept the j
 before the re-run it is simply watched again; after it, or when it had given the
 job up, its copy is deleted once it answers, so no router finds a stale one there.
 
-**Find.** Nothing about a job lives in a router, so any router finds any job: it
-asks the replica it watches the job on, then the owner the id names, and then every
-answering replica at once (a re-run lives elsewhere under the same id); the copy
-with the highest ``attempt`` wins. List, and delete, ask every answering replica.
-
-**Own.** A job belongs to the tenant that submitted it: the replica records the
-tenant with the job (a re-run carries it on), and every ask says whose jobs the
-caller sees, so each replica answers a caller about its own tenant's jobs only.
-Another tenant's job is the 404 of an unknown id, from any router, after any restart.
+**Find, list, delete** are dpserve/router/video_lookup.py's: any router finds any
+job, its tenant's only, from the replicas, this router's watches, then the store.
 
 **Tell.** The watch hands the record it ends on (completed or failed; a given-up
 job as failed) to ``on_finish``: the webhooks' queue (dpserve/router/webhooks.py),
 which never makes it wait.
 
-A job whose router goes away is not re-run if its holder is lost later (nobody
-watches it); it runs to its end where it is, and any router finds it (and no
-webhook event is sent for it).
+**Keep.** With a bucket output store each job is also a record there, leased to the
+router that watches it (dpserve/router/leases.py): a router that goes away stops
+renewing its leases (one that stops hands them over), and any router of the service
+takes its jobs over and watches them from their records, re-running one whose
+holder is gone too and telling each one's end. Without a store, a job whose router
+goes away is not re-run if its holder is lost later (nobody watches it): it runs to
+its end where it is, any router finds it, and no webhook event is sent for it.
 """
 
 from __future__ import annotations
@@ -54,21 +51,27 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import msgspec
 
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video
-from dpserve.contract.owners import may_see
 from dpserve.router.connection import ReplicaLost
 from dpserve.router.job_records import JobRecord
 from dpserve.router.leases import Leases
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.replica import Replica, Slot
 from dpserve.router.usage import Work
+from dpserve.router.video_lookup import (
+    TRANSFER_TIMEOUT_S,
+    JobLookup,
+    Watch,
+    delete_request,
+    get_request,
+    job_of,
+)
 from dpserve.sources.outstore import StoreDown, VideoObjects
 
 log = logging.getLogger(__name__)
@@ -76,53 +79,11 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS: Final = 3
 EXPIRY_SWEEP_S: Final = 60.0  # between two looks for expired jobs in the store
 HAND_OVER_S: Final = 5.0  # a stopping router's last writes: its leases end now
-# Submit carries an input image, content the mp4 (up to a reply frame): more than a
-# ping's time. Every other action is a record and is answered in a ping's time.
-TRANSFER_TIMEOUT_S: Final = 60.0
 # Refusals that say "this replica, not this job": the next one may take it.
 _PASS_ON: Final = frozenset({p.OVERLOADED, p.UNAVAILABLE})
 
 
-@dataclass(frozen=True)
-class Held:
-    """A job's record and the replica that holds it (None: this router's last view of
-    a job it watches, whose holder does not answer now or which waits to run again)."""
-
-    job: video.VideoJob
-    replica: Replica | None
-    recorded: bool = False  # the store's record: no replica holds the job
-
-
-@dataclass
-class _Watch:
-    """A job this router placed, and where it runs now."""
-
-    job_id: str
-    params: p.GenerateParams
-    created_at: int
-    blobs: list[bytes]
-    slot: Slot | None  # None: its holder was lost, and no replica has taken it again yet
-    boot: str  # the holder's boot id when it took the job
-    last: video.VideoJob  # its record as last seen
-    tenant: str  # who owns it: recorded with every copy, re-runs included
-    attempt: int = 1
-    misses: int = 0  # gets in a row that timed out
-    lost_at: float | None = None  # monotonic; when its holder was lost
-    lost: tuple[Replica | None, str] | None = None  # that holder (None: unknown here), its boot
-    may_return: bool = False  # the lost holder was unreachable: it may still hold the job
-    lost_endpoint: str = ""  # that holder's endpoint (a taken-over job's may be unknown here)
-    stale: list[tuple[Replica, str]] = field(default_factory=list)  # copies left behind
-    task: asyncio.Task[None] | None = None
-    meter: Callable[[Work], None] | None = None  # counts its frames once it completes
-
-    def view(self) -> video.VideoJob:
-        """The job as this router last saw it; queued again while it waits for a replica."""
-        if self.slot is None:
-            return msgspec.structs.replace(self.last, status=video.QUEUED, progress=0)
-        return self.last
-
-
-class VideoJobs:
+class VideoJobs(JobLookup):
     """Every video job action of one router; :meth:`close` ends its watches."""
 
     def __init__(
@@ -153,7 +114,7 @@ class VideoJobs:
         self.max_run_s = max_run_s
         self.leases = leases
         self.video_ttl_s = video_ttl_s
-        self._watches: dict[str, _Watch] = {}
+        self._watches: dict[str, Watch] = {}
         self._submits: set[asyncio.Task[video.VideoJob]] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # the sweep, and events in flight
 
@@ -256,7 +217,7 @@ class VideoJobs:
                 self.pool.admission.release(slot)
                 refusals.append(f"{replica.name}: {str(exc) or 'timed out'}")
                 continue
-            watch = _Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job, tenant)
+            watch = Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job, tenant)
             watch.meter = meter
             await self._record(watch, job)
             self._watch(watch)
@@ -296,9 +257,9 @@ class VideoJobs:
         except (ReplicaLost, TimeoutError) as exc:
             self.pool.health.mark_failed(replica, f"video submit failed: {str(exc) or 'timed out'}")
             raise
-        return _job(reply, replica)
+        return job_of(reply, replica)
 
-    async def _record(self, watch: _Watch, job: video.VideoJob) -> None:
+    async def _record(self, watch: Watch, job: video.VideoJob) -> None:
         """Keep a new job's record in the store before its id is answered: a job the
         store does not hold would not outlive its router. With the store down the job
         is taken back from its replica and the client gets a 503."""
@@ -311,7 +272,7 @@ class VideoJobs:
         except StoreDown as exc:
             self.pool.admission.release(watch.slot)
             with contextlib.suppress(ReplicaLost, TimeoutError, p.RequestError):
-                await self._ask(replica, _delete(watch.job_id))
+                await self._ask(replica, delete_request(watch.job_id))
             raise p.RequestError(
                 p.UNAVAILABLE, f"the video job was not kept ({exc}); retry"
             ) from None
@@ -332,11 +293,11 @@ class VideoJobs:
 
     # ------------------------------------------------------------ watch
 
-    def _watch(self, watch: _Watch) -> None:
+    def _watch(self, watch: Watch) -> None:
         self._watches[watch.job_id] = watch
         watch.task = asyncio.create_task(self._follow(watch), name=f"video {watch.job_id}")
 
-    async def _follow(self, watch: _Watch) -> None:
+    async def _follow(self, watch: Watch) -> None:
         try:
             while True:
                 await asyncio.sleep(self.poll_s)
@@ -352,7 +313,7 @@ class VideoJobs:
             if self._watches.get(watch.job_id) is watch:
                 del self._watches[watch.job_id]
 
-    async def _look(self, watch: _Watch) -> bool:
+    async def _look(self, watch: Watch) -> bool:
         """One poll of the job; True when the watch is over."""
         await self._delete_stale(watch)
         if watch.slot is None:
@@ -362,7 +323,7 @@ class VideoJobs:
             why = "it left the pool, stopped answering or restarted"
             return await self._lose(watch, why, may_return=holder.boot_id == watch.boot)
         try:
-            job = _job(await self._ask(holder, _get(watch.job_id)), holder)
+            job = job_of(await self._ask(holder, get_request(watch.job_id)), holder)
         except ReplicaLost as exc:
             return await self._lose(watch, str(exc), may_return=True)
         except TimeoutError:
@@ -400,7 +361,7 @@ class VideoJobs:
         gone = not self.pool.membership.holds(holder)
         return gone or not holder.answering or holder.boot_id != boot
 
-    async def _lose(self, watch: _Watch, why: str, may_return: bool) -> bool:
+    async def _lose(self, watch: Watch, why: str, may_return: bool) -> bool:
         """The holder lost the job, or gave it up, or cannot be reached (``may_return``:
         it may come back holding it): run it again."""
         assert watch.slot is not None
@@ -414,7 +375,7 @@ class VideoJobs:
             return True
         return await self._rerun(watch)
 
-    async def _uploaded(self, watch: _Watch) -> bool:
+    async def _uploaded(self, watch: Watch) -> bool:
         """Whether the lost holder had uploaded the job's outputs (it died before its
         record said completed): then the job is completed as it is, not run again."""
         if self.objects is None:
@@ -441,7 +402,7 @@ class VideoJobs:
         await self._end(job)
         return True
 
-    async def _rerun(self, watch: _Watch) -> bool:
+    async def _rerun(self, watch: Watch) -> bool:
         """Place the job again; True when it is given up."""
         assert watch.lost is not None and watch.lost_at is not None
         replica, boot = watch.lost
@@ -501,11 +462,11 @@ class VideoJobs:
         if not await self._note(job, slot.replica.endpoint, slot.replica.boot_id):
             # Another router took the job over meanwhile: this copy is not its own.
             with contextlib.suppress(ReplicaLost, TimeoutError, p.RequestError):
-                await self._ask(slot.replica, _delete(watch.job_id))
+                await self._ask(slot.replica, delete_request(watch.job_id))
             return True
         return False
 
-    async def _give_up(self, watch: _Watch, why: str) -> None:
+    async def _give_up(self, watch: Watch, why: str) -> None:
         """No replica holds the job any more, and none will: it failed."""
         error = video.VideoError(code=p.UNAVAILABLE, message=f"the job was given up: {why}")
         now = int(time.time())
@@ -649,7 +610,7 @@ class VideoJobs:
         except StoreDown:
             leases.release(job_id)  # not watched here: its lease runs out, to be taken again
             raise
-        watch = _Watch(
+        watch = Watch(
             job_id, record.params, job.created_at, blobs, None, record.boot, job, job.tenant
         )
         watch.attempt = job.attempt
@@ -662,283 +623,16 @@ class VideoJobs:
                 return
         self._watch(watch)
 
-    async def _delete_stale(self, watch: _Watch) -> None:
+    async def _delete_stale(self, watch: Watch) -> None:
         """A holder that came back after the job ran again elsewhere drops its copy."""
         for replica, boot in list(watch.stale):
             if not self.pool.membership.holds(replica) or replica.boot_id != boot:
                 watch.stale.remove((replica, boot))  # restarted or gone: no copy left
             elif replica.answering:
                 with contextlib.suppress(ReplicaLost, TimeoutError, p.RequestError):
-                    await self._ask(replica, _delete(watch.job_id))
+                    await self._ask(replica, delete_request(watch.job_id))
                     log.info("video job %s: the copy on %s is deleted", watch.job_id, replica.name)
                 watch.stale.remove((replica, boot))
-
-    # ------------------------------------------------------------ find, list, delete
-
-    async def find(self, job_id: str, scope: str | None = None) -> Held:
-        """The job's newest copy, wherever it is; 404 when no replica holds it, or when
-        it is not ``scope``'s (dpserve/contract/owners.py: the same 404, word for word).
-
-        A job this router watches is never a 404 while its holder is being replaced:
-        its last view answers (queued again while it waits for a replica). Where the
-        owner did not answer at all, the job's fate is unknown: 503, retry."""
-        owner = _owner(job_id)
-        asked: set[str] = set()
-        silent: list[str] = []
-        ask = _get(job_id, scope)
-        for replica in self._first_asks(job_id, owner):
-            asked.add(replica.endpoint)
-            held = await self._held(replica, ask, silent)
-            if held is not None:
-                return held
-        others = [r for r in self.pool.members() if r.answering and r.endpoint not in asked]
-        found = await asyncio.gather(*(self._held(r, ask, silent) for r in others))
-        held = _newest(list(found))
-        if held is not None:
-            return held
-        watch = self._watches.get(job_id)
-        if watch is not None and may_see(scope, watch.tenant):
-            return Held(watch.view(), None)
-        record = await self._recorded(job_id)
-        if record is not None and may_see(scope, record.job.tenant) and not _expired(record.job):
-            return Held(record.job, None, recorded=True)
-        if silent:
-            raise p.RequestError(
-                p.UNAVAILABLE,
-                f"video {job_id} could not be looked up: {', '.join(silent)} did not answer; "
-                "retry shortly",
-            )
-        self._missing(job_id, owner)
-
-    async def content(
-        self, job_id: str, variant: str, scope: str | None = None
-    ) -> tuple[video.VideoContent, bytes]:
-        """A completed job's mp4 or thumbnail; 409 while it is not completed."""
-        if variant not in video.MEDIA_TYPES:
-            offered = ", ".join(video.MEDIA_TYPES)
-            raise pv.invalid_fields(
-                [p.FieldError("variant", f"is {variant[:40]!r}; this service offers {offered}")]
-            )
-        store_down: StoreDown | None = None
-        try:
-            stored = await self._stored(job_id, variant, scope)
-        except StoreDown as exc:  # the owner may still say the job is not done
-            stored, store_down = None, exc
-        if stored is not None:
-            return video.VideoContent(
-                id=job_id, variant=variant, media_type=video.MEDIA_TYPES[variant]
-            ), stored
-        try:
-            held = await self.find(job_id, scope)
-        except p.RequestError:
-            if store_down is None:
-                raise
-            raise p.RequestError(p.UNAVAILABLE, f"video {job_id}: {store_down}; retry") from None
-        job, replica = held.job, held.replica
-        if job.status != video.COMPLETED:
-            why = f": {job.error.message}" if job.error is not None else ""
-            done = job.status in video.TERMINAL
-            raise p.RequestError(
-                p.CONFLICT,
-                f"video {job_id} is {job.status} ({job.progress}%){why}: "
-                + ("it has no content" if done else "its content is not ready"),
-            )
-        if held.recorded:  # the store's record says completed; its objects are not there
-            raise p.RequestError(
-                p.NOT_FOUND, f"video {job_id}'s content is gone from the store (deleted or expired)"
-            )
-        if replica is None:
-            raise p.RequestError(
-                p.UNAVAILABLE, f"the replica holding video {job_id} does not answer; retry"
-            )
-        request = video.VideoRequest(
-            action=video.CONTENT, job_id=job_id, variant=variant, scope=scope
-        )
-        try:
-            reply = await self._ask(replica, request, TRANSFER_TIMEOUT_S)
-            meta: video.VideoContent = reply.body_as(video.VideoContent)
-            return meta, reply.blobs[0]
-        except (ReplicaLost, TimeoutError) as exc:
-            raise p.RequestError(
-                p.UNAVAILABLE, f"{replica.name} holding video {job_id} did not answer: {exc}"
-            ) from None
-        except (p.ProtocolError, IndexError) as exc:
-            raise p.RequestError(
-                p.INTERNAL, f"unreadable content from {replica.name}: {exc}"
-            ) from None
-
-    async def _stored(self, job_id: str, variant: str, scope: str | None) -> bytes | None:
-        """The store's copy, when there is a store and it holds one ``scope`` sees;
-        proxied, not redirected to (docs/outputs.md says why)."""
-        if self.objects is None:
-            return None
-        return await asyncio.to_thread(self.objects.read, job_id, variant, scope)
-
-    async def all_jobs(self, scope: str | None = None) -> list[video.VideoJob]:
-        """Every job of ``scope`` the answering replicas hold, one record per id (its
-        newest copy)."""
-        replicas = [r for r in self.pool.members() if r.answering]
-        lists = await asyncio.gather(*(self._list(r, scope) for r in replicas))
-        newest: dict[str, video.VideoJob] = {}
-        for job in (j for jobs in lists for j in jobs):
-            if job.id not in newest or job.attempt > newest[job.id].attempt:
-                newest[job.id] = job
-        for job_id, watch in self._watches.items():  # its holder silent, or none yet
-            if job_id not in newest and may_see(scope, watch.tenant):
-                newest[job_id] = watch.view()
-        for record in await self._active_records():  # unfinished, no replica holds it
-            if record.job.id not in newest and may_see(scope, record.job.tenant):
-                newest[record.job.id] = record.job
-        return list(newest.values())
-
-    async def _active_records(self) -> list[JobRecord]:
-        if self.leases is None:
-            return []
-        try:
-            return await self.leases.active_records()
-        except StoreDown as exc:
-            log.warning("video list: the store's unfinished jobs are left out: %s", exc)
-            return []
-
-    async def delete(self, job_id: str, scope: str | None = None) -> video.VideoJob:
-        """Delete every copy (a running one stops at its next step); its newest record.
-        Another tenant's job (not ``scope``'s) is a 404, untouched: each replica checks.
-
-        Its watch ends now (nothing runs it again), but its slot is released only once
-        the replicas have answered: until its replica has deleted it, the job is
-        there, queued or running, and its work counts there."""
-        owner = _owner(job_id)
-        watch = self._watches.get(job_id)
-        if watch is not None and may_see(scope, watch.tenant):
-            del self._watches[job_id]
-        else:
-            watch = None
-        slot = None
-        if watch is not None:
-            slot, watch.slot = watch.slot, None
-            if watch.task is not None:
-                watch.task.cancel()
-        replicas = [r for r in self.pool.members() if r.answering]
-        try:
-            ask = _delete(job_id, scope)
-            found = await asyncio.gather(*(self._held(r, ask) for r in replicas))
-        finally:
-            if slot is not None:
-                self.pool.admission.release(slot)
-        held = _newest(list(found))
-        stored = await self._delete_stored(job_id, scope)
-        if held is not None:
-            return held.job
-        if stored is not None:  # its owner is gone; the store held the job
-            return stored
-        if watch is not None:  # waiting to run again: stopping its watch deleted it
-            return msgspec.structs.replace(watch.last, status=video.CANCELLED)
-        self._missing(job_id, owner)
-
-    async def _delete_stored(self, job_id: str, scope: str | None) -> video.VideoJob | None:
-        """Remove the job from the store (its record, every attempt's objects), if
-        ``scope`` sees it; its record then (None: the store held none of it). The owner
-        removes its objects too: this covers an owner that is gone."""
-        if self.objects is None:
-            return None
-        objects, leases = self.objects, self.leases
-        try:
-            if leases is not None:
-                record = await leases.lookup(job_id)
-                if record is not None:
-                    if not may_see(scope, record.job.tenant):
-                        return None
-                    await leases.remove(job_id)
-                    return msgspec.structs.replace(record.job, status=video.CANCELLED)
-            if not await asyncio.to_thread(objects.holds, job_id, scope):
-                return None
-            await asyncio.to_thread(objects.delete, job_id)
-            return _deleted_record(job_id)
-        except StoreDown as exc:
-            raise p.RequestError(p.UNAVAILABLE, f"video {job_id}: {exc}; retry") from None
-
-    async def _recorded(self, job_id: str) -> JobRecord | None:
-        """The store's record of the job (None: no record, or no store)."""
-        if self.leases is None:
-            return None
-        try:
-            return await self.leases.lookup(job_id)
-        except StoreDown as exc:
-            raise p.RequestError(
-                p.UNAVAILABLE, f"video {job_id} could not be looked up: {exc}; retry shortly"
-            ) from None
-
-    # ------------------------------------------------------------ plumbing
-
-    def _first_asks(self, job_id: str, owner: video.JobOwner) -> list[Replica]:
-        """Where the job most likely is: where this router watches it, then its owner."""
-        first: list[Replica] = []
-        watch = self._watches.get(job_id)
-        if watch is not None and watch.slot is not None and watch.slot.replica.answering:
-            first.append(watch.slot.replica)
-        replica = self.pool.replicas.get(owner.endpoint)
-        if replica is not None and replica.answering and replica not in first:
-            first.append(replica)
-        return first
-
-    def _missing(self, job_id: str, owner: video.JobOwner) -> NoReturn:
-        replica = self.pool.replicas.get(owner.endpoint)
-        if replica is None or not replica.answering or replica.boot_id[:8] != owner.boot:
-            raise p.RequestError(
-                p.NOT_FOUND,
-                f"video {job_id} was lost with the replica that ran it ({owner.endpoint} has "
-                "left, stopped answering or restarted) and no replica holds a re-run (the "
-                "router that placed it starts one within seconds if it is up); else submit "
-                "it again",
-            )
-        raise p.RequestError(
-            p.NOT_FOUND,
-            f"no video {job_id}: unknown, deleted or expired (finished videos are kept "
-            "for a while only)",
-        )
-
-    async def _held(
-        self, replica: Replica, request: video.VideoRequest, silent: list[str] | None = None
-    ) -> Held | None:
-        """The replica's answer; None when it has no such job, or did not answer (then
-        its name goes in ``silent``)."""
-        try:
-            return Held(_job(await self._ask(replica, request), replica), replica)
-        except (ReplicaLost, TimeoutError, p.RequestError) as exc:
-            if not (isinstance(exc, p.RequestError) and exc.code == p.NOT_FOUND):
-                what = f"video {request.action} of {request.job_id}"
-                log.info("%s: %s did not answer: %s", what, replica.name, exc)
-                if silent is not None and not isinstance(exc, p.RequestError):
-                    silent.append(replica.name)
-            return None
-
-    async def _list(self, replica: Replica, scope: str | None) -> list[video.VideoJob]:
-        try:
-            reply = await self._ask(replica, video.VideoRequest(action=video.LIST, scope=scope))
-            listed: video.VideoList = reply.body_as(video.VideoList)
-        except (ReplicaLost, TimeoutError, p.RequestError, p.ProtocolError) as exc:
-            log.warning("video list: %s did not answer: %s", replica.name, exc)
-            return []
-        return listed.jobs
-
-    async def _ask(
-        self,
-        replica: Replica,
-        request: video.VideoRequest,
-        timeout_s: float | None = None,
-        blobs: list[bytes] | None = None,
-    ) -> p.Message:
-        timeout_s = self.pool.settings.ping_timeout_s if timeout_s is None else timeout_s
-        return await self.pool.membership.request(replica, p.VIDEO, request, timeout_s, blobs)
-
-
-def _owner(job_id: str) -> video.JobOwner:
-    owner = video.job_owner(job_id)
-    if owner is None:
-        raise p.RequestError(
-            p.NOT_FOUND, f"{job_id[:80]!r} is not a video id this service gave out"
-        )
-    return owner
 
 
 def _shape(params: p.GenerateParams, replica: Replica) -> str:
@@ -950,47 +644,6 @@ def _shape(params: p.GenerateParams, replica: Replica) -> str:
     return f"{width}x{height}, {frames} frames, {steps} steps"
 
 
-def _get(job_id: str, scope: str | None = None) -> video.VideoRequest:
-    return video.VideoRequest(action=video.GET, job_id=job_id, scope=scope)
-
-
-def _delete(job_id: str, scope: str | None = None) -> video.VideoRequest:
-    return video.VideoRequest(action=video.DELETE, job_id=job_id, scope=scope)
-
-
-def _job(reply: p.Message, replica: Replica) -> video.VideoJob:
-    try:
-        job: video.VideoJob = reply.body_as(video.VideoJob)
-    except p.ProtocolError as exc:
-        raise p.RequestError(p.INTERNAL, f"unreadable job from {replica.name}: {exc}") from None
-    return job
-
-
-def _deleted_record(job_id: str) -> video.VideoJob:
-    """What a delete answers for a job known only by its objects (its record is gone
-    with its owner): the id is all the answer says."""
-    return video.VideoJob(
-        id=job_id,
-        status=video.COMPLETED,
-        created_at=0,
-        width=0,
-        height=0,
-        num_frames=0,
-        fps=0,
-        seconds=0.0,
-        seed=0,
-    )
-
-
-def _expired(job: video.VideoJob) -> bool:
-    return job.expires_at is not None and job.expires_at <= time.time()
-
-
 def _given_up(job: video.VideoJob) -> bool:
     """Failed because its replica shut down before running it: not the job's fault."""
     return job.status == video.FAILED and job.error is not None and job.error.code in _PASS_ON
-
-
-def _newest(found: list[Held | None]) -> Held | None:
-    held = [h for h in found if h is not None]
-    return max(held, key=lambda h: h.job.attempt) if held else None
