@@ -619,6 +619,9 @@ class VideoJobs(JobLookup):
         else:
             watch.lost, watch.lost_at = (replica, record.boot), time.monotonic()
             watch.lost_endpoint = record.holder
+            # Unreachable, not restarted: it may come back holding the job, as for a
+            # watch of this router's own (_lose).
+            watch.may_return = replica is not None and replica.boot_id == record.boot
             if await self._uploaded(watch):
                 return
         self._watch(watch)
