@@ -38,6 +38,9 @@ def test_back_to_back_ops_through_two_routers_compose(
         key_file = cmd[cmd.index("--wire-key-file") + 1]
         drivers = [f"tcp://127.0.0.1:{serve.scheduler_port + r}" for r in range(2)]
         with RouterProcess(drivers, "--wire-key-file", key_file) as second:
+            # /ready answers once one replica serves; an op sent before the router has
+            # taken the other in reaches one replica only (seen in CI).
+            eventually(lambda: _serving(second.http) == 2, 30, "second router serves both")
             routers = [serve.http, second.http]
             ops: list[tuple[str, dict[str, Any]]] = [
                 ("/v1/set_lora", {"lora_nickname": "a", "lora_path": str(tiny_lora)}),
@@ -76,3 +79,8 @@ def test_back_to_back_ops_through_two_routers_compose(
             assert agreed.pop()[0] == versions[-1]
             images = [_image(http.post("/v1/images/generations", json=REQUEST)) for http in routers]
             assert images[0] == images[1]
+
+
+def _serving(http: httpx.Client) -> int:
+    replicas = http.get("/health/replicas").json()["replicas"]
+    return sum(r["state"] == "serving" for r in replicas)
