@@ -197,6 +197,22 @@ class VideoSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     fps: int | None = None
 
 
+class LoraRef(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """One LoRA adapter a request applies to itself alone (vLLM-Omni's ``lora``).
+
+    ``name`` is the adapter's identity on every replica: the cache keeps it under that
+    name, and a later request may name it alone. ``path`` is where it loads from (a
+    folder the replica may read, or a model source); None only for a name the replica
+    already knows. ``scale`` is its strength, as ``set_lora``'s.
+    """
+
+    name: str
+    path: str | None = None
+    scale: float = 1.0
+
+
 class GenerateParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A validated generation request; ``None`` means "the model's default"."""
 
@@ -228,6 +244,10 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # Decode in tiles, or one image at a time: less memory, slightly different pixels.
     vae_use_tiling: bool = False
     vae_use_slicing: bool = False
+    # This request's LoRA adapters, in the order they stack; None: the service's own
+    # (its set_lora state). A list, even empty, replaces the service's active adapters
+    # for this request only (docs/lora.md).
+    lora: list[LoraRef] | None = None
 
 
 class PartialImage(msgspec.Struct, frozen=True, kw_only=True):
@@ -339,6 +359,25 @@ class CostReport(msgspec.Struct, kw_only=True):
     default_frames: int = 1
 
 
+class AdapterReport(msgspec.Struct, kw_only=True):
+    """A replica's LoRA adapter cache, in its pings: what adapter-aware routing reads
+    (``resident``, ``load_s``), where a name alone resolves (``known``), and the counts
+    the router's /metrics shows. Counters count from the replica's boot."""
+
+    resident: list[str] = msgspec.field(default_factory=list)  # names loaded on the gang now
+    pinned: list[str] = msgspec.field(default_factory=list)  # the service's (set_lora) ones
+    known: dict[str, str] = msgspec.field(default_factory=dict)  # name -> path, ever loaded
+    capacity_bytes: int = 0  # --lora-cache-mb
+    used_bytes: int = 0
+    load_s: float | None = None  # measured seconds to load one adapter (None: none loaded yet)
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    evictions: int = 0
+    failures: int = 0  # adapters refused or failed to load
+    load_seconds: float = 0.0
+
+
 class PingResult(msgspec.Struct, kw_only=True):
     replica: int
     boot_id: str  # new on every gang start: a changed id means the replica lost its state
@@ -359,6 +398,7 @@ class PingResult(msgspec.Struct, kw_only=True):
     cost: CostReport | None = None
     outstanding_units: float = 0.0  # cost units queued and running, from every router
     busy_fraction: float = 0.0  # share of the recent window the gang spent on work
+    adapters: AdapterReport | None = None  # None: a replica without the adapter cache
 
 
 # ---------------------------------------------------------------- framing

@@ -22,6 +22,7 @@ import msgspec
 from dpserve.contract.protocol import (
     INVALID_REQUEST,
     MAX_TENANT,
+    LoraRef,
     RequestError,
 )
 from dpserve.contract.validation import (
@@ -32,6 +33,7 @@ from dpserve.contract.validation import (
     FieldChecker,
     Limits,
     check_format,
+    check_loras,
     check_seeds,
     check_sides,
     size_fields,
@@ -67,6 +69,7 @@ class SessionParams(msgspec.Struct, frozen=True, kw_only=True):
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
     output_format: str = "png"
+    lora: list[LoraRef] | None = None  # the session's own adapters (GenerateParams.lora)
 
 
 class SessionRequest(msgspec.Struct, kw_only=True):
@@ -141,6 +144,7 @@ def check_session(params: SessionParams, limits: Limits) -> None:
     check.amount("true_cfg_scale", params.true_cfg_scale, 0.0, limits.max_scale)
     check_seeds(check, [params.seed])
     check_format(check, params.output_format)
+    check_loras(check, params.lora)
     check.raise_errors()
     if not 1 <= params.frame_steps <= limits.max_steps or not 0 < params.strength <= 1:
         raise RequestError(
@@ -196,6 +200,7 @@ class InitMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     fps: float | None = None
     max_frames: int | None = None
     max_chunks: int | None = None  # SGLang's name for max_frames
+    lora: str | LoraRef | list[LoraRef] | None = None  # as a generation's (docs/lora.md)
 
 
 class ResumeMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -303,6 +308,7 @@ def parse_init(message: InitMessage, limits: Limits) -> ClientInit:
     guidance = check.amount("guidance_scale", message.guidance_scale, 0.0, limits.max_scale)
     true_cfg = check.amount("true_cfg_scale", message.true_cfg_scale, 0.0, limits.max_scale)
     fmt = _format(check, message)
+    lora = _loras(check, message.lora)
     options = _options(check, message)
     first = message.first_frame
     if first is not None and len(first) > MAX_FIRST_FRAME_BYTES:
@@ -323,8 +329,19 @@ def parse_init(message: InitMessage, limits: Limits) -> ClientInit:
         guidance_scale=guidance,
         true_cfg_scale=true_cfg,
         output_format=fmt,
+        lora=lora,
     )
     return ClientInit(params, options, first)
+
+
+def _loras(check: FieldChecker, raw: str | LoraRef | list[LoraRef] | None) -> list[LoraRef] | None:
+    """``init``'s ``lora``, in the forms a generation takes it."""
+    if raw is None:
+        return None
+    refs = (
+        [LoraRef(name=raw)] if isinstance(raw, str) else [raw] if isinstance(raw, LoraRef) else raw
+    )
+    return refs if check_loras(check, refs) else None
 
 
 def _options(check: FieldChecker, message: InitMessage | ResumeMessage) -> StreamOptions:

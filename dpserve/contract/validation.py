@@ -25,6 +25,7 @@ from dpserve.contract.protocol import (
     EditInput,
     FieldError,
     GenerateParams,
+    LoraRef,
     RequestError,
     StepCache,
 )
@@ -54,6 +55,12 @@ STEP_CACHE_KNOBS: Final[Mapping[str, tuple[str, float, float]]] = {
     "first_block_cache": ("threshold", 0.0, 1.0),  # relative change of the first block
     "taylorseer": ("interval", 2, 50),  # steps from one full computation to the next
 }
+# Per-request LoRA adapters (docs/lora.md): how many one request stacks, a name's
+# shape (it is a cache key and a metrics label), and a scale's bounds.
+MAX_REQUEST_LORAS: Final = 8
+LORA_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+LORA_SCALE_RANGE: Final = (-10.0, 10.0)
+MAX_LORA_PATH_CHARS: Final = 4096
 
 
 @dataclass(frozen=True)
@@ -331,6 +338,13 @@ WIDTH: Final = FieldSpec("width", int | None, description="instead of size, with
 HEIGHT: Final = FieldSpec("height", int | None)
 STEPS: Final = FieldSpec("num_inference_steps", int | None, ge=1, le=Limits.max_steps)
 GUIDANCE: Final = FieldSpec("guidance_scale", float | None, ge=0, le=Limits.max_scale)
+LORA: Final = FieldSpec(
+    "lora",
+    str | dict[str, str | float | None] | list[dict[str, str | float | None]] | None,
+    description='LoRA adapters for this request only: {"name": "ink", "path": "/models/ink", '
+    '"scale": 0.8}, a list of them (stacked in order), or a known name alone ("ink"); '
+    "[] for none. Replaces the service's active adapters for this request (docs/lora.md)",
+)
 GENERATE_SPECS: Final = (
     PROMPT,
     NEGATIVE_PROMPT,
@@ -396,6 +410,7 @@ GENERATE_SPECS: Final = (
     FieldSpec(
         "vae_use_slicing", bool, False, description="decode one image at a time (less memory)"
     ),
+    LORA,
 )
 GENERATE_FIELDS: Final = names(GENERATE_SPECS)
 
@@ -436,6 +451,7 @@ def parse_generate(
     text_length = check.integer("max_sequence_length", 1, MAX_SEQUENCE_LENGTH)
     flow_shift = check.number("flow_shift", *FLOW_SHIFT_RANGE)
     tiling, slicing = check.boolean("vae_use_tiling"), check.boolean("vae_use_slicing")
+    lora = parse_lora(check, check.body.get("lora"))
     if check.errors:
         raise invalid_fields(check.errors)
     assert prompt is not None  # a missing prompt was recorded as an error above
@@ -458,7 +474,67 @@ def parse_generate(
         flow_shift=flow_shift,
         vae_use_tiling=bool(tiling),
         vae_use_slicing=bool(slicing),
+        lora=lora,
     )
+
+
+def parse_lora(check: FieldChecker, raw: Any) -> list[LoraRef] | None:
+    """``lora`` as a client writes it: ``{"name", "path", "scale"}``, a list of those, or
+    a name alone; null is "the service's adapters", ``[]`` "none". The typed bounds are
+    :func:`check_loras`'."""
+    if raw is None:
+        return None
+    items = raw if isinstance(raw, list) else [raw]
+    refs: list[LoraRef] = []
+    for i, item in enumerate(items):
+        where = f"lora[{i}]" if isinstance(raw, list) else "lora"
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, Mapping):
+            check.bad(where, 'must be {"name": ..., "path": ..., "scale": ...} or a name')
+            return None
+        item = {k: v for k, v in item.items() if v is not None}
+        extra = sorted(str(k) for k in item if k not in ("name", "path", "scale"))
+        name, path, scale = item.get("name"), item.get("path"), item.get("scale", 1.0)
+        if extra:
+            check.bad(where, f"takes name, path and scale, not {', '.join(extra)}")
+        elif not isinstance(name, str) or not isinstance(path, str | None):
+            check.bad(where, "name (and path, where given) must be strings")
+        elif isinstance(scale, bool) or not isinstance(scale, int | float):
+            check.bad(where, f"scale must be a number, got {type(scale).__name__}")
+        else:
+            refs.append(LoraRef(name=name, path=path, scale=float(scale)))
+            continue
+        return None
+    return refs if check_loras(check, refs) else None
+
+
+def check_loras(check: FieldChecker, refs: Sequence[LoraRef] | None) -> bool:
+    """Typed adapters within their bounds (else ``lora`` is named): at most
+    ``MAX_REQUEST_LORAS``, each name once and of ``LORA_NAME_RE``'s shape, a scale in
+    ``LORA_SCALE_RANGE``. Whether a path may be read is the replica's check."""
+    if refs is None:
+        return True
+    low, high = LORA_SCALE_RANGE
+    problems = []
+    if len(refs) > MAX_REQUEST_LORAS:
+        problems.append(f"takes at most {MAX_REQUEST_LORAS} adapters, got {len(refs)}")
+    names_seen = [r.name for r in refs]
+    if len(set(names_seen)) != len(names_seen):
+        problems.append("names an adapter twice")
+    for ref in refs:
+        if not LORA_NAME_RE.match(ref.name):
+            problems.append(
+                f"name {ref.name[:70]!r} must be 1-64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        if ref.path is not None and not 0 < len(ref.path) <= MAX_LORA_PATH_CHARS:
+            problems.append(f"{ref.name}'s path must be 1 to {MAX_LORA_PATH_CHARS} characters")
+        if not low <= ref.scale <= high:
+            problems.append(f"{ref.name}'s scale must be between {low:g} and {high:g}")
+    for problem in problems:
+        check.bad("lora", problem)
+    return not problems
 
 
 def parse_step_cache(check: FieldChecker, raw: Any) -> StepCache | None:

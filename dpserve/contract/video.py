@@ -221,6 +221,7 @@ VIDEO_SPECS: Final = (
     FieldSpec("seed", int | None, ge=0, le=pv.MAX_SEED, description="default: a random one"),
     pv.STEPS,
     pv.GUIDANCE,
+    pv.LORA,
 )
 VIDEO_FIELDS: Final = names(VIDEO_SPECS)
 
@@ -250,10 +251,12 @@ def parse_video(
     seconds = _seconds(check, check.body.get("seconds"))
     frames = check.integer("num_frames", 1, _MAX_FRAMES_ASKED)
     seed = check.integer("seed", 0, pv.MAX_SEED)
+    lora = pv.parse_lora(check, check.body.get("lora"))
     check.raise_errors()
     assert prompt is not None
     spec = p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps)
-    return _job(prompt, negative, width, height, steps, guidance, seed, bool(blobs), spec, limits)
+    shape = _Shape(width, height, steps, guidance, seed, lora)
+    return _job(prompt, negative, shape, bool(blobs), spec, limits)
 
 
 def check_job(params: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
@@ -272,21 +275,31 @@ def check_job(params: p.GenerateParams, limits: pv.Limits) -> p.GenerateParams:
     seconds = _seconds(check, spec.seconds if spec.num_frames is None else None)
     frames = check.count("num_frames", spec.num_frames, 1, _MAX_FRAMES_ASKED)
     seed = check.count("seed", params.seed[0] if params.seed else None, 0, pv.MAX_SEED)
+    pv.check_loras(check, params.lora)
     check.raise_errors()
     assert prompt is not None
     spec = p.VideoSpec(num_frames=frames, seconds=seconds, fps=fps)
     reference = params.edit is not None
-    return _job(prompt, negative, width, height, steps, guidance, seed, reference, spec, limits)
+    shape = _Shape(width, height, steps, guidance, seed, params.lora)
+    return _job(prompt, negative, shape, reference, spec, limits)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A checked job's fields besides its prompts, its frames and its input."""
+
+    width: int | None
+    height: int | None
+    steps: int | None
+    guidance: float | None
+    seed: int | None
+    lora: list[p.LoraRef] | None
 
 
 def _job(
     prompt: str,
     negative: str | None,
-    width: int | None,
-    height: int | None,
-    steps: int | None,
-    guidance: float | None,
-    seed: int | None,
+    shape: _Shape,
     reference: bool,
     spec: p.VideoSpec,
     limits: pv.Limits,
@@ -298,13 +311,14 @@ def _job(
     return p.GenerateParams(
         prompt=prompt,
         negative_prompt=negative,
-        width=width,
-        height=height,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        seed=None if seed is None else [seed],
+        width=shape.width,
+        height=shape.height,
+        num_inference_steps=shape.steps,
+        guidance_scale=shape.guidance,
+        seed=None if shape.seed is None else [shape.seed],
         edit=p.EditInput(images=[0]) if reference else None,
         video=spec,
+        lora=shape.lora,
     )
 
 

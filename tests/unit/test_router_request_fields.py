@@ -195,7 +195,7 @@ def test_v1_models_advertises_every_field_each_route_takes() -> None:
     _run(scenario)
     fields = request_fields()
     assert {"step_cache", "max_sequence_length", "enable_teacache"} <= set(fields["generations"])
-    assert not {"lora", "diffusers_kwargs", "extra_params"} & set(fields["edits"])
+    assert not {"diffusers_kwargs", "extra_params"} & set(fields["edits"])
     assert set(fields["edits"]) - set(fields["generations"]) == {
         "image",
         "image[]",
