@@ -200,7 +200,7 @@ class InitMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     fps: float | None = None
     max_frames: int | None = None
     max_chunks: int | None = None  # SGLang's name for max_frames
-    lora: str | LoraRef | list[LoraRef] | None = None  # as a generation's (docs/lora.md)
+    lora: str | LoraRef | list[str | LoraRef] | None = None  # as a generation's (docs/lora.md)
 
 
 class ResumeMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -334,13 +334,15 @@ def parse_init(message: InitMessage, limits: Limits) -> ClientInit:
     return ClientInit(params, options, first)
 
 
-def _loras(check: FieldChecker, raw: str | LoraRef | list[LoraRef] | None) -> list[LoraRef] | None:
-    """``init``'s ``lora``, in the forms a generation takes it."""
+def _loras(
+    check: FieldChecker, raw: str | LoraRef | list[str | LoraRef] | None
+) -> list[LoraRef] | None:
+    """``init``'s ``lora``, in the forms a generation takes it (a name stands for
+    ``{"name": name}``)."""
     if raw is None:
         return None
-    refs = (
-        [LoraRef(name=raw)] if isinstance(raw, str) else [raw] if isinstance(raw, LoraRef) else raw
-    )
+    items = raw if isinstance(raw, list) else [raw]
+    refs = [LoraRef(name=r) if isinstance(r, str) else r for r in items]
     return refs if check_loras(check, refs) else None
 
 

@@ -45,6 +45,11 @@ SAMPLES: dict[str, list[Any]] = {
     "flow_shift": [2.5],
     "vae_use_tiling": [True],
     "vae_use_slicing": [True],
+    "lora": [
+        [],
+        [p.LoraRef(name="ink")],
+        [p.LoraRef(name="ink", path="/m/ink", scale=0.5), p.LoraRef(name="wash", scale=-1.0)],
+    ],
 }
 # Fields whose sample needs a companion to be valid.
 COMPANIONS: dict[str, dict[str, Any]] = {
