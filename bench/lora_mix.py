@@ -1,0 +1,197 @@
+"""Per-request LoRA across a dp=2 fleet: adapter-aware routing against adapter-blind, one run.
+
+Three `dpserve serve --dp-size 2` services of the small tiny model, each replica with an
+adapter cache that holds 4 of the 16 tiny adapters (rank 16, 2.5 MiB each), differ only
+in routing: least-work that knows where adapters are resident (the default), least-work
+blind to them, and round-robin. Each gets the same requests: adapters drawn with a Zipf
+mix (s = 1.1) from a seeded sequence, sent by ``--clients`` closed-loop clients. Measured
+per service: the cache's hit rate and loads per 100 requests (from the router's
+/metrics, the replicas' own counts), p50 and p99 latency. The services run one at a time
+(the others idle) so they do not share the 2 cores.
+
+Then, on the first service: a request's time with its adapter applied per request (the
+adapter resident) against the same adapter merged into the weights (``set_lora`` and
+``merge_lora_weights``) and no per-request adapter, requests alternating.
+
+Last line: ``hit_rate=<aware> loads_per_100=<aware> blind_loads_ratio=<blind/aware>
+blind_p99_ratio=<blind/aware> rr_p99_ratio=<rr/aware> per_request_vs_merged=<x>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import cached_model
+from dpserve.plumbing.ports import free_port
+
+ADAPTERS = 16
+CACHE_MB = 11  # four rank-16 adapters of the small model (2.51 MiB each), not five
+ZIPF_S = 1.1
+COUNTERS = ("hits", "misses", "loads", "evictions")
+
+
+def adapters(model: Path, count: int, rank: int) -> list[Path]:
+    from dpserve.worker.tiny_model import build_tiny_lora
+
+    paths = []
+    for seed in range(count):
+        path = model.parent / f"{model.name}-lora-r{rank}-seed{seed}"
+        if not path.is_dir():
+            build_tiny_lora(path, model, seed=seed, rank=rank)
+        paths.append(path)
+    return paths
+
+
+def zipf_sequence(count: int, n: int, seed: int) -> list[int]:
+    weights = [1.0 / (k + 1) ** ZIPF_S for k in range(count)]
+    return random.Random(seed).choices(range(count), weights=weights, k=n)
+
+
+class Serve:
+    def __init__(self, model: Path, flags: list[str]) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "dpserve", "serve", "--model", str(model), "--port", port]
+        cmd += ["--dp-size", "2", "--scheduler-port", str(free_port()), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.http = httpx.Client(base_url=self.url, timeout=600)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"serve {flags} did not come up")
+
+    def generate(self, body: dict[str, object]) -> float:
+        start = time.perf_counter()
+        response = self.http.post("/v1/images/generations", json=body)
+        response.raise_for_status()
+        return time.perf_counter() - start
+
+    def counters(self) -> dict[str, float]:
+        """The fleet's adapter-cache counts, summed over replicas from /metrics."""
+        text = self.http.get("/metrics").text
+        out = dict.fromkeys(COUNTERS, 0.0)
+        for name in COUNTERS:
+            pattern = rf"^dpserve_lora_cache_{name}_total\{{[^}}]*\}} ([0-9.e+]+)$"
+            out[name] = sum(float(v) for v in re.findall(pattern, text, re.M))
+        return out
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+
+
+def body(args: argparse.Namespace, paths: list[Path], index: int | None, seed: int) -> dict:
+    out: dict[str, object] = {
+        "prompt": "a lighthouse in a storm",
+        "size": f"{args.size}x{args.size}",
+        "num_inference_steps": args.steps,
+        "seed": seed,
+    }
+    if index is not None:
+        out["lora"] = {"name": f"style-{index}", "path": str(paths[index]), "scale": 1.0}
+    return out
+
+
+def run_mix(serve: Serve, args: argparse.Namespace, paths: list[Path], mix: list[int]) -> dict:
+    before = serve.counters()
+    with ThreadPoolExecutor(args.clients) as pool:
+        times = list(
+            pool.map(lambda i: serve.generate(body(args, paths, mix[i], i)), range(len(mix)))
+        )
+    after = serve.counters()
+    got = {k: after[k] - before[k] for k in COUNTERS}
+    lookups = got["hits"] + got["misses"]
+    times.sort()
+    return {
+        "hit_rate": got["hits"] / lookups if lookups else 0.0,
+        "loads_per_100": 100.0 * got["loads"] / len(mix),
+        "p50": statistics.median(times),
+        "p99": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+        **got,
+    }
+
+
+def per_request_vs_merged(serve: Serve, args: argparse.Namespace, path: Path) -> float:
+    """Median time with the adapter per request (resident) over with it merged."""
+    per_request = body(args, [path], 0, 1)
+    for _ in range(2):
+        serve.generate(per_request)  # resident on both replicas
+    own = [serve.generate(per_request) for _ in range(args.rounds)]
+    lora = {"lora_nickname": "merged", "lora_path": str(path)}
+    serve.http.post("/v1/set_lora", json=lora).raise_for_status()
+    serve.http.post("/v1/merge_lora_weights", json={}).raise_for_status()
+    plain = body(args, [path], None, 1)
+    merged = [serve.generate(plain) for _ in range(args.rounds)]
+    return statistics.median(own) / statistics.median(merged)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args()
+    model = cached_model("small")
+    paths = adapters(model, ADAPTERS, rank=16)
+    base = ["--threads-per-rank", "1", "--max-sequence-length", "77"]
+    base += ["--lora-cache-mb", str(CACHE_MB), "--allow-path", str(model.parent)]
+    configs = {
+        "aware": ["--policy", "least_work", "--adapter-routing", "aware"],
+        "blind": ["--policy", "least_work", "--adapter-routing", "blind"],
+        "rr": ["--policy", "round_robin"],
+    }
+    mix = zipf_sequence(ADAPTERS, args.requests, args.seed)
+    results: dict[str, dict] = {}
+    for name, flags in configs.items():
+        serve = Serve(model, base + flags)
+        try:
+            serve.generate(body(args, paths, None, 0))  # warm both replicas' paths
+            serve.generate(body(args, paths, None, 0))
+            results[name] = run_mix(serve, args, paths, mix)
+            if name == "aware":
+                results[name]["merged"] = per_request_vs_merged(serve, args, paths[0])
+        finally:
+            serve.close()
+        shown = " ".join(f"{k}={v:.3f}" for k, v in results[name].items())
+        print(f"{name}: {shown}", file=sys.stderr)
+    aware, blind, rr = results["aware"], results["blind"], results["rr"]
+    print(
+        f"model=small size={args.size} steps={args.steps} requests={args.requests} "
+        f"clients={args.clients} adapters={ADAPTERS} cache=4 per replica zipf_s={ZIPF_S}"
+    )
+    for name, r in results.items():
+        print(
+            f"{name}: hit_rate={r['hit_rate']:.2f} loads_per_100={r['loads_per_100']:.1f} "
+            f"evictions={r['evictions']:.0f} p50={r['p50']:.3f}s p99={r['p99']:.3f}s"
+        )
+    print(
+        f"hit_rate={aware['hit_rate']:.2f} loads_per_100={aware['loads_per_100']:.1f} "
+        f"blind_loads_ratio={blind['loads'] / max(aware['loads'], 1):.2f} "
+        f"blind_p99_ratio={blind['p99'] / aware['p99']:.2f} "
+        f"rr_p99_ratio={rr['p99'] / aware['p99']:.2f} "
+        f"per_request_vs_merged={aware['merged']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
