@@ -64,7 +64,9 @@ def test_a_request_adapter_equals_set_lora_and_leaves_nothing_behind(
     # Both replicas, each its first and its cached use: one result.
     assert {_image(served, lora=wash) for _ in range(3)} == {with_wash}
     assert _image(served) == base  # nothing stays on
-    assert _image(served, lora="wash") == with_wash  # a name loaded before, alone
+    # A name sent with its path before, now without it (its scale: the request's own).
+    assert _image(served, lora={"name": "wash", "scale": 0.7}) == with_wash
+    assert _image(served, lora="wash") not in (with_wash, base)  # the name alone: scale 1
     assert _image(served, lora="ink") != base  # a registered name: the router adds its path
     stacked = _image(served, lora=[wash, {"name": "ink", "scale": 0.5}])
     assert stacked not in (with_wash, base)
