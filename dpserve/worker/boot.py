@@ -110,6 +110,7 @@ def build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Exe
         caches,
         compiler,
         cfg.max_frames,
+        cfg.lora_cache_mb,
     )
     if cfg.cfg > 1 and not executor.split_ok:
         # Its second rank would only redo the first one's work.

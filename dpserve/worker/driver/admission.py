@@ -193,6 +193,7 @@ class Admission:
             cost=self.status.calibration.report(),
             outstanding_units=self._outstanding_units(),
             busy_fraction=round(self.status.busy_fraction, 4),
+            adapters=self.status.adapters,
         )
 
     def _outstanding_units(self) -> float:
