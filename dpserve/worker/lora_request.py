@@ -204,7 +204,9 @@ class RequestAdapters:
             )
         transformer = self._transformer()
         prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
-        problem = misfit(state, transformer, prefix)
+        # Keys first, on the whole adapter; shapes on this rank's cut of it (a tp rank's
+        # layers are cut too).
+        problem = foreign_keys(state, prefix)
         if problem is None:
             state = self.parallel.shard_lora(transformer, state, prefix)
             problem = misfit(state, transformer, prefix)
@@ -255,13 +257,10 @@ def _same(a: str, b: str) -> bool:
     return a == b or os.path.realpath(a) == os.path.realpath(b)
 
 
-def misfit(
-    state: Mapping[str, torch.Tensor], transformer: torch.nn.Module, prefix: str
-) -> str | None:
-    """Why an adapter's tensors cannot be a request's adapter of ``transformer``: keys
-    outside it (text encoders), keys that replace its own weights (Flux's control and
-    norm adapters, which diffusers loads into the base model), targets it lacks, or
-    shapes that do not fit the layers they adapt. None: it fits."""
+def foreign_keys(state: Mapping[str, torch.Tensor], prefix: str) -> str | None:
+    """Why an adapter is no request adapter: keys outside the transformer (text
+    encoders), or keys that replace its own weights (Flux's control and norm adapters,
+    which diffusers loads into the base model). None: LoRA pairs of the transformer."""
     outside = sorted({k.split(".")[0] for k in state if not k.startswith(prefix)})
     if outside:
         return f"adapts {', '.join(outside)}: a request's adapters adapt the transformer only"
@@ -272,6 +271,14 @@ def misfit(
             + (f" and {len(own) - 1} more" if len(own) > 1 else "")
             + "): such adapters can only be set for the whole service (set_lora)"
         )
+    return None
+
+
+def misfit(
+    state: Mapping[str, torch.Tensor], transformer: torch.nn.Module, prefix: str
+) -> str | None:
+    """Why an adapter's tensors cannot be a request's adapter of ``transformer``: targets
+    it lacks, or shapes that do not fit the layers they adapt. None: they fit."""
     for key, tensor in state.items():
         path, _, leaf = key[len(prefix) :].partition(".lora_")
         try:
