@@ -1,7 +1,7 @@
 """A request's own LoRA adapters on real gangs (CFG-, tensor- and sequence-parallel)
 through the ZMQ front: the same image as one rank's and as the gang's own ``set_lora``,
-nothing left on after, a bad adapter refused by the whole gang with the next request unaffected, and
-the cache's report in pings. One rank in process: test_lora_requests_worker.py."""
+nothing left on after, a bad adapter refused by the whole gang with the next request
+unaffected, and the cache's report in pings. One rank in process: test_lora_requests_worker.py."""
 
 from __future__ import annotations
 
