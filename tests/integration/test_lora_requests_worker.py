@@ -250,3 +250,31 @@ def test_a_refusal_by_another_rank_drops_what_this_rank_loaded(
     assert internal_name("peer") not in _held(ex) and "peer" not in ex.adapters.cache.known
     assert ex.adapters.cache.failures == failures + 1
     assert _plain(ex) == base
+
+
+def test_a_realtime_session_keeps_its_adapters_on_every_frame(
+    executors: tuple[Executor, Executor], loras: list[Path]
+) -> None:
+    from dpserve.contract import realtime as rt
+
+    ex, _ = executors
+    base = _plain(ex)
+    wash = _ref("rt-wash", loras[1], 0.6)
+    frames: dict[str, list[bytes]] = {}
+    for sid, lora in (("with", [wash]), ("without", None)):
+        params = rt.SessionParams(
+            prompt="a red fox", width=64, height=64, num_inference_steps=3, seed=5, lora=lora
+        )
+        got = []
+        for request in (
+            rt.SessionRequest(action=rt.OPEN, session_id=sid, params=params),
+            rt.SessionRequest(action=rt.STEP, session_id=sid, prompt="a red fox at night"),
+        ):
+            reply = p.decode(ex.session("s", request, []))
+            assert reply.kind == p.RESULT, reply.body
+            got.append(reply.blobs[0])
+            assert _plain(ex) == base  # between frames: nothing left on
+        ex.session("s", rt.SessionRequest(action=rt.CLOSE, session_id=sid), [])
+        frames[sid] = got
+    assert frames["with"][0] == _png(ex, wash)  # frame 0 is the generation, adapters included
+    assert all(a != b for a, b in zip(frames["with"], frames["without"], strict=True))
