@@ -83,9 +83,9 @@ class RequestAdapters:
             raise refused
         for item in fresh:
             self.cache.loaded(item.name, item.path, item.size, item.seconds)
-        self._evict(in_use={r.name for r in refs})
         try:
             if active is not None:  # None: merged, and asking for exactly the merged set
+                self._evict(in_use={r.name for r in refs})
                 self._activate(active)
             yield
         finally:
