@@ -278,3 +278,24 @@ def test_a_realtime_session_keeps_its_adapters_on_every_frame(
         frames[sid] = got
     assert frames["with"][0] == _png(ex, wash)  # frame 0 is the generation, adapters included
     assert all(a != b for a, b in zip(frames["with"], frames["without"], strict=True))
+
+
+def test_an_edit_takes_its_adapters(
+    executors: tuple[Executor, Executor], loras: list[Path]
+) -> None:
+    import io
+
+    from PIL import Image
+
+    ex, _ = executors
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (90, 120, 200)).save(buf, format="PNG")
+    edit = {"edit": p.EditInput(images=[0], strength=0.75)}
+
+    def edited(lora: list[p.LoraRef] | None) -> bytes:
+        return reply_to(ex, {**BASE, **edit, "lora": lora}, [buf.getvalue()]).blobs[0]
+
+    plain = edited(None)
+    wash = [_ref("edit-wash", loras[1], 0.7)]
+    with_wash = edited(wash)
+    assert with_wash != plain and edited(None) == plain and edited(wash) == with_wash
