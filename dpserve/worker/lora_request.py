@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -215,9 +216,13 @@ class RequestAdapters:
         extra: dict[str, Any] = {"metadata": metadata, "_pipeline": pipe}
         if "network_alphas" in inspect.signature(pipe.load_lora_into_transformer).parameters:
             extra["network_alphas"] = alphas
-        pipe.load_lora_into_transformer(
-            state, transformer=transformer, adapter_name=internal_name(name), **extra
-        )
+        with warnings.catch_warnings():
+            # peft warns on every adapter after the first that the model holds several:
+            # what a cache is for.
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            pipe.load_lora_into_transformer(
+                state, transformer=transformer, adapter_name=internal_name(name), **extra
+            )
         self.parallel.adapters_changed(transformer)
 
     # ------------------------------------------------------------ around the call
@@ -246,7 +251,11 @@ class RequestAdapters:
     def _delete(self, internal: str) -> None:
         transformer = self._transformer()
         if internal in (getattr(transformer, "peft_config", None) or {}):
-            transformer.delete_adapters(internal)
+            with warnings.catch_warnings():
+                # peft activates another adapter when an active one goes: put right by
+                # restore(), which every path through applied() ends with.
+                warnings.filterwarnings("ignore", message="Adapter .* was active which is now")
+                transformer.delete_adapters(internal)
             self.parallel.adapters_changed(transformer)
 
     def _transformer(self) -> Any:
