@@ -109,9 +109,6 @@ class RequestAdapters:
         self.cache.forget(n for n in self.cache.entries if internal_name(n) not in held)
         self.restore()
 
-    def report_pinned(self) -> dict[str, str]:
-        return dict(self.service.loaded)
-
     # ------------------------------------------------------------ before the call
 
     def _prepare(self, refs: Sequence[LoraRef], fresh: list[_Fresh]) -> dict[str, float] | None:
@@ -120,7 +117,11 @@ class RequestAdapters:
             self._check_merged(refs)
             return None
         if refs and not hasattr(self.pipe, "load_lora_into_transformer"):
-            raise bad(FIELD, f"{type(self.pipe).__name__} takes no LoRA adapters")
+            raise bad(
+                FIELD,
+                f"{type(self.pipe).__name__} takes adapters for the whole service only "
+                "(set_lora): a request's own adapters adapt a transformer, which it has not",
+            )
         active: dict[str, float] = {}
         for ref in refs:
             if ref.name in service.loaded:  # the service's own adapter, by its nickname
