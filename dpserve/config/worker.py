@@ -217,6 +217,12 @@ class WorkerConfig:
             serve=False,
         ),
     )
+    # Per-request LoRA adapters (docs/lora.md): the bytes of adapters one replica keeps
+    # loaded for requests (the service's own, set_lora's, are not counted).
+    lora_cache_mb: int = field(
+        default=1024,
+        metadata=flag("MiB of LoRA adapters requests named a replica keeps loaded", positive),
+    )
     # Tuning that is no flag.
     warmup_steps: int = 2
     tick_s: float = 2.0  # idle heartbeat through the gang, also keeps collectives from timing out

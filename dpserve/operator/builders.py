@@ -227,6 +227,7 @@ def worker_options(svc: Svc, index: int) -> dict[str, Any]:
         "max_sequence_length": spec.maxSequenceLength,  # None: the pipeline's default
         "max_batch": spec.maxBatch,
         "batch_wait_ms": spec.batchWaitMs,
+        "lora_cache_mb": spec.loraCacheMb,
         "step_cache": spec.stepCache.type if spec.stepCache else None,
         "step_cache_threshold": spec.stepCache.threshold if spec.stepCache else None,
         "step_cache_interval": spec.stepCache.interval if spec.stepCache else None,

@@ -527,6 +527,12 @@ class DiffusionServiceSpec(_Model):
         le=10000,
         description="ms a partly filled batch waits for more compatible requests",
     )
+    loraCacheMb: int = Field(
+        _worker("lora_cache_mb"),
+        ge=1,
+        le=1 << 20,
+        description="MiB of LoRA adapters requests named a replica keeps loaded (docs/lora.md)",
+    )
     stepCache: StepCacheSpec | None = Field(
         None, description="the default step cache; requests may name another or none"
     )

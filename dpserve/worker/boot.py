@@ -110,6 +110,7 @@ def build_executor(cfg: WorkerConfig, comm: Any, device: Any, dtype: Any) -> Exe
         caches,
         compiler,
         cfg.max_frames,
+        cfg.lora_cache_mb,
     )
     if cfg.cfg > 1 and not executor.split_ok:
         # Its second rank would only redo the first one's work.
@@ -260,6 +261,8 @@ def open_driver(cfg: WorkerConfig, executor: Executor) -> Driver:
     from dpserve.sources.outstore import VideoObjects
     from dpserve.worker.batch import Batching
     from dpserve.worker.driver import Driver
+    from dpserve.worker.driver.read_ahead import ReadAhead
+    from dpserve.worker.paths import AllowedPaths
     from dpserve.worker.video_jobs import VideoBook
 
     facts = executor.ops.info
@@ -287,6 +290,8 @@ def open_driver(cfg: WorkerConfig, executor: Executor) -> Driver:
         )
         if limits.max_frames
         else None,
+        # Adapter files read while the gang works, from the folders it may load (docs/lora.md).
+        read_ahead=ReadAhead(AllowedPaths.of(cfg.model, cfg.allow_paths)),
     )
     executor.status.max_batch = cfg.max_batch
     if not driver.endpoint.endswith(f":{cfg.port}"):

@@ -10,6 +10,7 @@ import msgspec
 
 from dpserve.contract.cost import Calibration
 from dpserve.contract.protocol import (
+    AdapterReport,
     ControlRequest,
     GenerateParams,
 )
@@ -69,6 +70,8 @@ class GangStatus:
     # (dpserve.contract.cost).
     calibration: Calibration = field(default_factory=Calibration)
     load: BusyWindow = field(default_factory=BusyWindow)  # busy_fraction's window
+    # The LoRA adapter cache's report, replaced whole after each change (worker/lora_cache.py).
+    adapters: AdapterReport | None = None
 
     @property
     def busy(self) -> bool:

@@ -44,6 +44,8 @@ from dpserve.worker.denoiser_stack import DenoiserStack
 from dpserve.worker.edit import edit_call
 from dpserve.worker.encode import encode_image
 from dpserve.worker.features import Features, features_of
+from dpserve.worker.lora_cache import AdapterCache
+from dpserve.worker.lora_request import RequestAdapters
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.pipeline import (
     Pipeline,
@@ -93,6 +95,7 @@ class Executor:
     step_caches: StepCaches = field(default_factory=lambda: StepCaches(()))  # what it offers
     compiler: Compiler | None = None  # --compile
     max_frames: int = WorkerConfig.max_frames  # --max-frames (a video model's)
+    lora_cache_mb: int = WorkerConfig.lora_cache_mb  # --lora-cache-mb
     _gate: StopGate | None = field(default=None, init=False, repr=False)  # while generating
 
     def __post_init__(self) -> None:
@@ -106,6 +109,14 @@ class Executor:
         self.split_ok = self.stack.can_split(denoiser_of(self.pipe))
         self.by_guidance = guides_by_scale(self.pipe)  # its guidance_scale is CFG (Wan)
         self.status.control = self.ops.held().to_builtins()
+        self.adapters = RequestAdapters(
+            self.pipe,
+            self.ops.parallel,
+            self.ops.loras,
+            self.ops.applier.allowed,
+            AdapterCache(self.lora_cache_mb << 20),
+        )
+        self._report_adapters()
         self.sessions = SessionHost(
             self.pipe, self.call_defaults, self.fixed_kwargs, self.session_limits, self.run_pipe
         )
@@ -136,15 +147,37 @@ class Executor:
     # ------------------------------------------------------------ generation
 
     def run_pipe(self, pipe: Pipeline, kwargs: dict[str, Any], params: GenerateParams) -> Any:
-        """One pipeline call on this rank, with the denoiser split when CFG asks for it
-        (and, for a generation, its stop gate)."""
+        """One pipeline call on this rank, with the request's own LoRA adapters (the
+        gang agrees they are resident first: worker/lora_request.py) and the denoiser
+        split when CFG asks for it (and, for a generation, its stop gate)."""
         self.ops.require_weights()
         split = self.split_ok and cfg_requested(params, self.call_defaults, self.by_guidance)
         cache = self.step_caches.resolve(params.step_cache)
-        denoiser = denoiser_of(pipe)
-        reset_peak_memory(self.device)
-        with self.stack.applied(denoiser, split, cache, self._gate):
-            return pipe_output(pipe(**kwargs))
+        try:
+            with self.adapters.applied(params.lora, self._agree_refusal):
+                # The adapters are in place before the stack wraps the denoiser (tp
+                # re-plans a layer's pieces when an adapter wraps it).
+                denoiser = denoiser_of(pipe)
+                reset_peak_memory(self.device)
+                with self.stack.applied(denoiser, split, cache, self._gate):
+                    return pipe_output(pipe(**kwargs))
+        finally:
+            if params.lora is not None:
+                self._report_adapters()
+
+    def _agree_refusal(self, mine: RequestError | None) -> RequestError | None:
+        """Every rank's refusal of a request's adapters gathered: the first rank's, on
+        every rank (None when no rank refused)."""
+        payload = b"" if mine is None else msgspec.msgpack.encode(mine.body())
+        for got in self.comm.gather_bytes(payload):
+            if got:
+                body = msgspec.msgpack.decode(got, type=ErrorBody)
+                return RequestError(body.code, body.message, body.fields)
+        return None
+
+    def _report_adapters(self) -> None:
+        """The pings' view of the adapter cache (a new object: the driver's thread reads it)."""
+        self.status.adapters = self.adapters.cache.report(dict(self.ops.loras.loaded))
 
     def generate(
         self,
@@ -391,6 +424,8 @@ class Executor:
         except Exception as exc:
             log.exception("control op %s failed", request.op)
             outcome = _RankOutcome(ok=False, error=ErrorBody(code=INTERNAL, message=str(exc)))
+        self.adapters.reconcile()
+        self._report_adapters()
         self.status.released = self.ops.released
         self.status.control = self.ops.held().to_builtins()
         gathered = self.comm.gather_bytes(msgspec.msgpack.encode(outcome))

@@ -276,4 +276,5 @@ def _as_request(params: SessionParams, prompt: str, steps: int | None) -> Genera
         true_cfg_scale=params.true_cfg_scale,
         seed=[params.seed],
         output_format=params.output_format,
+        lora=params.lora,  # the session's own adapters, on every frame
     )

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dpserve.worker.lora_cache import INTERNAL_PREFIX
+
 
 def modules_of(components: Mapping[str, object]) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in components.items() if isinstance(m, torch.nn.Module)}
@@ -34,10 +36,17 @@ def checksum(module: torch.nn.Module) -> str:
 
     peft leaves its wrapper behind when an adapter is deleted (``x.base_layer.weight``
     for ``x.weight``): names are taken without it, so a layer that held an adapter
-    and one that never did compare equal when their tensors are.
+    and one that never did compare equal when their tensors are. The adapters requests
+    loaded (worker/lora_cache.py) are left out: which ones a replica holds is its cache's
+    business, not its weights'.
     """
     digest = hashlib.sha256()
-    named = ((name.replace(".base_layer.", "."), t) for name, t in _tensors(module))
+    request = f".{INTERNAL_PREFIX}"
+    named = (
+        (name.replace(".base_layer.", "."), t)
+        for name, t in _tensors(module)
+        if request not in name
+    )
     for name, tensor in sorted(named, key=lambda kv: kv[0]):
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())

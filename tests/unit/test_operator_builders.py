@@ -134,6 +134,8 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
                         "3600.0",
                         "--video-max-bytes",
                         str(2 << 30),
+                        "--lora-cache-mb",
+                        "1024",
                         "--wire-key-file",
                         "/etc/dpserve/wire/wire.key",
                         "--allow-path",

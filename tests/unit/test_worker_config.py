@@ -63,6 +63,7 @@ ODD = WorkerConfig(
     video_dir=Path("/var/lib/dpserve/videos"),
     video_ttl_s=60.0,
     video_max_bytes=1 << 20,
+    lora_cache_mb=64,
 )
 
 

@@ -38,6 +38,7 @@ from dpserve.worker.driver.work_queue import WorkQueue
 
 if TYPE_CHECKING:
     from dpserve.plumbing.curve import WireKey
+    from dpserve.worker.driver.read_ahead import ReadAhead
     from dpserve.worker.features import Features
     from dpserve.worker.video_jobs import VideoBook
 
@@ -58,11 +59,14 @@ class Driver:
         features: Features | None = None,
         batching: Batching | None = None,
         videos: VideoBook | None = None,
+        read_ahead: ReadAhead | None = None,
     ) -> None:
         """``key``: the service's wire key (None: a plaintext wire). ``features``: what
         the model serves (None: not known here). ``batching``: how generations gather
         into batches (None: one at a time). ``videos``: the job book of a video model
-        (None: the model makes no videos)."""
+        (None: the model makes no videos). ``read_ahead``: reads the files of adapters
+        queued requests name (None: none)."""
+        self.read_ahead = read_ahead
         self.replica = replica
         self.status = status
         self.videos = videos
@@ -87,9 +91,12 @@ class Driver:
             boot_id=uuid.uuid4().hex,
             features=features,
             videos=desk,
+            read_ahead=read_ahead,
         )
 
     def start(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.start()
         self.socket.start(self.admission.handle, self.scheduler.tick)
 
     def close(self) -> None:
@@ -98,5 +105,7 @@ class Driver:
             p.RequestError(p.UNAVAILABLE, f"replica {self.replica} is shutting down")
         )
         self.socket.close()
+        if self.read_ahead is not None:
+            self.read_ahead.close()
         if self.videos is not None:
             self.videos.close()

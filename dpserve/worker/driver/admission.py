@@ -26,6 +26,7 @@ from dpserve.worker.driver.work_queue import Work
 from dpserve.worker.edit import check_edit, fitted_size
 
 if TYPE_CHECKING:
+    from dpserve.worker.driver.read_ahead import ReadAhead
     from dpserve.worker.driver.scheduler import Scheduler
     from dpserve.worker.driver.video_desk import VideoDesk
     from dpserve.worker.features import Features
@@ -45,6 +46,7 @@ class Admission:
         boot_id: str,
         features: Features | None = None,
         videos: VideoDesk | None = None,
+        read_ahead: ReadAhead | None = None,
     ) -> None:
         """``features``: what the model serves, checked before work queues; None: not
         known here (uploads are still checked). ``videos``: a video model's job actions."""
@@ -58,6 +60,7 @@ class Admission:
         self.boot_id = boot_id
         self.features = features
         self.videos = videos
+        self.read_ahead = read_ahead
 
     def handle(self, identity: bytes, message: p.Message) -> list[bytes] | None:
         """The immediate answer to ``message`` from peer ``identity``; None when it
@@ -95,7 +98,20 @@ class Admission:
             deadline = received + message.timeout_ms / 1000
         work = Work(Client(identity), command, received, deadline, message.tenant)
         self.scheduler.enqueue(work)
+        self._read_ahead(command)
         return None
+
+    def _read_ahead(self, command: GangCommand) -> None:
+        """Adapters the gang lacks start into the page cache while it works (read_ahead.py)."""
+        if self.read_ahead is None:
+            return
+        if command.batch:
+            refs = command.batch[0].params.lora
+        elif command.session is not None and command.session.params is not None:
+            refs = command.session.params.lora
+        else:
+            return
+        self.read_ahead.want(refs, self.status.adapters)
 
     def _cancel(self, sender: Client, message: p.Message) -> list[bytes] | None:
         """Answer the cancelled request (to its own sender); with ``any_client`` the
@@ -193,6 +209,7 @@ class Admission:
             cost=self.status.calibration.report(),
             outstanding_units=self._outstanding_units(),
             busy_fraction=round(self.status.busy_fraction, 4),
+            adapters=self.status.adapters,
         )
 
     def _outstanding_units(self) -> float:
