@@ -70,8 +70,8 @@ SOURCE, OTHER_SOURCE, MASK = _png((64, 64), 0), _png((64, 64), 120), _mask((64, 
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model: Path) -> Iterator[ServeProcess]:
-    with ServeProcess(tiny_model, 1) as running:
+def plain(tiny_model: Path, allow_tmp: tuple[str, str]) -> Iterator[ServeProcess]:
+    with ServeProcess(tiny_model, 1, *allow_tmp) as running:  # the lora case's adapter
         yield running
 
 
@@ -401,6 +401,26 @@ def _generator_device(r: Route, _: Path) -> None:
     r.refused("generator_device", "on the CPU", generator_device="cuda")
 
 
+@case("lora")
+def _lora(r: Route, model_dir: Path) -> None:
+    from dpserve.worker.tiny_model import build_tiny_lora
+
+    folder = model_dir.parent / "fields-lora"  # under the served --allow-path
+    if not folder.is_dir():
+        build_tiny_lora(folder, model_dir, seed=3)
+
+    def sent(value: Any) -> Any:  # a form carries the same JSON as text
+        return json.dumps(value) if r.edit and not isinstance(value, str) else value
+
+    ink = {"name": "fields-ink", "path": str(folder), "scale": 0.8}
+    styled = r.image(lora=sent(ink))
+    assert styled != r.base
+    assert r.image(lora=sent({"name": "fields-ink", "scale": 0.8})) == styled  # known now
+    assert r.image(lora=sent([])) == r.base  # no adapters: the service's own (none)
+    assert r.image() == r.base  # nothing stays on
+    r.refused("lora", "is not known to this service", lora="nobody")
+
+
 @case("image", "image[]", edit_only=True)
 def _image_upload(r: Route, _: Path) -> None:
     assert r.image(files={"image": ("b.png", OTHER_SOURCE, "image/png")}) != r.base
@@ -501,7 +521,10 @@ def test_every_step_cache_form_through_the_openai_client(plain: ServeProcess) ->
         assert answer.data is not None and answer.data[0].b64_json is not None
         got = base64.b64decode(answer.data[0].b64_json)
         assert got == route.image(step_cache=form), form
-    with pytest.raises(openai.BadRequestError, match="set_lora"):
+    with pytest.raises(openai.BadRequestError, match="'unheard-of' is not known"):
         client.images.generate(
-            model=route.model["id"], prompt="x", size="64x64", extra_body={"lora": {"name": "a"}}
+            model=route.model["id"],
+            prompt="x",
+            size="64x64",
+            extra_body={"lora": {"name": "unheard-of"}},
         )
