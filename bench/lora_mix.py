@@ -1,13 +1,20 @@
 """Per-request LoRA across a dp=2 fleet: adapter-aware routing against adapter-blind, one run.
 
 Three `dpserve serve --dp-size 2` services of the small tiny model, each replica with an
-adapter cache that holds 4 of the 16 tiny adapters (rank 16, 2.5 MiB each), differ only
-in routing: least-work that knows where adapters are resident (the default), least-work
-blind to them, and round-robin. Each gets the same requests: adapters drawn with a Zipf
-mix (s = 1.1) from a seeded sequence, sent by ``--clients`` closed-loop clients. Measured
-per service: the cache's hit rate and loads per 100 requests (from the router's
-/metrics, the replicas' own counts), p50 and p99 latency. The services run one at a time
-(the others idle) so they do not share the 2 cores.
+adapter cache that holds 4 of the 16 tiny adapters, differ only in routing: least-work
+that knows where adapters are resident (the default), least-work blind to them, and
+round-robin. Each gets the same requests: adapters drawn with a Zipf mix (s = 1.1), sent
+**open loop** (seeded Poisson arrivals at ``--load`` of the fleet's measured capacity
+without adapters), so the router has a choice to make: a closed loop with as many
+clients as the fleet has slots leaves every request exactly one free slot. Measured per
+service: the cache's hit rate and loads per 100 requests (from the router's /metrics,
+the replicas' own counts), p50 and p99 latency from arrival. The services run one at a
+time (the others idle) so they do not share the 2 cores.
+
+The adapters are rank 64 (10 MiB): on this CPU a load costs about a quarter of a
+request, as a real diffusion LoRA's load (hundreds of MB, peft wrapping every layer)
+does on a GPU next to a few-second generation; ``load_over_request`` prints the ratio
+measured.
 
 Then, on the first service: a request's time with its adapter applied per request (the
 adapter resident) against the same adapter merged into the weights (``set_lora`` and
@@ -37,7 +44,8 @@ from bench.common import cached_model
 from dpserve.plumbing.ports import free_port
 
 ADAPTERS = 16
-CACHE_MB = 11  # four rank-16 adapters of the small model (2.51 MiB each), not five
+RANK = 64
+CACHED = 4  # adapters a replica's cache holds (its --lora-cache-mb is sized to 4, not 5)
 ZIPF_S = 1.1
 COUNTERS = ("hits", "misses", "loads", "evictions")
 
@@ -54,9 +62,24 @@ def adapters(model: Path, count: int, rank: int) -> list[Path]:
     return paths
 
 
+def cache_mb(path: Path) -> int:
+    """A cache that holds ``CACHED`` adapters of this size, not one more."""
+    size = sum(f.stat().st_size for f in path.rglob("*.safetensors")) / 2**20
+    return int(size * (CACHED + 0.5))
+
+
 def zipf_sequence(count: int, n: int, seed: int) -> list[int]:
     weights = [1.0 / (k + 1) ** ZIPF_S for k in range(count)]
     return random.Random(seed).choices(range(count), weights=weights, k=n)
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request arrives: a Poisson process."""
+    rng, at, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        at += rng.expovariate(rate)
+        out.append(at)
+    return out
 
 
 class Serve:
@@ -92,6 +115,12 @@ class Serve:
             out[name] = sum(float(v) for v in re.findall(pattern, text, re.M))
         return out
 
+    def load_s(self) -> float:
+        """The replicas' measured seconds per adapter load (their mean)."""
+        replicas = self.http.get("/health/replicas").json()["replicas"]
+        got = [r["adapters"]["load_s"] for r in replicas if (r.get("adapters") or {}).get("load_s")]
+        return statistics.mean(got) if got else float("nan")
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=120)
@@ -109,12 +138,19 @@ def body(args: argparse.Namespace, paths: list[Path], index: int | None, seed: i
     return out
 
 
-def run_mix(serve: Serve, args: argparse.Namespace, paths: list[Path], mix: list[int]) -> dict:
+def run_mix(
+    serve: Serve, args: argparse.Namespace, paths: list[Path], mix: list[int], at: list[float]
+) -> dict:
     before = serve.counters()
-    with ThreadPoolExecutor(args.clients) as pool:
-        times = list(
-            pool.map(lambda i: serve.generate(body(args, paths, mix[i], i)), range(len(mix)))
-        )
+    start = time.perf_counter()
+
+    def one(i: int) -> float:
+        time.sleep(max(0.0, start + at[i] - time.perf_counter()))  # its arrival
+        serve.generate(body(args, paths, mix[i], i))
+        return time.perf_counter() - (start + at[i])  # from arrival: router queue included
+
+    with ThreadPoolExecutor(64) as pool:
+        times = list(pool.map(one, range(len(mix))))
     after = serve.counters()
     got = {k: after[k] - before[k] for k in COUNTERS}
     lookups = got["hits"] + got["misses"]
@@ -124,6 +160,7 @@ def run_mix(serve: Serve, args: argparse.Namespace, paths: list[Path], mix: list
         "loads_per_100": 100.0 * got["loads"] / len(mix),
         "p50": statistics.median(times),
         "p99": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+        "load_s": serve.load_s(),
         **got,
     }
 
@@ -146,15 +183,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--load", type=float, default=0.7, help="of capacity without adapters")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seed", type=int, default=3)
     args = parser.parse_args()
     model = cached_model("small")
-    paths = adapters(model, ADAPTERS, rank=16)
+    paths = adapters(model, ADAPTERS, rank=RANK)
     base = ["--threads-per-rank", "1", "--max-sequence-length", "77"]
-    base += ["--lora-cache-mb", str(CACHE_MB), "--allow-path", str(model.parent)]
+    base += ["--lora-cache-mb", str(cache_mb(paths[0])), "--allow-path", str(model.parent)]
     configs = {
         "aware": ["--policy", "least_work", "--adapter-routing", "aware"],
         "blind": ["--policy", "least_work", "--adapter-routing", "blind"],
@@ -162,12 +199,20 @@ def main() -> None:
     }
     mix = zipf_sequence(ADAPTERS, args.requests, args.seed)
     results: dict[str, dict] = {}
+    at: list[float] = []
+    plain_s = 0.0
     for name, flags in configs.items():
         serve = Serve(model, base + flags)
         try:
-            serve.generate(body(args, paths, None, 0))  # warm both replicas' paths
-            serve.generate(body(args, paths, None, 0))
-            results[name] = run_mix(serve, args, paths, mix)
+            for _ in range(2):  # warm both replicas' paths
+                serve.generate(body(args, paths, None, 0))
+                serve.generate(body(args, paths, None, 0))
+            if not at:  # the capacity, measured once: the same arrivals for every service
+                plain_s = statistics.median(
+                    serve.generate(body(args, paths, None, 0)) for _ in range(args.rounds)
+                )
+                at = arrivals(args.requests, args.load * 2 / plain_s, args.seed)
+            results[name] = run_mix(serve, args, paths, mix, at)
             if name == "aware":
                 results[name]["merged"] = per_request_vs_merged(serve, args, paths[0])
         finally:
@@ -177,7 +222,9 @@ def main() -> None:
     aware, blind, rr = results["aware"], results["blind"], results["rr"]
     print(
         f"model=small size={args.size} steps={args.steps} requests={args.requests} "
-        f"clients={args.clients} adapters={ADAPTERS} cache=4 per replica zipf_s={ZIPF_S}"
+        f"load={args.load} (open loop, {args.load * 2 / plain_s:.2f} req/s) "
+        f"adapters={ADAPTERS} rank={RANK} cache={CACHED} per replica zipf_s={ZIPF_S} "
+        f"request_s={plain_s:.3f} load_over_request={aware['load_s'] / plain_s:.2f}"
     )
     for name, r in results.items():
         print(
