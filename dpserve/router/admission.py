@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dpserve.contract import protocol as p
+from dpserve.router.adapters import names_of
 from dpserve.router.fair import FairClock, Tag, over_share
 from dpserve.router.load import Load
 from dpserve.router.membership import Membership
@@ -88,7 +89,8 @@ class Admission:
         def there(endpoint: str) -> Estimate:
             replica = replicas[endpoint]
             outstanding = self.load.outstanding_s(replica, now)
-            return Estimate(outstanding, self.load.estimate(replica, params)[1])
+            own = self.load.estimate(replica, params)[1]
+            return Estimate(outstanding, own, self.load.adapter_load_s(replica, params))
 
         return there
 
@@ -239,14 +241,20 @@ class Admission:
         whose count it is in until released (None: nobody's, a video job's)."""
         replica.inflight += 1
         units, seconds = self.load.estimate(replica, params)
+        # Its adapters' load is work there too; then they count as on their way.
+        seconds += self.load.adapter_load_s(replica, params)
+        adapters = names_of(params.lora)
+        replica.trail.sent(adapters)
         self._tickets += 1
         replica.ledger.add(self._tickets, units, seconds, time.monotonic())
-        return Slot(replica, self._tickets, units, seconds, tenant)
+        return Slot(replica, self._tickets, units, seconds, tenant, adapters)
 
     def release(self, slot: Slot) -> None:
         """The slot's request was answered (or failed): its work leaves the replica."""
         slot.replica.inflight -= 1
-        slot.replica.ledger.remove(slot.ticket, time.monotonic())
+        now = time.monotonic()
+        slot.replica.ledger.remove(slot.ticket, now)
+        slot.replica.trail.answered(slot.adapters, now)
         if slot.tenant is not None:
             self._count(slot.tenant, -1)
         self.wake()
