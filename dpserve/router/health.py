@@ -154,7 +154,6 @@ class Health:
     async def boot_id(self, replica: Replica) -> str | None:
         """The replica's boot id, asked now rather than at its next ping (which records
         it); None when it does not answer."""
-        asked = time.monotonic()
         try:
             reply = await replica.conn.request(p.PING, None, self.timeout_s)
             ping: p.PingResult = reply.body_as(p.PingResult)

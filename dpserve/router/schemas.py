@@ -230,6 +230,14 @@ class FormTypes:
     structured: frozenset[str] = frozenset()
 
 
+def _holds_objects(kind: Any) -> bool:
+    """An object, or a list of them (a list of files or of numbers is not JSON here)."""
+    origin = typing.get_origin(kind)
+    if origin is dict:
+        return True
+    return origin is list and any(_holds_objects(t) for t in typing.get_args(kind))
+
+
 def form_types(model: type[BaseModel]) -> FormTypes:
     """The form fields ``model`` declares as int, float or bool (or None)."""
     kinds: dict[type, set[str]] = {int: set(), float: set(), bool: set()}
@@ -238,7 +246,7 @@ def form_types(model: type[BaseModel]) -> FormTypes:
         annotation = info.annotation
         union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
         held = set(typing.get_args(annotation) if union else (annotation,)) - {type(None)}
-        if any(typing.get_origin(t) in (dict, list) for t in held):
+        if any(_holds_objects(t) for t in held):
             structured.add(info.alias or name)
         kind = held.pop() if len(held) == 1 else None
         if kind in kinds:
