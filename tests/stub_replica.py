@@ -147,6 +147,7 @@ class StubReplica:
     # Its LoRA adapter cache, in its pings (None: a replica without one). A generation
     # naming adapters makes them resident here (a hit, or a miss and a load).
     adapters: p.AdapterReport | None = None
+    opened: list[rt.SessionParams | None] = field(default_factory=list)  # sessions' params
 
     def __post_init__(self) -> None:
         # A gatekeeper is one per context: a secured stub has a context of its own.
@@ -429,6 +430,7 @@ class StubReplica:
         sid = request.session_id
         if request.action == rt.OPEN:
             self.sessions[sid] = _StubSession(request.tenant)
+            self.opened.append(request.params)
             return self._session_frame(message.id, sid, self.sessions[sid])
         held = self.sessions.get(sid)
         scope = request.scope if request.action == rt.RESUME else None
