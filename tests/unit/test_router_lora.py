@@ -334,7 +334,7 @@ def test_v1_models_lists_adapters_an_admin_sees_where_and_a_tenant_only_the_cata
     run_in_context(scenario)
 
 
-def test_metrics_show_each_replicas_adapter_cache() -> None:
+def test_metrics_and_health_replicas_show_each_replicas_adapter_cache() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         counts = p.AdapterReport(
             resident=["ink", "wash"],
@@ -370,5 +370,15 @@ def test_metrics_show_each_replicas_adapter_cache() -> None:
                 assert value(metric, b.endpoint) is None, metric  # no cache: not shown
             assert "# TYPE dpserve_lora_cache_hits_total counter" in text
             assert "# TYPE dpserve_lora_cache_resident gauge" in text
+            shown = (await http.get("/health/replicas")).json()["replicas"]
+            by_endpoint = {r["endpoint"]: r["adapters"] for r in shown}
+            assert by_endpoint[a.endpoint] == {
+                "resident": ["ink", "wash"],
+                "pinned": [],
+                "used_bytes": 4096,
+                "capacity_bytes": 8192,
+                "load_s": None,
+            }
+            assert by_endpoint[b.endpoint] is None
 
     run_in_context(scenario)
