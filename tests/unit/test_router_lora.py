@@ -303,7 +303,9 @@ def test_requests_for_one_adapter_gather_before_any_ping_shows_it() -> None:
     while pings lag (the trail), instead of loading it on every replica."""
 
     async def scenario(ctx: zmq.asyncio.Context) -> None:
-        async with _fleet(ctx, _cache(), _cache(), ping_interval_s=30.0) as (http, [a, b], _):
+        async with _fleet(ctx, _cache(), _cache()) as (http, [a, b], pool):
+            for replica in pool.members():  # no ping from now on
+                pool.health.stop(replica.endpoint)
             body = {**BODY, "lora": {"name": "new", "path": "/loras/new"}}
             for _ in range(4):
                 assert (await http.post(GEN, json=body)).status_code == 200
