@@ -54,6 +54,11 @@ def names_of(refs: Sequence[LoraRef] | None) -> tuple[str, ...]:
     return tuple(r.name for r in refs or ())
 
 
+def adapters_key(refs: Sequence[LoraRef]) -> str:
+    """One key for a set of adapters, whatever their order and scales: where they gather."""
+    return "\x00".join(sorted(r.name for r in refs))
+
+
 def missing(refs: Sequence[LoraRef] | None, present: set[str]) -> list[str]:
     """The request's adapters a replica lacks, in the request's order."""
     return [r.name for r in refs or () if r.name not in present]

@@ -105,11 +105,11 @@ class Admission:
             ok = r.serving and r.inflight < self.cap(r)
             return ok and (allow_avoided or endpoint not in avoid)
 
-        there = self._there(params)
-        key = self._policy.pick(replicas, lambda e: free(e, False), there)
+        there, affinity = self._there(params), self.load.affinity(params)
+        key = self._policy.pick(replicas, lambda e: free(e, False), there, affinity)
         # A retry prefers another replica, but takes the same one if it is the only one.
         if key is None and avoid and not any(e not in avoid for e in self._serving()):
-            key = self._policy.pick(replicas, lambda e: free(e, True), there)
+            key = self._policy.pick(replicas, lambda e: free(e, True), there, affinity)
         return replicas[key] if key is not None else None
 
     def held(self, tenant: str) -> int:
@@ -226,12 +226,12 @@ class Admission:
         work in the replica's ledger, so image requests and the autoscaling gauges see
         it. Another replica than ``avoid`` when one serves; 503 when none does."""
         replicas = self.members.replicas
-        there = self._there(params)
+        there, affinity = self._there(params), self.load.affinity(params)
         serving = set(self._serving())
         fresh = serving - avoid
-        key = self._policy.pick(replicas, lambda e: e in fresh, there)
+        key = self._policy.pick(replicas, lambda e: e in fresh, there, affinity)
         if key is None:
-            key = self._policy.pick(replicas, lambda e: e in serving, there)
+            key = self._policy.pick(replicas, lambda e: e in serving, there, affinity)
         if key is None:
             raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet; retry shortly")
         return self.take(replicas[key], params)

@@ -14,7 +14,7 @@ import time
 
 from dpserve.contract import protocol as p
 from dpserve.contract.cost import cost_units
-from dpserve.router.adapters import load_seconds, missing
+from dpserve.router.adapters import adapters_key, load_seconds, missing
 from dpserve.router.membership import Membership
 from dpserve.router.policies import measured_seconds_per_unit, seconds_per_unit
 from dpserve.router.replica import Replica
@@ -55,6 +55,13 @@ class Load:
             if r is not replica and r.adapters is not None
         )
         return load_seconds(len(lacking), report.load_s if report else None, others)
+
+    def affinity(self, params: p.GenerateParams) -> str | None:
+        """The key least work gathers the request's adapters by; None when it names none
+        or routing is adapter-blind."""
+        if not self.aware or not params.lora:
+            return None
+        return adapters_key(params.lora)
 
     def outstanding_s(self, replica: Replica, now: float | None = None) -> float:
         """Estimated seconds of work queued and running there: this router's (the

@@ -42,8 +42,10 @@ class Policy(Protocol):
         keys: Iterable[str],
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,
+        affinity: str | None = None,
     ) -> str | None:
-        """An eligible key, or None; ``estimate``: the request's wait and own cost there."""
+        """An eligible key, or None; ``estimate``: the request's wait and own cost there;
+        ``affinity``: its adapters' key, where it names adapters and routing minds them."""
         ...
 
 
@@ -62,6 +64,7 @@ class RoundRobin:
         keys: Iterable[str],
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,  # not read: cost-blind
+        affinity: str | None = None,  # nor this
     ) -> str | None:
         order = sorted(keys)
         if not order:
@@ -91,7 +94,10 @@ class LeastWork:
     holder beats an idle replica that must load, and a holder buried in work loses to
     an idle one that loads, so one adapter's requests gather without piling up. Those
     within ``tie_frac`` of the best's own cost (its load included) take turns; one
-    with more ahead is passed over.
+    with more ahead is passed over. For a request with adapters (``affinity``), the
+    holders among those take turns, and where none holds them, the adapters' home
+    (rendezvous hash of ``affinity``) takes it: the same replica from every router, so
+    the fleet's caches split the adapters instead of each holding the same few.
 
     **Decision** (docs/router.md, "Routing policies"): only replicas with a free
     slot are eligible, so a request never waits in the router while a replica could
@@ -109,6 +115,7 @@ class LeastWork:
         keys: Iterable[str],
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,
+        affinity: str | None = None,
     ) -> str | None:
         candidates = [k for k in keys if eligible(k)]
         if not candidates or estimate is None:
@@ -119,7 +126,16 @@ class LeastWork:
             return self._turns.pick(candidates, lambda k: k in ready)
         best = min(estimates.values(), key=lambda e: e.finish_s)
         bound = best.finish_s + max(self.tie_s, self.tie_frac * (best.own_s + best.load_s))
-        return self._turns.pick(candidates, lambda k: estimates[k].finish_s <= bound)
+        near = [k for k in candidates if estimates[k].finish_s <= bound]
+        if affinity is not None:
+            # Within the tie, adapters gather: holders take turns; where none holds
+            # them, their home (rendezvous hash) loads them, the same replica for
+            # every router, so a fleet's caches split the adapters between them.
+            fewest = min(estimates[k].load_s for k in near)
+            if fewest > self.tie_s:
+                return hrw_order(affinity, near)[0]
+            near = [k for k in near if estimates[k].load_s <= self.tie_s]
+        return self._turns.pick(candidates, lambda k: k in near)
 
 
 def make_policy(name: PolicyName) -> Policy:

@@ -13,11 +13,12 @@ from dpserve.contract.protocol import LoraRef
 from dpserve.router.adapters import (
     DEFAULT_ADAPTER_LOAD_S,
     AdapterTrail,
+    adapters_key,
     load_seconds,
     missing,
     names_of,
 )
-from dpserve.router.policies import Estimate, LeastWork, RoundRobin
+from dpserve.router.policies import Estimate, LeastWork, RoundRobin, hrw_owner
 
 A, B, C = "tcp://a:1", "tcp://b:1", "tcp://c:1"
 
@@ -42,9 +43,33 @@ def test_a_holder_with_a_little_work_ahead_beats_a_load_that_costs_more() -> Non
     assert _pick(LeastWork(), estimates, 3) == [A] * 3
 
 
-def test_replicas_that_all_must_load_take_turns() -> None:
-    estimates = {k: Estimate(0.0, 1.0, load_s=0.5) for k in (A, B, C)}
-    assert Counter(_pick(LeastWork(), estimates, 9)) == {A: 3, B: 3, C: 3}
+def _gather(policy: LeastWork, estimates: dict[str, Estimate], key: str, times: int) -> list:
+    return [
+        policy.pick(estimates, lambda k: True, estimates.__getitem__, key) for _ in range(times)
+    ]
+
+
+def test_where_none_holds_an_adapter_its_home_loads_it_the_same_from_every_router() -> None:
+    cold = {k: Estimate(0.0, 1.0, load_s=0.5) for k in (A, B, C)}
+    for name in ("ink", "wash", "style-7"):
+        home = hrw_owner(name, cold)
+        assert _gather(LeastWork(), cold, name, 5) == [home] * 5
+        assert _gather(LeastWork(), cold, name, 1) == [home]  # another router: the same
+    homes = Counter(hrw_owner(f"style-{i}", cold) for i in range(30))
+    assert set(homes) == {A, B, C}  # the adapters split between the replicas
+    # Without adapters to gather (or adapter-blind), replicas that must load take turns.
+    assert Counter(_pick(LeastWork(), cold, 9)) == {A: 3, B: 3, C: 3}
+
+
+def test_within_the_tie_a_holder_keeps_its_adapters_requests() -> None:
+    # The holder has a little work ahead, less than a quarter of the request: it keeps
+    # it, where adapter-blind turns would load it on the idle one every other time.
+    near = {A: Estimate(0.1, 1.0), B: Estimate(0.0, 1.0, load_s=0.05)}
+    assert _gather(LeastWork(), near, "ink", 4) == [A] * 4
+    assert Counter(_pick(LeastWork(), near, 4)) == {A: 2, B: 2}
+    # Holders alike take turns: gathering never piles onto one of them.
+    holders = {A: Estimate(0.1, 1.0), B: Estimate(0.1, 1.0), C: Estimate(0.0, 1.0, load_s=0.05)}
+    assert Counter(_gather(LeastWork(), holders, "ink", 4)) == {A: 2, B: 2}
 
 
 def test_fewer_missing_adapters_win() -> None:
@@ -101,6 +126,12 @@ def test_load_time_is_measured_else_the_fleets_median_else_a_default() -> None:
     assert load_seconds(2, 0.3, [9.0]) == 0.6
     assert load_seconds(1, None, [0.2, None, 0.4, 0.9]) == 0.4
     assert load_seconds(3, None, [None]) == 3 * DEFAULT_ADAPTER_LOAD_S
+
+
+def test_an_adapter_sets_key_ignores_order_and_scale() -> None:
+    one = [LoraRef(name="b", scale=0.5), LoraRef(name="a")]
+    assert adapters_key(one) == adapters_key([LoraRef(name="a"), LoraRef(name="b", scale=2)])
+    assert adapters_key(one) != adapters_key([LoraRef(name="a")])
 
 
 def test_missing_keeps_the_requests_order() -> None:
