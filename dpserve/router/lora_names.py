@@ -46,8 +46,10 @@ class LoraNames:
         registered: Mapping[str, str],
         members: Membership,
         desired: Callable[[], StateDoc | None],
+        max_sent: int = MAX_SENT_NAMES,
     ) -> None:
         self._registered = dict(registered)
+        self._max_sent = max_sent
         self._members = members
         self._desired = desired
         self._sent: dict[str, str] = {}  # in the order learned
@@ -114,7 +116,7 @@ class LoraNames:
             if ref.path is None or self.find(ref.name) is not None:
                 continue
             self._sent[ref.name] = ref.path
-            if len(self._sent) > MAX_SENT_NAMES:
+            if len(self._sent) > self._max_sent:
                 del self._sent[next(iter(self._sent))]
 
 
