@@ -144,6 +144,10 @@ class StubReplica:
     # The next this-many state-changing ops find another router's op (an adapter
     # ``foreign-<version>``) landed here just before them.
     foreign_ops: int = 0
+    # Its LoRA adapter cache, in its pings (None: a replica without one). A generation
+    # naming adapters makes them resident here (a hit, or a miss and a load).
+    adapters: p.AdapterReport | None = None
+    opened: list[rt.SessionParams | None] = field(default_factory=list)  # sessions' params
 
     def __post_init__(self) -> None:
         # A gatekeeper is one per context: a secured stub has a context of its own.
@@ -299,6 +303,7 @@ class StubReplica:
             await self.sock.send_multipart([identity, *p.encode_error(message.id, exc)])
             return
         self.received.append((params, len(message.blobs)))
+        self._cache(params.lora)
         self._units[(identity, message.id)] = cost_units(params, self.cost)
         await asyncio.sleep(self.generate_s)
         steps = params.num_inference_steps or 4
@@ -339,6 +344,20 @@ class StubReplica:
         )
         await self.sock.send_multipart([identity, *p.encode(p.RESULT, message.id, result, out)])
 
+    def _cache(self, refs: list[p.LoraRef] | None) -> None:
+        cache = self.adapters
+        if cache is None:
+            return
+        for ref in refs or ():
+            if ref.name in cache.resident:
+                cache.hits += 1
+                continue
+            cache.misses += 1
+            cache.loads += 1
+            cache.resident.append(ref.name)
+            if ref.path is not None:
+                cache.known[ref.name] = ref.path
+
     def _answer(self, message: p.Message) -> list[bytes]:
         if message.kind == p.PING:
             ping = p.PingResult(
@@ -355,6 +374,7 @@ class StubReplica:
                 cost=self.cost,
                 outstanding_units=sum(self._units.values()),
                 busy_fraction=self.busy_fraction,
+                adapters=self.adapters,
             )
             return p.encode(p.RESULT, message.id, ping)
         request: p.ControlRequest = message.body_as(p.ControlRequest)
@@ -410,6 +430,7 @@ class StubReplica:
         sid = request.session_id
         if request.action == rt.OPEN:
             self.sessions[sid] = _StubSession(request.tenant)
+            self.opened.append(request.params)
             return self._session_frame(message.id, sid, self.sessions[sid])
         held = self.sessions.get(sid)
         scope = request.scope if request.action == rt.RESUME else None

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 Discovery = Literal["static", "kubernetes"]
 # The routing policies (dpserve.router.policies, docs/router.md, Routing policies).
 PolicyName = Literal["round_robin", "least_work"]
+# Whether least-work counts the load of adapters a replica lacks (docs/lora.md):
+# blind is the comparison and the escape hatch.
+AdapterRouting = Literal["aware", "blind"]
 
 
 def parse_key(value: str) -> str:
@@ -128,6 +131,34 @@ def parse_tenant_weight(value: str) -> TenantWeight:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+@dataclass(frozen=True)
+class LoraName:
+    """``--lora NAME=PATH``: an adapter requests may name alone (docs/lora.md, Names)."""
+
+    name: str
+    path: str
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.path}"
+
+
+def parse_lora_name(value: str) -> LoraName:
+    """``NAME=PATH`` with a name of the shape a request's adapter has."""
+    from dpserve.contract.validation import LORA_NAME_RE, MAX_LORA_PATH_CHARS
+
+    name, sep, path = value.partition("=")
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=PATH")
+    if not LORA_NAME_RE.match(name):
+        raise argparse.ArgumentTypeError(
+            f"{name[:70]!r}: an adapter's name is 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if len(path) > MAX_LORA_PATH_CHARS:
+        raise argparse.ArgumentTypeError(f"{name}'s path is over {MAX_LORA_PATH_CHARS} characters")
+    return LoraName(name, path)
+
+
 _KEYS = "Bearer key for %s routes (repeatable; visible in ps: prefer the file)"
 _KEY_FILES = (
     "file of %s keys, one a line, alone or after its tenant's name (blank lines and # "
@@ -191,6 +222,23 @@ class RouterConfig:
         metadata=flag(
             "where a generation goes: the replica with the least estimated work, or in turn",
             choices=get_args(PolicyName),
+        ),
+    )
+    adapter_routing: AdapterRouting = field(
+        default="aware",
+        metadata=flag(
+            "least_work: aware counts the load of LoRA adapters a replica lacks, so one "
+            "adapter's requests gather where it is resident; blind ignores it (for comparison)",
+            choices=get_args(AdapterRouting),
+        ),
+    )
+    # Adapters requests may name alone (docs/lora.md, Names): the router sends the path.
+    lora: tuple[LoraName, ...] = field(
+        default=(),
+        metadata=flag(
+            "NAME=PATH: a LoRA adapter requests may name alone (repeatable)",
+            parse_lora_name,
+            many=True,
         ),
     )
     max_waiting: int = field(  # router-wide
@@ -373,6 +421,11 @@ class RouterConfig:
     def tenant_weights(self) -> dict[str, int]:
         """Each weighted tenant's weight (the last given wins)."""
         return {w.tenant: w.weight for w in self.tenant_weight}
+
+    @property
+    def loras(self) -> dict[str, str]:
+        """The registered adapters, name -> path (the last given of a name wins)."""
+        return {lora.name: lora.path for lora in self.lora}
 
     @property
     def admin_keys(self) -> tuple[str | TenantKey, ...]:

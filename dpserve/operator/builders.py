@@ -592,6 +592,8 @@ def router_options(svc: Svc) -> dict[str, Any]:
         "request_timeout": r.requestTimeoutSeconds,
         "max_inflight_per_replica": r.maxInflightPerReplica,
         "policy": r.policy,
+        "adapter_routing": r.adapterRouting,
+        "lora": tuple(f"{name}={path}" for name, path in sorted(r.loras.items())),
         "max_waiting": r.maxWaiting,
         "served_model_name": r.servedModelName or svc.name,
         "video_max_estimate": r.videoMaxEstimateSeconds,

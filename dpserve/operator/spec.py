@@ -17,10 +17,11 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.config import JsonDict
 
-from dpserve.config.router import PolicyName
+from dpserve.config.router import AdapterRouting, PolicyName
 from dpserve.config.router import default as router_default
 from dpserve.config.worker import StepCacheKind
 from dpserve.config.worker import default as worker_default
+from dpserve.contract.validation import LORA_NAME_RE, MAX_LORA_PATH_CHARS
 
 GROUP = "dpserve.dev"
 VERSION = "v1alpha1"
@@ -353,6 +354,19 @@ class RouterSpec(_Model):
         description="where a generation goes: the replica with the least estimated work, "
         "or each in turn (docs/router.md, Routing policies)",
     )
+    adapterRouting: AdapterRouting = Field(
+        router_default("adapter_routing"),
+        description="with policy least_work: aware counts the load of LoRA adapters a "
+        "replica lacks, so one adapter's requests gather where it is resident; blind "
+        "ignores it (for comparison; docs/lora.md)",
+    )
+    loras: dict[str, Annotated[str, Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)]] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="LoRA adapters requests may name alone, name -> path (a folder the "
+        "replicas may read, or a model source); the router sends the path on "
+        "(docs/lora.md, Names)",
+    )
     resources: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
     auth: RouterAuth | None = Field(
         None, description="API keys; without it the router serves anyone who reaches it"
@@ -409,6 +423,18 @@ class RouterSpec(_Model):
                     "letter or digit)"
                 )
         return weights
+
+    @field_validator("loras")
+    @classmethod
+    def _lora_names(cls, loras: dict[str, str]) -> dict[str, str]:
+        # As tenantWeights': a regex over map keys is the operator's check, not CEL's.
+        for name in loras:
+            if not LORA_NAME_RE.match(name):
+                raise ValueError(
+                    f"spec.router.loras: {name[:70]!r} is no adapter name (1-64 letters, "
+                    "digits, '.', '_' or '-', starting with a letter or digit)"
+                )
+        return loras
 
     webhook: RouterWebhook | None = Field(
         None, description="video job events, signed, to one URL (docs/webhooks.md)"

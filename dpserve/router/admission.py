@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dpserve.contract import protocol as p
+from dpserve.router.adapters import names_of
 from dpserve.router.fair import FairClock, Tag, over_share
 from dpserve.router.load import Load
 from dpserve.router.membership import Membership
@@ -88,7 +89,8 @@ class Admission:
         def there(endpoint: str) -> Estimate:
             replica = replicas[endpoint]
             outstanding = self.load.outstanding_s(replica, now)
-            return Estimate(outstanding, self.load.estimate(replica, params)[1])
+            own = self.load.estimate(replica, params)[1]
+            return Estimate(outstanding, own, self.load.adapter_load_s(replica, params))
 
         return there
 
@@ -103,11 +105,11 @@ class Admission:
             ok = r.serving and r.inflight < self.cap(r)
             return ok and (allow_avoided or endpoint not in avoid)
 
-        there = self._there(params)
-        key = self._policy.pick(replicas, lambda e: free(e, False), there)
+        there, affinity = self._there(params), self.load.affinity(params)
+        key = self._policy.pick(replicas, lambda e: free(e, False), there, affinity)
         # A retry prefers another replica, but takes the same one if it is the only one.
         if key is None and avoid and not any(e not in avoid for e in self._serving()):
-            key = self._policy.pick(replicas, lambda e: free(e, True), there)
+            key = self._policy.pick(replicas, lambda e: free(e, True), there, affinity)
         return replicas[key] if key is not None else None
 
     def held(self, tenant: str) -> int:
@@ -224,12 +226,12 @@ class Admission:
         work in the replica's ledger, so image requests and the autoscaling gauges see
         it. Another replica than ``avoid`` when one serves; 503 when none does."""
         replicas = self.members.replicas
-        there = self._there(params)
+        there, affinity = self._there(params), self.load.affinity(params)
         serving = set(self._serving())
         fresh = serving - avoid
-        key = self._policy.pick(replicas, lambda e: e in fresh, there)
+        key = self._policy.pick(replicas, lambda e: e in fresh, there, affinity)
         if key is None:
-            key = self._policy.pick(replicas, lambda e: e in serving, there)
+            key = self._policy.pick(replicas, lambda e: e in serving, there, affinity)
         if key is None:
             raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet; retry shortly")
         return self.take(replicas[key], params)
@@ -239,14 +241,20 @@ class Admission:
         whose count it is in until released (None: nobody's, a video job's)."""
         replica.inflight += 1
         units, seconds = self.load.estimate(replica, params)
+        # Its adapters' load is work there too; then they count as on their way.
+        seconds += self.load.adapter_load_s(replica, params)
+        adapters = names_of(params.lora)
+        replica.trail.sent(adapters)
         self._tickets += 1
         replica.ledger.add(self._tickets, units, seconds, time.monotonic())
-        return Slot(replica, self._tickets, units, seconds, tenant)
+        return Slot(replica, self._tickets, units, seconds, tenant, adapters)
 
     def release(self, slot: Slot) -> None:
         """The slot's request was answered (or failed): its work leaves the replica."""
         slot.replica.inflight -= 1
-        slot.replica.ledger.remove(slot.ticket, time.monotonic())
+        now = time.monotonic()
+        slot.replica.ledger.remove(slot.ticket, now)
+        slot.replica.trail.answered(slot.adapters, now)
         if slot.tenant is not None:
             self._count(slot.tenant, -1)
         self.wake()

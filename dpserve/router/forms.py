@@ -15,6 +15,7 @@ before the request queues, answering 400s that name the upload.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -205,8 +206,10 @@ def _typed(name: str, text: str, out: list[p.FieldError]) -> Any:
 
 
 def typed_value(name: str, text: str, out: list[p.FieldError], types: FormTypes) -> Any:
-    """A form string as the type its field has in ``types`` (others stay text); a bad
-    one is recorded in ``out`` and comes back None."""
+    """A form string as the type its field has in ``types`` (others stay text; one that
+    may be structured is JSON when it starts as an object or a list, else text: a
+    ``lora`` form field holds JSON or a bare name); a bad one is recorded in ``out``
+    and comes back None."""
     try:
         if name in types.ints:
             return int(text)
@@ -221,4 +224,10 @@ def typed_value(name: str, text: str, out: list[p.FieldError], types: FormTypes)
             return text.lower() == "true"
         out.append(p.FieldError(name, f"must be true or false, got {text[:40]!r}"))
         return None
+    if name in types.structured and text.lstrip()[:1] in ("{", "["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            out.append(p.FieldError(name, f"is not valid JSON: {text[:40]!r}"))
+            return None
     return text

@@ -77,6 +77,7 @@ class Health:
 
     async def check(self, replica: Replica) -> None:
         """One ping of ``replica``, recorded, and judged by the control plane."""
+        asked = time.monotonic()
         try:
             reply = await replica.conn.request(p.PING, None, self.timeout_s)
             ping: p.PingResult = reply.body_as(p.PingResult)
@@ -97,6 +98,8 @@ class Health:
         replica.busy_fraction = ping.busy_fraction
         if ping.cost is not None:
             replica.cost = ping.cost
+        replica.adapters = ping.adapters
+        replica.trail.pinged(asked)
         # The replica counts every router's work, ours included (in flight now, give
         # or take what is on the wire): the rest is other routers'.
         replica.others_units = max(0.0, ping.outstanding_units - replica.ledger.units)

@@ -21,7 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Match
 
+from dpserve.router.lora_metrics import LoraCacheCollector
 from dpserve.router.pool import ReplicaPool
+from dpserve.router.replica import Replica
 from dpserve.router.routes import flat
 from dpserve.router.tenants import KEYLESS
 from dpserve.router.usage import Usage, Work
@@ -58,6 +60,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.usage = Usage(tenants)
         self.registry.register(self.usage)
+        # The replicas' adapter caches, read from the pool ``render`` is given.
+        self._replicas: list[Replica] = []
+        self.registry.register(LoraCacheCollector(lambda: self._replicas))
         self.queue_time = Histogram(
             "dpserve_request_queue_seconds",
             "Seconds a completed generation waited for a slot, in this router and at its "
@@ -203,6 +208,7 @@ class RouterMetrics:
         for gauge in per_replica:
             gauge.clear()
         total = 0.0
+        self._replicas = list(pool.replicas.values())
         for replica in pool.replicas.values():
             work = pool.load.outstanding_s(replica)
             total += work

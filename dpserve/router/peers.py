@@ -5,7 +5,9 @@ Each is mapped to the field of this server that does the same, accepted where it
 cannot change the output here, or refused with a 400 naming what to send instead.
 None that would change the image is dropped. ``max_sequence_length``, ``flow_shift``,
 ``vae_use_tiling`` and ``vae_use_slicing`` are this server's own fields under the
-peers' names (dpserve.contract.protocol), so they need nothing here.
+peers' names (dpserve.contract.protocol), so they need nothing here; so is vLLM-Omni's
+``lora`` (docs/lora.md). SGLang has no per-request adapters (its ``set_lora`` is
+service-wide, as this server's is).
 """
 
 from __future__ import annotations
@@ -41,11 +43,7 @@ _NAMED_FIELDS: Final = (
 )
 # What translate reads (the fields the image routes take are dpserve/router/fields.py's).
 _PEER_FIELDS: Final = frozenset(
-    {*CACHE_SWITCHES, "output_quality", "generator_device", *_KEYWORD_BAGS, "lora"}
-)
-_LORA: Final = (
-    "per-request LoRA is not served yet: load the adapter for the whole service with "
-    "POST /v1/set_lora (its lora_nickname and lora_path), then send requests without lora"
+    {*CACHE_SWITCHES, "output_quality", "generator_device", *_KEYWORD_BAGS}
 )
 
 
@@ -72,8 +70,6 @@ def translate(body: Any) -> tuple[Any, list[p.FieldError]]:
         bag = out.pop(name, None)
         if bag is not None and bag != {}:
             bad.append(p.FieldError(name, _bag_message(bag)))
-    if out.pop("lora", None) is not None:
-        bad.append(p.FieldError("lora", _LORA))
     return out, bad
 
 

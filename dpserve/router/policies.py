@@ -24,14 +24,16 @@ UNCALIBRATED_SECONDS_PER_UNIT: Final = 1.0
 
 
 class Estimate(NamedTuple):
-    """A request at one replica: the work ahead of it there and its own, in seconds."""
+    """A request at one replica, in seconds: the work ahead of it there, its own, and
+    loading the LoRA adapters it names that the replica lacks (docs/lora.md)."""
 
     wait_s: float
     own_s: float
+    load_s: float = 0.0
 
     @property
     def finish_s(self) -> float:
-        return self.wait_s + self.own_s
+        return self.wait_s + self.load_s + self.own_s
 
 
 class Policy(Protocol):
@@ -40,8 +42,10 @@ class Policy(Protocol):
         keys: Iterable[str],
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,
+        affinity: str | None = None,
     ) -> str | None:
-        """An eligible key, or None; ``estimate``: the request's wait and own cost there."""
+        """An eligible key, or None; ``estimate``: the request's wait and own cost there;
+        ``affinity``: its adapters' key, where it names adapters and routing minds them."""
         ...
 
 
@@ -60,6 +64,7 @@ class RoundRobin:
         keys: Iterable[str],
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,  # not read: cost-blind
+        affinity: str | None = None,  # nor this
     ) -> str | None:
         order = sorted(keys)
         if not order:
@@ -79,13 +84,20 @@ class LeastWork:
     """The eligible replica where the request is estimated to finish first: its
     outstanding work plus the request's own cost there (``estimate``).
 
-    **Decision:** replicas with no work ahead take turns, as round-robin does,
+    **Decision:** replicas with no work ahead that hold the request's adapters (all
+    of them, for a request without its own) take turns, as round-robin does,
     whatever their calibrations say: one service's replicas share model and layout,
     their measured figures differ by noise (a loaded host, a first request at a new
     size), and sequential traffic must not pile onto whichever measured faster while
-    the other idles and never gets the traffic that would correct its figure. Among
-    busy replicas, those within ``tie_frac`` of the request's own cost of the best
-    take turns; one with work ahead worth more than that is passed over.
+    the other idles and never gets the traffic that would correct its figure. When
+    none is idle and ready, the finish times decide, adapter loads included: an idle
+    holder beats an idle replica that must load, and a holder buried in work loses to
+    an idle one that loads, so one adapter's requests gather without piling up. Those
+    within ``tie_frac`` of the best's own cost (its load included) take turns; one
+    with more ahead is passed over. For a request with adapters (``affinity``), the
+    holders among those take turns, and where none holds them, the adapters' home
+    (rendezvous hash of ``affinity``) takes it: the same replica from every router, so
+    the fleet's caches split the adapters instead of each holding the same few.
 
     **Decision** (docs/router.md, "Routing policies"): only replicas with a free
     slot are eligible, so a request never waits in the router while a replica could
@@ -103,17 +115,27 @@ class LeastWork:
         keys: Iterable[str],
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,
+        affinity: str | None = None,
     ) -> str | None:
         candidates = [k for k in keys if eligible(k)]
         if not candidates or estimate is None:
             return self._turns.pick(candidates, lambda k: True)
         estimates = {k: estimate(k) for k in candidates}
-        idle = {k for k, e in estimates.items() if e.wait_s <= self.tie_s}
-        if idle:
-            return self._turns.pick(candidates, lambda k: k in idle)
+        ready = {k for k, e in estimates.items() if max(e.wait_s, e.load_s) <= self.tie_s}
+        if ready:
+            return self._turns.pick(candidates, lambda k: k in ready)
         best = min(estimates.values(), key=lambda e: e.finish_s)
-        bound = best.finish_s + max(self.tie_s, self.tie_frac * best.own_s)
-        return self._turns.pick(candidates, lambda k: estimates[k].finish_s <= bound)
+        bound = best.finish_s + max(self.tie_s, self.tie_frac * (best.own_s + best.load_s))
+        near = [k for k in candidates if estimates[k].finish_s <= bound]
+        if affinity is not None:
+            # Within the tie, adapters gather: holders take turns; where none holds
+            # them, their home (rendezvous hash) loads them, the same replica for
+            # every router, so a fleet's caches split the adapters between them.
+            fewest = min(estimates[k].load_s for k in near)
+            if fewest > self.tie_s:
+                return hrw_order(affinity, near)[0]
+            near = [k for k in near if estimates[k].load_s <= self.tie_s]
+        return self._turns.pick(candidates, lambda k: k in near)
 
 
 def make_policy(name: PolicyName) -> Policy:

@@ -20,7 +20,10 @@ only what spans the parts: who is in the pool and serving, and the ``/health`` J
   size each) or wait in a bounded queue, served fairly between tenants; video jobs
   are placed at once, past the cap.
 - :class:`~dpserve.router.load.Load` (``pool.load``): each request's estimated cost,
-  so the pool knows every replica's outstanding work (dpserve.contract.cost, docs/router.md).
+  so the pool knows every replica's outstanding work (dpserve.contract.cost, docs/router.md),
+  and the load of the LoRA adapters it lacks (docs/lora.md).
+- :class:`~dpserve.router.lora_names.LoraNames` (``pool.loras``): which path each
+  adapter name stands for, so a request may name one alone.
 
 Which part writes which field of a :class:`~dpserve.router.replica.Replica` is
 written down in dpserve/router/replica.py.
@@ -36,7 +39,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from dpserve.config.router import PolicyName
+from dpserve.config.router import AdapterRouting, PolicyName
 from dpserve.config.router import default as option
 from dpserve.plumbing.curve import WireKey, plaintext_warning
 from dpserve.router.admission import Admission
@@ -44,6 +47,7 @@ from dpserve.router.control_plane import ControlPlane
 from dpserve.router.desired import DesiredState
 from dpserve.router.health import Health
 from dpserve.router.load import Load
+from dpserve.router.lora_names import LoraNames
 from dpserve.router.membership import Membership
 from dpserve.router.replica import Replica
 from dpserve.router.replica_json import replica_json
@@ -65,6 +69,9 @@ class PoolSettings:
     sync_backoff_max_s: float = 30.0
     max_inflight: int = option("max_inflight_per_replica")  # times a replica's batch size
     policy: PolicyName = field(default=option("policy"))  # docs/router.md, Routing policies
+    # Least work counts the load of adapters a replica lacks (docs/lora.md).
+    adapter_routing: AdapterRouting = field(default=option("adapter_routing"))
+    loras: dict[str, str] = field(default_factory=dict)  # --lora NAME=PATH
     max_queue: int = option("max_waiting")  # requests waiting for a slot, router-wide
     # Fair shares (docs/tenants.md): per tenant, requests in flight and waiting (0: no
     # cap); weights of the fair order (an unnamed tenant weighs 1).
@@ -85,7 +92,7 @@ class ReplicaPool:
         self.settings = settings
         self.ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self.membership = Membership(self.ctx, settings.wire_key, settings.request_timeout_s)
-        self.load = Load(self.membership)
+        self.load = Load(self.membership, aware=settings.adapter_routing == "aware")
         self.admission = Admission(
             self.membership,
             self.load,
@@ -112,6 +119,7 @@ class ReplicaPool:
             backoff_max_s=settings.sync_backoff_max_s,
             follow_s=settings.ping_interval_s,
         )
+        self.loras = LoraNames(settings.loras, self.membership, lambda: self.control.desired.doc)
         self._started = False
 
     @property

@@ -10,7 +10,8 @@ write their own fields and read the others'. Who writes what:
 - :class:`~dpserve.router.control_plane.ControlPlane` writes what it holds after a
   control op (``held``, ``sync_error``) and derives ``serving`` from the rest;
 - :class:`~dpserve.router.admission.Admission` writes this router's work there
-  (``inflight``, ``ledger``, ``served``) and corrects ``sessions`` between pings.
+  (``inflight``, ``ledger``, ``served``, the adapters in ``trail``) and corrects
+  ``sessions`` between pings; health writes ``adapters`` and tells ``trail`` of pings.
 
 Two shortcuts, both only ever taking a replica out of rotation at once, before the
 control plane next judges it: membership clears ``serving`` and ``answering`` when
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from dpserve.contract import protocol as p
 from dpserve.contract.control_state import StateDoc
 from dpserve.contract.model_info import ModelInfo
+from dpserve.router.adapters import AdapterTrail
 from dpserve.router.connection import ReplicaConnection
 from dpserve.router.policies import WorkLedger
 
@@ -57,6 +59,10 @@ class Replica:
     busy_fraction: float = 0.0
     others_units: float = 0.0  # units there that are not this router's
     ledger: WorkLedger = field(default_factory=WorkLedger)
+    # Its LoRA adapter cache, as of its last ping (None: a replica without one), and the
+    # adapters of this router's requests there that the ping may not show yet.
+    adapters: p.AdapterReport | None = None
+    trail: AdapterTrail = field(default_factory=AdapterTrail)
     # One control conversation at a time, so a sync and a fan-out never interleave.
     control: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -79,3 +85,4 @@ class Slot:
     units: float
     seconds: float
     tenant: str | None = None  # whose per-tenant count it is in (None: a video job's)
+    adapters: tuple[str, ...] = ()  # the request's LoRA adapters' names

@@ -53,8 +53,23 @@ def replica_json(
         "sessions": replica.sessions,
         "max_sessions": replica.max_sessions,
         "session_bytes": replica.session_bytes,
+        "adapters": _adapters(replica),
         "last_error": why_not,
         "last_seen_s_ago": round(time.monotonic() - replica.last_seen, 3)
         if replica.last_seen
         else None,
+    }
+
+
+def _adapters(replica: Replica) -> dict[str, Any] | None:
+    """Its LoRA adapter cache as of its last ping (docs/lora.md); None without one."""
+    report = replica.adapters
+    if report is None:
+        return None
+    return {
+        "resident": sorted(report.resident),
+        "pinned": sorted(report.pinned),
+        "used_bytes": report.used_bytes,
+        "capacity_bytes": report.capacity_bytes,
+        "load_s": report.load_s,
     }

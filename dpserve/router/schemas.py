@@ -221,21 +221,35 @@ def request_body(
 @dataclass(frozen=True)
 class FormTypes:
     """Which fields of a form (text, as every form field is) hold integers, numbers or
-    switches; the others stay text for their parser."""
+    switches, and which may hold JSON (an object or a list, as the JSON body takes them:
+    a request's ``lora``); the others stay text for their parser."""
 
     ints: frozenset[str]
     floats: frozenset[str]
     bools: frozenset[str]
+    structured: frozenset[str] = frozenset()
+
+
+def _holds_objects(kind: Any) -> bool:
+    """An object, or a list of them (a list of files or of numbers is not JSON here)."""
+    origin = typing.get_origin(kind)
+    if origin is dict:
+        return True
+    return origin is list and any(_holds_objects(t) for t in typing.get_args(kind))
 
 
 def form_types(model: type[BaseModel]) -> FormTypes:
     """The form fields ``model`` declares as int, float or bool (or None)."""
     kinds: dict[type, set[str]] = {int: set(), float: set(), bool: set()}
+    structured: set[str] = set()
     for name, info in model.model_fields.items():
         annotation = info.annotation
         union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
         held = set(typing.get_args(annotation) if union else (annotation,)) - {type(None)}
+        if any(_holds_objects(t) for t in held):
+            structured.add(info.alias or name)
         kind = held.pop() if len(held) == 1 else None
         if kind in kinds:
             kinds[kind].add(info.alias or name)
-    return FormTypes(*(frozenset(kinds[t]) for t in (int, float, bool)))
+    ints, floats, bools = (frozenset(kinds[t]) for t in (int, float, bool))
+    return FormTypes(ints, floats, bools, frozenset(structured))

@@ -168,6 +168,7 @@ class RouterService:
         finally:
             self.pool.admission.release(slot)
         self.pool.admission.note_served(replica)
+        self.pool.loras.learn(params.lora)
         return Generated(result, images, replica.name, slot.units, waited_s)
 
     async def cancel_elsewhere(self, request_id: str, scope: str | None = None) -> str:

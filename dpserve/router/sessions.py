@@ -16,6 +16,8 @@ import logging
 import secrets
 from dataclasses import dataclass
 
+import msgspec
+
 from dpserve.contract import protocol as p
 from dpserve.contract import realtime as rt
 from dpserve.contract.ids import decode_owner, encode_owner
@@ -75,6 +77,10 @@ class SessionRouter:
     async def open(self, init: rt.ClientInit, tenant: str = "") -> tuple[Attached, Frame]:
         """Place a new session of ``tenant`` (its owner replica records it) and render its
         first frame."""
+        # Its adapters' names resolved to their paths (docs/lora.md, Names).
+        params = msgspec.structs.replace(
+            init.params, lora=self.pool.loras.resolve_refs(init.params.lora)
+        )
         key = secrets.token_hex(16)
         serving = {r.endpoint: r for r in self.pool.serving()}
         if not serving:
@@ -89,7 +95,7 @@ class SessionRouter:
             request = rt.SessionRequest(
                 action=rt.OPEN,
                 session_id=session_id,
-                params=init.params,
+                params=params,
                 first_frame=0 if blobs else None,
                 tenant=tenant,
             )
@@ -106,6 +112,7 @@ class SessionRouter:
                 lost.append(replica.name)
                 continue
             self.pool.admission.session_opened(replica)
+            self.pool.loras.learn(params.lora)
             return Attached(session_id, replica.endpoint, 0), _frame(reply, replica)
         if lost:
             raise p.RequestError(

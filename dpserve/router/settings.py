@@ -100,6 +100,8 @@ class RouterSettings:
             request_timeout_s=config.request_timeout,
             max_inflight=config.max_inflight_per_replica,
             policy=config.policy,
+            adapter_routing=config.adapter_routing,
+            loras=config.loras,
             max_queue=config.max_waiting,
             max_per_tenant=config.max_requests_per_tenant,
             tenant_weights=config.tenant_weights,

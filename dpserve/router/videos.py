@@ -217,6 +217,7 @@ class VideoJobs(JobLookup):
                 self.pool.admission.release(slot)
                 refusals.append(f"{replica.name}: {str(exc) or 'timed out'}")
                 continue
+            self.pool.loras.learn(params.lora)
             watch = Watch(job_id, params, created_at, blobs, slot, replica.boot_id, job, tenant)
             watch.meter = meter
             await self._record(watch, job)

@@ -36,6 +36,7 @@ def test_the_edit_forms_numbers_and_switches_are_the_documented_ones() -> None:
                     "enable_cache_dit",
                 }
             ),
+            structured=frozenset({"lora", "step_cache"}),  # JSON, or text (a name)
         )
         == EDIT_TYPES
     )
@@ -44,6 +45,7 @@ def test_the_edit_forms_numbers_and_switches_are_the_documented_ones() -> None:
             ints=frozenset({"width", "height", "fps", "num_frames", "seed", "num_inference_steps"}),
             floats=frozenset({"guidance_scale"}),
             bools=frozenset(),
+            structured=frozenset({"lora"}),
         )
         == VIDEO_TYPES
     )
@@ -68,3 +70,15 @@ def test_only_a_field_of_one_scalar_type_is_converted() -> None:
     assert typed_value("on", "TRUE", out, types) is True
     assert typed_value("scale", "x", out, types) is None
     assert out == [p.FieldError("scale", "must be a number, got 'x'")]
+
+
+def test_a_structured_field_is_json_when_it_looks_like_json_else_text() -> None:
+    out: list[p.FieldError] = []
+    lora = '{"name": "ink", "scale": 0.5}'
+    assert typed_value("lora", lora, out, EDIT_TYPES) == {"name": "ink", "scale": 0.5}
+    assert typed_value("lora", ' [{"name": "a"}]', out, EDIT_TYPES) == [{"name": "a"}]
+    assert typed_value("lora", "ink", out, EDIT_TYPES) == "ink"  # a name alone
+    assert typed_value("prompt", "[not json", out, EDIT_TYPES) == "[not json"
+    assert out == []
+    assert typed_value("lora", "{oops", out, EDIT_TYPES) is None
+    assert [f.field for f in out] == ["lora"] and "not valid JSON" in out[0].message

@@ -148,8 +148,8 @@ def test_the_rest_is_refused_naming_what_to_send() -> None:
                 "send negative_prompt, num_inference_steps",
             ),
             ({"extra_params": ["x"]}, "extra_params", "does not do"),
-            ({"lora": {"name": "a", "path": "/x"}}, "lora", "POST /v1/set_lora"),
-            ({"lora": "style"}, "lora", "per-request LoRA is not served yet"),
+            ({"lora": {"name": "a", "path": "/x", "weight": 1}}, "lora", "not weight"),
+            ({"lora": {"name": "a", "scale": 11}}, "lora", "between -10 and 10"),
             ({"max_sequence_length": 0}, "max_sequence_length", "between 1 and"),
             ({"flow_shift": -1}, "flow_shift", "between 0.01 and 100"),
             ({"vae_use_tiling": "on"}, "vae_use_tiling", "must be true or false"),
@@ -180,8 +180,9 @@ def test_an_edit_form_takes_the_same_fields_as_text() -> None:
                 1.5,
                 55,
             )
+            # A name alone nobody knows: a 400 that names it (tests/unit/test_router_lora.py).
             refused = await http.post(EDITS, data={"prompt": "y", "lora": "a"}, files=image)
-            assert refused.status_code == 400 and "/v1/set_lora" in refused.text
+            assert refused.status_code == 400 and "adapter 'a' is not known" in refused.text
 
     _run(scenario)
 

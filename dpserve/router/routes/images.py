@@ -74,7 +74,8 @@ async def generate(
         served=deps.served_name(pool, settings),
     )
     meter = metrics.meter(request.scope)
-    job = jobs.start(registry, service, rid, asked.params, meter=meter, tenant=_tenant(request))
+    params = pool.loras.resolve(asked.params)
+    job = jobs.start(registry, service, rid, params, meter=meter, tenant=_tenant(request))
     return await _answer(request, job, asked, GENERATION, store)
 
 
@@ -134,7 +135,7 @@ async def _edit(
         registry,
         service,
         rid,
-        asked.params,
+        pool.loras.resolve(asked.params),
         blobs,
         meter=metrics.meter(request.scope),
         tenant=_tenant(request),

@@ -19,10 +19,12 @@ from dpserve.router import deps
 from dpserve.router.access import admin, inference
 from dpserve.router.deps import PoolDep, SettingsDep
 from dpserve.router.fields import request_fields
+from dpserve.router.lora_names import CATALOG
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.schemas import ErrorResponse
 from dpserve.router.served_model import UNKNOWN, model_not_found
 from dpserve.router.settings import RouterSettings
+from dpserve.router.tenants import principal_of
 
 
 @inference
@@ -50,7 +52,40 @@ def _model(request: Request, pool: ReplicaPool, settings: RouterSettings) -> dic
         "owned_by": "dpserve",
         "features": msgspec.to_builtins(deps.features(pool)),
         "router_features": router_features(settings),
+        "adapters": adapters(pool, principal_of(request.scope).sees_all),
     }
+
+
+def adapters(pool: ReplicaPool, admin: bool) -> list[dict[str, Any]]:
+    """The LoRA adapters requests may name alone (docs/lora.md). An admin sees every
+    known one with its path, whether the service pins it (its set_lora adapters) and
+    the replicas holding it; anyone else the names of the service's catalog (the
+    registered and the service's own), not paths of its hosts nor other tenants' names."""
+    known = pool.loras.known()
+    if not admin:
+        return [{"name": a.name} for a in known if a.source in CATALOG]
+    doc = pool.desired.doc
+    pinned = set(doc.state.loras) if doc is not None else set()
+    holders: dict[str, list[str]] = {}
+    for replica in pool.members():
+        report = replica.adapters
+        if report is None:
+            continue
+        pinned.update(report.pinned)
+        for name in report.resident:
+            holders.setdefault(name, []).append(replica.name)
+    paths: dict[str, str | None] = {a.name: a.path for a in known}
+    for name in holders:
+        paths.setdefault(name, None)
+    return [
+        {
+            "name": name,
+            "path": paths[name],
+            "resident": sorted(holders.get(name, [])),
+            "pinned": name in pinned,
+        }
+        for name in sorted(paths)
+    ]
 
 
 @inference

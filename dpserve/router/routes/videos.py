@@ -28,6 +28,7 @@ async def create(
     )
     served = deps.served_name(pool, settings)
     params = video_api.parse_create(asked, deps.limits(pool), deps.features(pool), served)
+    params = pool.loras.resolve(params)
     tenant = principal_of(request.scope).tenant
     job = await videos.submit(params, asked.blobs, tenant, metrics.meter(request.scope))
     return JSONResponse(video_api.job_json(job, model_name(pool, settings)))
