@@ -187,9 +187,10 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.7, help="of capacity without adapters")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=RANK, help="the adapters' LoRA rank")
     args = parser.parse_args()
     model = cached_model("small")
-    paths = adapters(model, ADAPTERS, rank=RANK)
+    paths = adapters(model, ADAPTERS, rank=args.rank)
     base = ["--threads-per-rank", "1", "--max-sequence-length", "77"]
     base += ["--lora-cache-mb", str(cache_mb(paths[0])), "--allow-path", str(model.parent)]
     configs = {
@@ -223,7 +224,7 @@ def main() -> None:
     print(
         f"model=small size={args.size} steps={args.steps} requests={args.requests} "
         f"load={args.load} (open loop, {args.load * 2 / plain_s:.2f} req/s) "
-        f"adapters={ADAPTERS} rank={RANK} cache={CACHED} per replica zipf_s={ZIPF_S} "
+        f"adapters={ADAPTERS} rank={args.rank} cache={CACHED} per replica zipf_s={ZIPF_S} "
         f"request_s={plain_s:.3f} load_over_request={aware['load_s'] / plain_s:.2f}"
     )
     for name, r in results.items():
