@@ -5,23 +5,25 @@ adapter cache that holds 4 of the 16 tiny adapters, differ only in routing: leas
 that knows where adapters are resident (the default), least-work blind to them, and
 round-robin. Each gets the same requests: adapters drawn with a Zipf mix (s = 1.1), sent
 **open loop** (seeded Poisson arrivals at ``--load`` of the fleet's measured capacity
-without adapters), so the router has a choice to make: a closed loop with as many
-clients as the fleet has slots leaves every request exactly one free slot. Measured per
+without adapters, and again at ``--light`` load for aware and blind), so the router has
+a choice to make: a closed loop with as many clients as the fleet has slots leaves
+every request exactly one free slot. Measured per
 service: the cache's hit rate and loads per 100 requests (from the router's /metrics,
 the replicas' own counts), p50 and p99 latency from arrival. The services run one at a
 time (the others idle) so they do not share the 2 cores.
 
-The adapters are rank 64 (10 MiB): on this CPU a load costs about a quarter of a
-request, as a real diffusion LoRA's load (hundreds of MB, peft wrapping every layer)
-does on a GPU next to a few-second generation; ``load_over_request`` prints the ratio
-measured.
+The adapters are rank 64 (10 MiB) and requests take one step: on this CPU a load then
+costs about 0.4 of a request, as a real diffusion LoRA's load (hundreds of MB, peft
+wrapping every layer: a second or more) does on a GPU next to a few-step generation;
+``load_over_request`` prints the ratio measured.
 
 Then, on the first service: a request's time with its adapter applied per request (the
 adapter resident) against the same adapter merged into the weights (``set_lora`` and
 ``merge_lora_weights``) and no per-request adapter, requests alternating.
 
 Last line: ``hit_rate=<aware> loads_per_100=<aware> blind_loads_ratio=<blind/aware>
-blind_p99_ratio=<blind/aware> rr_p99_ratio=<rr/aware> per_request_vs_merged=<x>``.
+blind_p99_ratio=<blind/aware> rr_p99_ratio=<rr/aware> light_hit_rate=<aware, light>
+light_blind_loads_ratio=<blind/aware, light> per_request_vs_merged=<x>``.
 """
 
 from __future__ import annotations
@@ -182,9 +184,10 @@ def per_request_vs_merged(serve: Serve, args: argparse.Namespace, path: Path) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--load", type=float, default=0.7, help="of capacity without adapters")
+    parser.add_argument("--light", type=float, default=0.15, help="the light load's fraction")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--rank", type=int, default=RANK, help="the adapters' LoRA rank")
@@ -193,26 +196,29 @@ def main() -> None:
     paths = adapters(model, ADAPTERS, rank=args.rank)
     base = ["--threads-per-rank", "1", "--max-sequence-length", "77"]
     base += ["--lora-cache-mb", str(cache_mb(paths[0])), "--allow-path", str(model.parent)]
-    configs = {
-        "aware": ["--policy", "least_work", "--adapter-routing", "aware"],
-        "blind": ["--policy", "least_work", "--adapter-routing", "blind"],
-        "rr": ["--policy", "round_robin"],
+    aware = ["--policy", "least_work", "--adapter-routing", "aware"]
+    blind = ["--policy", "least_work", "--adapter-routing", "blind"]
+    runs = {  # name: (flags, load)
+        "aware": (aware, args.load),
+        "blind": (blind, args.load),
+        "rr": (["--policy", "round_robin"], args.load),
+        "aware_light": (aware, args.light),
+        "blind_light": (blind, args.light),
     }
     mix = zipf_sequence(ADAPTERS, args.requests, args.seed)
     results: dict[str, dict] = {}
-    at: list[float] = []
     plain_s = 0.0
-    for name, flags in configs.items():
+    for name, (flags, load) in runs.items():
         serve = Serve(model, base + flags)
         try:
             for _ in range(2):  # warm both replicas' paths
                 serve.generate(body(args, paths, None, 0))
                 serve.generate(body(args, paths, None, 0))
-            if not at:  # the capacity, measured once: the same arrivals for every service
+            if not plain_s:  # the capacity, measured once: the same arrivals for every service
                 plain_s = statistics.median(
                     serve.generate(body(args, paths, None, 0)) for _ in range(args.rounds)
                 )
-                at = arrivals(args.requests, args.load * 2 / plain_s, args.seed)
+            at = arrivals(args.requests, load * 2 / plain_s, args.seed)
             results[name] = run_mix(serve, args, paths, mix, at)
             if name == "aware":
                 results[name]["merged"] = per_request_vs_merged(serve, args, paths[0])
@@ -220,24 +226,27 @@ def main() -> None:
             serve.close()
         shown = " ".join(f"{k}={v:.3f}" for k, v in results[name].items())
         print(f"{name}: {shown}", file=sys.stderr)
-    aware, blind, rr = results["aware"], results["blind"], results["rr"]
+    r = results
     print(
-        f"model=small size={args.size} steps={args.steps} requests={args.requests} "
-        f"load={args.load} (open loop, {args.load * 2 / plain_s:.2f} req/s) "
+        f"model=small size={args.size} steps={args.steps} requests={args.requests} open loop "
+        f"at load={args.load} ({args.load * 2 / plain_s:.2f} req/s) and light={args.light} "
         f"adapters={ADAPTERS} rank={args.rank} cache={CACHED} per replica zipf_s={ZIPF_S} "
-        f"request_s={plain_s:.3f} load_over_request={aware['load_s'] / plain_s:.2f}"
+        f"request_s={plain_s:.3f} load_over_request={r['aware']['load_s'] / plain_s:.2f}"
     )
-    for name, r in results.items():
+    for name, got in r.items():
         print(
-            f"{name}: hit_rate={r['hit_rate']:.2f} loads_per_100={r['loads_per_100']:.1f} "
-            f"evictions={r['evictions']:.0f} p50={r['p50']:.3f}s p99={r['p99']:.3f}s"
+            f"{name}: hit_rate={got['hit_rate']:.2f} loads_per_100={got['loads_per_100']:.1f} "
+            f"evictions={got['evictions']:.0f} p50={got['p50']:.3f}s p99={got['p99']:.3f}s"
         )
     print(
-        f"hit_rate={aware['hit_rate']:.2f} loads_per_100={aware['loads_per_100']:.1f} "
-        f"blind_loads_ratio={blind['loads'] / max(aware['loads'], 1):.2f} "
-        f"blind_p99_ratio={blind['p99'] / aware['p99']:.2f} "
-        f"rr_p99_ratio={rr['p99'] / aware['p99']:.2f} "
-        f"per_request_vs_merged={aware['merged']:.2f}"
+        f"hit_rate={r['aware']['hit_rate']:.2f} loads_per_100={r['aware']['loads_per_100']:.1f} "
+        f"blind_loads_ratio={r['blind']['loads'] / max(r['aware']['loads'], 1):.2f} "
+        f"blind_p99_ratio={r['blind']['p99'] / r['aware']['p99']:.2f} "
+        f"rr_p99_ratio={r['rr']['p99'] / r['aware']['p99']:.2f} "
+        f"light_hit_rate={r['aware_light']['hit_rate']:.2f} "
+        f"light_blind_loads_ratio="
+        f"{r['blind_light']['loads'] / max(r['aware_light']['loads'], 1):.2f} "
+        f"per_request_vs_merged={r['aware']['merged']:.2f}"
     )
 
 
