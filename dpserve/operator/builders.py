@@ -201,6 +201,8 @@ def spec_hash(spec: s.DiffusionServiceSpec, fetched: str | None = None) -> str:
         model.pop("source")
         model.pop("credentials", None)  # the fill Job's, not the replicas'
         model["fetched"] = fetched
+    if spec.loraCacheMb == type(spec).model_fields["loraCacheMb"].default:
+        relevant.pop("loraCacheMb")  # the default, as before adapter caches existed: no roll
     if spec.router.outputStore is not None:  # replicas upload videos there (none: as before)
         relevant["outputStore"] = spec.router.outputStore.model_dump(mode="json")
     keyed = {"spec": relevant, "shape": POD_SHAPE}

@@ -228,6 +228,14 @@ def test_spec_hash_ignores_scale_router_and_strategy() -> None:
     assert b.spec_hash(base.spec) != b.spec_hash(svc(image="other:2").spec)
 
 
+def test_a_lora_cache_of_its_own_size_rolls_the_replicas_the_default_does_not() -> None:
+    # The default hashes as before adapter caches existed: an operator upgrade rolls none.
+    assert b.spec_hash(svc(loraCacheMb=1024).spec) == b.spec_hash(svc().spec)
+    assert b.spec_hash(svc(loraCacheMb=2048).spec) != b.spec_hash(svc().spec)
+    args = b.build_replica_pod(svc(loraCacheMb=2048), 0, IMAGES)["spec"]["containers"][0]["args"]
+    assert args[args.index("--lora-cache-mb") + 1] == "2048"
+
+
 def test_headless_service_and_router_objects() -> None:
     s = svc(router={"replicas": 2, "service": {"type": "LoadBalancer", "port": 8080}})
     headless = b.build_headless_service(s)
