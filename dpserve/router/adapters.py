@@ -21,6 +21,9 @@ from dpserve.contract.protocol import LoraRef
 # Seconds to load one adapter while no replica has measured a load: a diffusion LoRA's
 # safetensors (tens of MB) read and applied, on the order of the time of a few steps.
 DEFAULT_ADAPTER_LOAD_S: Final = 0.5
+# How far past its in-flight cap a replica holding a request's adapters may take it
+# (dpserve/router/admission.py): one more queued request per slot.
+HOLDER_CAP_FACTOR: Final = 2
 
 
 class AdapterTrail:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dpserve.contract import protocol as p
-from dpserve.router.adapters import names_of
+from dpserve.router.adapters import HOLDER_CAP_FACTOR, names_of
 from dpserve.router.fair import FairClock, Tag, over_share
 from dpserve.router.load import Load
 from dpserve.router.membership import Membership
@@ -99,13 +99,22 @@ class Admission:
 
     def _pick(self, avoid: set[str], params: p.GenerateParams) -> Replica | None:
         replicas = self.members.replicas
+        there, affinity = self._there(params), self.load.affinity(params)
+        # **Decision** (docs/lora.md): a replica that holds the request's adapters may
+        # take it past its cap, up to HOLDER_CAP_FACTOR times, when least work finds
+        # it finishes there first. At the cap alone, a holder with one request queued
+        # is never a choice, and the adapter loads on the other replica, evicting one
+        # that is in demand there. Not while requests wait here: they go first.
+        stretch = affinity is not None and not self._waiters
 
         def free(endpoint: str, allow_avoided: bool) -> bool:
             r = replicas[endpoint]
-            ok = r.serving and r.inflight < self.cap(r)
+            cap = self.cap(r)
+            if stretch and r.inflight >= cap and there(endpoint).load_s == 0:
+                cap *= HOLDER_CAP_FACTOR
+            ok = r.serving and r.inflight < cap
             return ok and (allow_avoided or endpoint not in avoid)
 
-        there, affinity = self._there(params), self.load.affinity(params)
         key = self._policy.pick(replicas, lambda e: free(e, False), there, affinity)
         # A retry prefers another replica, but takes the same one if it is the only one.
         if key is None and avoid and not any(e not in avoid for e in self._serving()):

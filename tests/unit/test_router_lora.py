@@ -384,3 +384,47 @@ def test_metrics_and_health_replicas_show_each_replicas_adapter_cache() -> None:
             assert by_endpoint[b.endpoint] is None
 
     run_in_context(scenario)
+
+
+def test_a_holder_takes_its_adapters_request_past_its_cap_when_that_finishes_first() -> None:
+    """At its in-flight cap, the holder of an adapter whose load costs more than a
+    request still takes that adapter's request (up to twice the cap); a request
+    without adapters goes to the replica with room, as before."""
+    ink = {**BODY, "lora": "ink"}
+
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        slow = 30.0  # seconds per adapter load, both replicas
+        fleet = _fleet(ctx, _cache("ink", load_s=slow), _cache(load_s=slow), max_inflight=1)
+        async with fleet as (http, [a, b], _):
+            for _ in range(2):  # calibrates both: step costs measured
+                assert (await http.post(GEN, json=BODY)).status_code == 200
+            running = asyncio.create_task(http.post(GEN, json={**ink, "num_inference_steps": 20}))
+            await until(lambda: len(a.received) == 2, 5)
+            assert (await http.post(GEN, json=ink)).status_code == 200
+            assert _sent(a)[-1] == [p.LoraRef(name="ink", path="/loras/ink")]
+            assert b.received[-1][0].lora is None  # b only had the calibration request
+            plain = asyncio.create_task(http.post(GEN, json=BODY))
+            await until(lambda: len(b.received) == 2, 5)
+            assert (await plain).status_code == 200 and (await running).status_code == 200
+
+    run_in_context(scenario)
+
+
+def test_blind_least_work_keeps_the_cap() -> None:
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        fleet = _fleet(
+            ctx,
+            _cache("ink", load_s=30.0),
+            _cache(load_s=30.0),
+            max_inflight=1,
+            adapter_routing="blind",
+        )
+        async with fleet as (http, [a, b], _):
+            ink = {**BODY, "lora": "ink"}
+            running = asyncio.create_task(http.post(GEN, json={**ink, "num_inference_steps": 20}))
+            await until(lambda: len(a.received) + len(b.received) == 1, 5)
+            assert (await http.post(GEN, json=ink)).status_code == 200
+            assert (len(a.received), len(b.received)) == (1, 1)
+            assert (await running).status_code == 200
+
+    run_in_context(scenario)
