@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-from dpserve.contract.protocol import LoraRef
+from dpserve.contract.protocol import AdapterReport, LoraRef
 
 # Seconds to load one adapter while no replica has measured a load: a diffusion LoRA's
 # safetensors (tens of MB) read and applied, on the order of the time of a few steps.
@@ -77,3 +77,21 @@ def load_seconds(count: int, own: float | None, others: Iterable[float | None]) 
         known = [s for s in others if s is not None]
         own = statistics.median(known) if known else DEFAULT_ADAPTER_LOAD_S
     return count * own
+
+
+def evicts(report: AdapterReport | None) -> bool:
+    """Whether one more adapter there must evict one: less room left than the adapters
+    it holds take on average (the router does not know the new one's size)."""
+    if report is None or not report.resident or report.capacity_bytes <= 0:
+        return False
+    average = report.used_bytes / len(report.resident)
+    return report.capacity_bytes - report.used_bytes < average
+
+
+def miss_seconds(load_s: float, evicting: bool) -> float:
+    """What loading adapters costs the fleet: the load, and where the cache is full,
+    once more for the adapter it evicts. **Decision:** with more adapters in demand
+    than a cache holds, an evicted adapter is in demand too, so its next use there
+    loads it again; counting only the load spreads one adapter over every replica's
+    cache whenever waiting for its holder costs more than one load (docs/lora.md)."""
+    return 2 * load_s if evicting else load_s

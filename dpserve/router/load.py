@@ -14,7 +14,7 @@ import time
 
 from dpserve.contract import protocol as p
 from dpserve.contract.cost import cost_units
-from dpserve.router.adapters import adapters_key, load_seconds, missing
+from dpserve.router.adapters import adapters_key, evicts, load_seconds, miss_seconds, missing
 from dpserve.router.membership import Membership
 from dpserve.router.policies import measured_seconds_per_unit, seconds_per_unit
 from dpserve.router.replica import Replica
@@ -44,7 +44,8 @@ class Load:
     def adapter_load_s(self, replica: Replica, params: p.GenerateParams) -> float:
         """Seconds ``replica`` would spend loading the request's adapters it lacks (not
         resident, and not on their way there with this router's requests); 0 when
-        adapter-blind. The service's own adapters (no ``lora``) are on every replica."""
+        adapter-blind. The service's own adapters (no ``lora``) are on every replica.
+        Into a full cache, the load counts twice (:func:`miss_seconds`)."""
         if not self.aware or not params.lora:
             return 0.0
         report = replica.adapters
@@ -54,7 +55,8 @@ class Load:
             for r in self.members.members()
             if r is not replica and r.adapters is not None
         )
-        return load_seconds(len(lacking), report.load_s if report else None, others)
+        seconds = load_seconds(len(lacking), report.load_s if report else None, others)
+        return miss_seconds(seconds, bool(lacking) and evicts(report))
 
     def affinity(self, params: p.GenerateParams) -> str | None:
         """The key least work gathers the request's adapters by; None when it names none

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dpserve.contract import protocol as p
 from dpserve.contract.protocol import LoraRef
 from dpserve.router.adapters import (
     DEFAULT_ADAPTER_LOAD_S,
     AdapterTrail,
     adapters_key,
+    evicts,
     load_seconds,
+    miss_seconds,
     missing,
     names_of,
 )
@@ -139,3 +142,12 @@ def test_missing_keeps_the_requests_order() -> None:
     assert missing(refs, {"a"}) == ["b", "c"]
     assert missing(None, set()) == []
     assert names_of(refs) == ("b", "a", "c")
+
+
+def test_a_load_into_a_full_cache_counts_twice() -> None:
+    room = p.AdapterReport(resident=["a"], capacity_bytes=30, used_bytes=10)
+    full = p.AdapterReport(resident=["a", "b", "c"], capacity_bytes=30, used_bytes=25)
+    assert not evicts(room) and evicts(full)
+    assert not evicts(None) and not evicts(p.AdapterReport())  # nothing held: room
+    assert miss_seconds(0.4, evicting=True) == 0.8
+    assert miss_seconds(0.4, evicting=False) == 0.4
