@@ -428,3 +428,22 @@ def test_blind_least_work_keeps_the_cap() -> None:
             assert (await running).status_code == 200
 
     run_in_context(scenario)
+
+
+def test_a_load_into_a_full_cache_costs_twice_when_placing() -> None:
+    """Replica 0 loads faster but its cache is full (a load there evicts an adapter in
+    demand); replica 1 has room: the request goes to 1. With room on both, to 0."""
+    new = {**BODY, "lora": {"name": "new", "path": "/loras/new"}}
+
+    def cache(load_s: float, used: int) -> p.AdapterReport:
+        return p.AdapterReport(
+            resident=["x", "y"], capacity_bytes=100, used_bytes=used, load_s=load_s
+        )
+
+    async def scenario(ctx: zmq.asyncio.Context, used: int, to: int) -> None:
+        async with _fleet(ctx, cache(0.3, used), cache(0.45, 40)) as (http, stubs, _):
+            assert (await http.post(GEN, json=new)).status_code == 200
+            assert [len(s.received) for s in stubs] == [int(to == 0), int(to == 1)]
+
+    run_in_context(lambda ctx: scenario(ctx, used=90, to=1))
+    run_in_context(lambda ctx: scenario(ctx, used=40, to=0))
