@@ -8,16 +8,37 @@ failing inside a rank.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from dpserve.contract.layout import LayoutError, ParallelConfig
 
-# The denoisers each split can cut: tp needs a sharding plan, sp a sequence cut.
-TENSOR_SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel",)
-SEQUENCE_SPLITTABLE: tuple[str, ...] = ("FluxTransformer2DModel", "WanTransformer3DModel")
-# Those whose sp splits the text tokens too (Flux attends jointly; Wan cross-attends,
-# each rank to the whole prompt).
-TEXT_SPLIT: tuple[str, ...] = ("FluxTransformer2DModel",)
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What a gang can do with one denoiser class; its plan (``parallel/families.py``)
+    does it. ``tp``: a sharding plan; ``sp``: a sequence cut; ``text_split``: sp splits
+    the text tokens too (joint attention over padded prompts)."""
+
+    tp: bool
+    sp: bool
+    text_split: bool = False
+
+
+# Every family a gang can split, by denoiser class. Adding one: docs/worker.md,
+# "Adding a model family".
+FAMILIES: Mapping[str, FamilyTraits] = MappingProxyType(
+    {
+        "FluxTransformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True),
+        # Wan cross-attends, each rank to the whole prompt: its text is not split.
+        "WanTransformer3DModel": FamilyTraits(tp=False, sp=True),
+    }
+)
+TENSOR_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.tp)
+SEQUENCE_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.sp)
+TEXT_SPLIT: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.text_split)
 
 
 def splittable_problem(kind: str, layout: ParallelConfig) -> str | None:

@@ -16,12 +16,13 @@ from dpserve.contract.validation import (
     Limits,
     parse_generate,
 )
-from dpserve.worker.splittable import layout_problem
+from dpserve.worker.splittable import FAMILIES, layout_problem
 
 torch = pytest.importorskip("torch")
 
 from dpserve.worker.parallel import ModelParallel, ParallelGroups, ParallelUnsupported  # noqa: E402
 from dpserve.worker.parallel.attention import _merge, attention_with_lse  # noqa: E402
+from dpserve.worker.parallel.families import PLANS  # noqa: E402
 from dpserve.worker.parallel.flux import flux_plan  # noqa: E402
 from dpserve.worker.parallel.tensor import Shard, TensorParallel, shard_indices  # noqa: E402
 
@@ -32,6 +33,15 @@ def test_shard_indices_cut_each_packed_block() -> None:
     assert shard_indices(12, (4, 8), 1, 2) == [2, 3, 8, 9, 10, 11]
     with pytest.raises(ValueError, match="cannot be split 4 ways"):
         shard_indices(12, (6, 6), 0, 4)
+
+
+def test_every_family_s_traits_are_what_its_plan_does() -> None:
+    """The supervisor's torch-free table promises what the ranks' plans do."""
+    assert set(PLANS) == set(FAMILIES)
+    for name, plan in PLANS.items():
+        traits = FAMILIES[name]
+        assert traits.tp == (plan.tensor_plan is not None), name
+        assert traits.sp == (plan.cut is not None and plan.processor is not None), name
 
 
 def test_lora_matrices_are_cut_like_the_weights_they_adapt() -> None:
@@ -114,7 +124,7 @@ def test_layouts_a_model_cannot_split_are_named_before_start(tmp_path: Path) -> 
     )
     assert "text tokens (77" in str(layout_problem(flux, ParallelConfig(sp=2), 77))
     assert layout_problem(flux, ParallelConfig(cfg=2), 77) is None  # CFG splits nothing
-    other = _model(tmp_path / "q", "QwenImageTransformer2DModel", 24)
+    other = _model(tmp_path / "q", "HunyuanVideoTransformer3DModel", 24)
     assert "needs a transformer it can split" in str(
         layout_problem(other, ParallelConfig(tp=2), None)
     )

@@ -26,21 +26,14 @@ import torch.distributed as dist
 
 from dpserve.contract.layout import ParallelConfig, RankInfo
 from dpserve.worker.parallel.attention import SequenceGroups
-from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
+from dpserve.worker.parallel.families import plan_of
 from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut, SequenceSplit
 from dpserve.worker.parallel.shard_read import CannotRead, ReadReport, empty_module, read_pieces
 from dpserve.worker.parallel.tensor import TensorParallel
-from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut
 from dpserve.worker.splittable import splittable_problem, text_tokens_problem
 
 log = logging.getLogger(__name__)
 Forward = Callable[..., Any]
-# Each sequence-splittable family (splittable.SEQUENCE_SPLITTABLE): where its tokens
-# are cut, and its attention processor.
-_FAMILIES: Mapping[str, tuple[type[SequenceCut], Callable[[AttentionScope], Any]]] = {
-    "FluxTransformer2DModel": (FluxCut, SequenceParallelFluxProcessor),
-    "WanTransformer3DModel": (WanCut, SequenceParallelWanProcessor),
-}
 
 
 class ParallelUnsupported(ValueError):
@@ -165,7 +158,7 @@ class ModelParallel:
         """How requests without true CFG split over the CFG ranks, if they can."""
         if not self._lent_choices:
             return None
-        if type(transformer).__name__ not in _FAMILIES:
+        if plan_of(transformer).cut is None:
             log.info("CFG ranks run requests without true CFG whole: the transformer can't split")
             return None
         heads = int(transformer.config.num_attention_heads) // self.layout.tp
@@ -173,8 +166,11 @@ class ModelParallel:
 
     def _tensor_plan(self, transformer: torch.nn.Module) -> TensorParallel:
         assert self.groups.tp is not None
-        plan = flux_plan(transformer)
-        return TensorParallel(plan, self.groups.tp, self.info.tp_rank, self.layout.tp)
+        tensor_plan = plan_of(transformer).tensor_plan
+        assert tensor_plan is not None  # check() refused the layout otherwise
+        return TensorParallel(
+            tensor_plan(transformer), self.groups.tp, self.info.tp_rank, self.layout.tp
+        )
 
     def prepare(self, transformer: Any) -> Any:
         """Shard a freshly loaded transformer and attach the exchanges; returns it."""
@@ -221,9 +217,10 @@ class ModelParallel:
             tensor.install(transformer)
             self._tensor[transformer] = tensor
         # Outside a split call the processor runs diffusers' own attention.
-        cut, processor = _FAMILIES[type(transformer).__name__]
-        self.cut = cut()
-        transformer.set_attn_processor(processor(self.scope))
+        plan = plan_of(transformer)
+        if plan.cut is not None and plan.processor is not None:
+            self.cut = plan.cut()
+            transformer.set_attn_processor(plan.processor(self.scope))
         return transformer
 
     def adapters_changed(self, transformer: torch.nn.Module) -> None:
