@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping
@@ -185,7 +186,7 @@ def _variant(name: str) -> TinyVariant:
     try:
         return VARIANTS[name]
     except KeyError:
-        known = sorted([*VARIANTS, *VIDEO_VARIANTS])
+        known = sorted([*VARIANTS, *VIDEO_VARIANTS, *FAMILY_VARIANTS])
         raise ValueError(f"unknown variant {name!r}; expected one of {known}") from None
 
 
@@ -488,25 +489,36 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
 # --------------------------------------------------------------------------- public API
 
 
+# Other families' variants: variant -> "module:function" building the pipeline from a
+# seed (imported when asked for, so a Flux build loads no other family's classes).
+FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType({})
+
+
+def _family_builder(variant: str) -> Any:
+    module, _, function = FAMILY_VARIANTS[variant].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def build_tiny_pipeline(out_dir: Path, variant: str = "tiny", seed: int = 0) -> Path:
     """Build a seeded random-weight FluxPipeline (a WanPipeline for a ``VIDEO_VARIANTS``
-    name) and save it (float32) to ``out_dir``.
+    name, another family's pipeline for a ``FAMILY_VARIANTS`` one) and save it
+    (float32) to ``out_dir``.
 
     The same ``(variant, seed)`` always yields byte-identical files. ``out_dir`` must be absent
     or empty; it appears only once fully written. The global torch RNG is left untouched.
     """
     out_dir = Path(out_dir)
-    video = variant in VIDEO_VARIANTS
-    if not video:
+    if variant in FAMILY_VARIANTS:
+        build = _family_builder(variant)
+    elif variant in VIDEO_VARIANTS:
+        build = _build_video_components
+    else:
         _variant(variant)
+        build = _build_components
     with _atomic_dir(out_dir) as tmp:
         # fork_rng: seeding for the build must not leak into the caller's global RNG.
         with torch.random.fork_rng(devices=[]):
-            pipe = (
-                _build_video_components(variant, seed)
-                if video
-                else _build_components(variant, seed)
-            )
+            pipe = build(variant, seed)
         pipe.save_pretrained(tmp, safe_serialization=True)
     return out_dir
 
@@ -521,9 +533,11 @@ def build_tiny_lora(out_dir: Path, model_dir: Path, seed: int = 0, rank: int = 4
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     config = FluxTransformer2DModel.load_config(Path(model_dir) / "transformer")
+    # Whichever family's transformer the model has (its config names the class).
+    cls = getattr(importlib.import_module("diffusers"), str(config["_class_name"]))
     # Only shapes are needed, so build on the meta device: no weights are read or allocated.
     with torch.device("meta"):
-        skeleton = FluxTransformer2DModel.from_config(config)
+        skeleton = cls.from_config(config)
     suffixes = tuple("." + t for t in LORA_TARGET_MODULES)
     targets = sorted(
         (
