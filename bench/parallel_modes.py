@@ -1,10 +1,13 @@
-"""Parallel modes of one replica's gang: latency of each 2-rank layout vs one rank.
+"""Parallel modes of one replica's gang: latency of each 2-rank layout vs one rank,
+for one model family (``--family``: its small tiny variant, ``bench/families.py``;
+``wan``, a video family, runs ``bench/video_parallel.py``).
 
 One replica per layout runs at once: ``single`` (``--cfg 1``), ``cfg2``
 (``--cfg 2``), ``ulysses2`` (``--sp 2 --ulysses 2``), ``ring2`` (``--sp 2 --ring
 2``) and ``tp2`` (``--tp 2``), one thread per rank. Every layout gets the same
-true-CFG request (a negative prompt and ``true_cfg_scale``), so cfg2 has two
-branches to split and the others do the same work. Idle replicas only tick
+CFG request (a negative prompt and ``true_cfg_scale``, or ``guidance_scale`` where
+that is the family's CFG), so cfg2 has two branches to split and the others do the
+same work. Idle replicas only tick
 through their gang every 2 s, so all of them stay up and each round asks each
 layout once, in turn: drift on the machine hits every layout alike, and only one
 gang computes at a time. A measurement during which other processes used more
@@ -19,7 +22,7 @@ each layout's peak memory (``peak_memory_mb`` of the reply: the largest over the
 cfg2's speed-up on a request without true CFG (its CFG ranks then split the tokens)
 and how far its image is from the single rank's.
 
-Last line: ``cfg2=<x> ulysses2=<y> ring2=<z> tp2=<w> tp2_weights=<r>``.
+Last line: ``family=<f> cfg2=<x> ulysses2=<y> ring2=<z> tp2=<w> tp2_weights=<r>``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import cached_model, median, rank_processes, timed_round, true_cfg_request
+from bench.common import cached_model, median, one_request, rank_processes, timed_round
+from bench.families import FAMILIES, cfg_fields, plain_fields
 from dpserve.local import WorkerProcess
 
 LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -106,23 +110,33 @@ def start(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--variant", default="small", choices=("tiny", "small", "large"))
+    parser.add_argument("--family", default="flux", choices=sorted(FAMILIES))
+    parser.add_argument("--variant", help="a tiny variant of the family (default: its small)")
     parser.add_argument("--size", type=int, default=512, help="width and height")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-sequence-length", type=int, default=64, help="text tokens")
+    parser.add_argument("--max-sequence-length", type=int, help="text tokens (family's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", default="auto", help="worker --dtype")
     parser.add_argument("--max-foreign", type=float, default=0.15, help="cores used by others")
     parser.add_argument("--model", type=Path, default=None, help="default: the cached variant")
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    family = FAMILIES[args.family]
+    if family.video:
+        from bench.video_parallel import main as video_main
 
+        video_main(["--variant", args.variant or family.variant, *rest], args.family)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.variant = args.variant or family.variant
+    text_tokens = args.max_sequence_length or family.text_tokens
     model = args.model or cached_model(args.variant)
-    worker_args: tuple[str, ...] = ("--max-sequence-length", str(args.max_sequence_length))
+    worker_args: tuple[str, ...] = ("--max-sequence-length", str(text_tokens))
     worker_args += ("--device", args.device, "--dtype", args.dtype, "--threads-per-rank", "1")
-    request = true_cfg_request(args.size, args.steps)
-    # Without true CFG a cfg2 gang has no second branch: its CFG ranks split the tokens.
-    plain = {k: v for k, v in request.items() if k not in ("negative_prompt", "true_cfg_scale")}
+    request = {**one_request(args.size, args.steps), **cfg_fields(family)}
+    # Without CFG a cfg2 gang has no second branch: its CFG ranks split the tokens.
+    plain = {**one_request(args.size, args.steps), **plain_fields(family)}
     plain_times: dict[str, list[float]] = {name: [] for name in PLAIN_LAYOUTS}
     times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     peak_mb: dict[str, float] = {}
@@ -168,7 +182,8 @@ def main() -> None:
     weights = weight_ratios(infos)
     ran = [n for n in LAYOUTS if n in infos]
     print(
-        f"model={args.variant} size={args.size} steps={args.steps} true_cfg=4.0 "
+        f"family={args.family} model={args.variant} size={args.size} steps={args.steps} "
+        f"cfg={family.cfg}=4.0 "
         f"device={args.device} dtype={infos['single'].get('dtype')} threads_per_rank=1"
     )
     print("layouts: " + "; ".join(f"{n}: {infos[n].get('layout')}" for n in ran))
@@ -189,8 +204,7 @@ def main() -> None:
     )
     lent = median(plain_times["single"]) / median(plain_times["cfg2"])
     print(
-        f"cfg2 without true CFG ({infos.get('cfg2', {}).get('without_true_cfg')}): "
-        f"{lent:.2f} x one rank"
+        f"cfg2 without CFG ({infos.get('cfg2', {}).get('without_true_cfg')}): {lent:.2f} x one rank"
     )
     others = [n for n in PARALLEL if n in pngs]
     diffs = {n: pixel_difference(pngs["single"], pngs[n]) for n in others}
@@ -201,7 +215,9 @@ def main() -> None:
         + f"; PNG bytes equal: {','.join(same) or 'none'}"
     )
     print(
-        " ".join(f"{n}={speedups[n]:.2f}" for n in PARALLEL) + f" tp2_weights={weights['tp2']:.2f}"
+        f"family={args.family} "
+        + " ".join(f"{n}={speedups[n]:.2f}" for n in PARALLEL)
+        + f" tp2_weights={weights['tp2']:.2f}"
     )
     if failed:
         sys.exit(1)

@@ -4,7 +4,8 @@ wide enough that the transformer, not the VAE, carries most of a video's time).
 
 One `serve --dp-size 1` per layout runs at once: ``single``, ``cfg2`` (``--cfg 2``:
 the guidance branches, one per rank), ``ulysses2`` and ``ring2`` (``--sp 2``: each
-rank holds half of every pass's frames x tokens), one thread per rank. Each round
+rank holds half of every pass's frames x tokens), ``tp2`` (``--tp 2``: each rank
+holds half of every block's weights), one thread per rank. Each round
 asks each layout for the same video job in turn (guidance CFG on, Wan's 5.0), so
 drift on the machine hits every layout alike and only one gang computes at a time;
 ``cfg2_plain`` is cfg2 on a job without CFG (``guidance_scale`` 1), whose tokens the
@@ -13,7 +14,8 @@ CFG pair splits instead. Times are the replica's own pipeline time of the job
 used more than MAX_FOREIGN cores are dropped; each figure is a median.
 
 ``<layout>=<x>`` is ``t_single / t_layout`` (above 1: faster than one rank).
-Last line: ``cfg2=<x> ulysses2=<y> ring2=<z> cfg2_plain=<w>``.
+Last line: ``cfg2=<x> ulysses2=<y> ring2=<z> tp2=<v> cfg2_plain=<w>`` (after
+``family=wan`` when ``bench/parallel_modes.py --family wan`` runs it).
 """
 
 from __future__ import annotations
@@ -37,17 +39,18 @@ LAYOUTS: dict[str, list[str]] = {
     "cfg2": ["--cfg", "2"],
     "ulysses2": ["--sp", "2", "--ulysses", "2"],
     "ring2": ["--sp", "2", "--ring", "2"],
+    "tp2": ["--tp", "2"],
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, family: str | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--variant", default="video-small")
     parser.add_argument("--size", default="160x128")
     parser.add_argument("--frames", type=int, default=33)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = cached_model(args.variant)
     body: dict[str, Any] = {
         "prompt": "a lighthouse in a storm",
@@ -84,8 +87,9 @@ def main() -> None:
     print("median pipeline s: " + " ".join(f"{name}={s:.3f}" for name, s in t.items()))
     print(f"measurements dropped for a noisy neighbour: {dropped}")
     print(
-        f"cfg2={t['single'] / t['cfg2']:.2f} ulysses2={t['single'] / t['ulysses2']:.2f} "
-        f"ring2={t['single'] / t['ring2']:.2f} "
+        ("" if family is None else f"family={family} ")
+        + f"cfg2={t['single'] / t['cfg2']:.2f} ulysses2={t['single'] / t['ulysses2']:.2f} "
+        f"ring2={t['single'] / t['ring2']:.2f} tp2={t['single'] / t['tp2']:.2f} "
         f"cfg2_plain={t['single_plain'] / t['cfg2_plain']:.2f}"
     )
 

@@ -1,0 +1,41 @@
+"""What the parallel-mode benches ask of each splittable family: its small tiny variant
+(wide enough that splitting pays on a CPU), how a request asks for CFG, and the text
+length its sequence split accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class BenchFamily:
+    variant: str
+    # "true_cfg": a negative prompt and true_cfg_scale (Flux, Qwen-Image); "guidance":
+    # guidance_scale above 1 is CFG (SD3, Wan); "none": the pipeline has no CFG.
+    cfg: str
+    text_tokens: int  # --max-sequence-length; sp must split the family's text tokens
+    video: bool = False
+
+
+FAMILIES: Mapping[str, BenchFamily] = MappingProxyType(
+    {
+        "flux": BenchFamily("small", "true_cfg", 64),
+        "wan": BenchFamily("video-small", "guidance", 64, video=True),
+    }
+)
+
+
+def cfg_fields(family: BenchFamily, scale: float = 4.0) -> dict[str, object]:
+    """The request fields that turn CFG on for ``family`` (two branches a step)."""
+    if family.cfg == "true_cfg":
+        return {"negative_prompt": "blurry, low quality", "true_cfg_scale": scale}
+    if family.cfg == "guidance":
+        return {"negative_prompt": "blurry, low quality", "guidance_scale": scale}
+    return {}
+
+
+def plain_fields(family: BenchFamily) -> dict[str, object]:
+    """The request fields of a request without CFG (one branch a step)."""
+    return {"guidance_scale": 1.0} if family.cfg == "guidance" else {}
