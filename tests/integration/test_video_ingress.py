@@ -18,13 +18,17 @@ from dpserve.client import ReplicaClient
 from dpserve.contract import protocol as p
 from dpserve.contract import validation as pv
 from dpserve.contract import video as v
+from dpserve.contract.protocol import AdapterReport
 from dpserve.worker.commands import GangStatus
 from dpserve.worker.driver import Driver
 from dpserve.worker.driver.outbox import Jobs
+from dpserve.worker.driver.read_ahead import ReadAhead
 from dpserve.worker.edit import EditSupport
 from dpserve.worker.features import Features, VideoSupport
+from dpserve.worker.paths import AllowedPaths
 from dpserve.worker.reply import Reply
 from dpserve.worker.video_jobs import VideoBook
+from tests.polling import eventually
 from tests.workers import free_port
 
 LIMITS = pv.Limits(size_factor=16, min_side=16, max_frames=17, frame_factor=4, default_frames=9)
@@ -206,3 +210,27 @@ def test_an_image_to_video_model_needs_its_image(tmp_path: Path) -> None:
             assert work.command.blobs == [_png()]  # the image goes to the gang with the job
     finally:
         ingress.close()
+
+
+def test_a_job_naming_an_adapter_the_gang_lacks_has_its_files_read_ahead(tmp_path: Path) -> None:
+    """A queued video job's adapter starts into the page cache as a generation's does
+    (docs/lora.md, Read-ahead): the gang's load at its turn reads memory, not disk."""
+    adapter = tmp_path / "model" / "ink"
+    adapter.mkdir(parents=True)
+    (adapter / "pytorch_lora_weights.safetensors").write_bytes(b"x" * 4096)
+    status = GangStatus(adapters=AdapterReport(resident=["held"]))
+    reader = ReadAhead(AllowedPaths.of(tmp_path / "model"))
+    book = VideoBook(tmp_path / "jobs", ttl_s=60.0, max_bytes=1 << 20, replica=0)
+    ingress = Driver(f"tcp://127.0.0.1:{free_port()}", 0, LIMITS, status, 2, 120.0, 2,
+                      videos=book, read_ahead=reader)  # fmt: skip
+    ingress.start()
+    try:
+        with ReplicaClient(ingress.endpoint, timeout_s=5) as client:
+            held = {"name": "held", "path": str(adapter)}
+            _submit(client, v.make_job_id(ingress.endpoint, "0" * 16), lora=held)
+            _submit(client, v.make_job_id(ingress.endpoint, "1" * 16),
+                    lora={"name": "ink", "path": str(adapter)})  # fmt: skip
+            eventually(lambda: reader.folders == 1, timeout_s=10, poll_s=0.01)
+    finally:
+        ingress.close()
+    assert reader.read_bytes == 4096  # the held adapter's job read nothing

@@ -141,6 +141,8 @@ class Admission:
                 raise p.RequestError(p.UNSUPPORTED, _IMAGE_MODEL)
             raise p.RequestError(p.NOT_FOUND, f"video job {request.job_id} is not held here")
         body, blobs = self.videos.act(request, list(message.blobs))
+        if request.action == v.SUBMIT and request.params is not None and self.read_ahead:
+            self.read_ahead.want(request.params.lora, self.status.adapters)  # it queued
         return p.encode(p.RESULT, message.id, body, blobs)
 
     def _generate(self, message: p.Message) -> p.GenerateParams:
