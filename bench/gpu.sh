@@ -6,6 +6,10 @@
 #                               (git-ignored), pinned to the versions in .venv.
 #   bash bench/gpu.sh run       ON THE GPU MACHINE (no network): install those wheels
 #                               offline, build the "large" tiny model, run the checks.
+#   bash bench/gpu.sh families  ON THE GPU MACHINE, a second call: the same install, then
+#                               each model family beyond Flux (FAMILIES below): its
+#                               parallel math on CUDA, one rank at the GPU's size (Qwen-Image
+#                               at its real width), its NCCL layouts with >= 2 GPUs.
 #
 # Through the device tool: prepare first, then one call
 #   run(command="bash bench/gpu.sh run", carry=[".gpu-wheels"], timeout_s=560)
@@ -143,7 +147,9 @@ print(build_tiny_pipeline(Path(sys.argv[1]), variant=sys.argv[2]))' "$MODEL" "$V
     >"$OUT/build.json"
 }
 
-run() {
+# The machine, the wheels and the imports, shared by run and families; sets PY, device,
+# dtype, size, steps, tokens and gpus (dynamic scope: the callers' locals).
+setup() {
   OUT=${OUT:-$(mktemp -d)}
   mkdir -p "$OUT/logs"
   : >"$OUT/summary.txt"
@@ -156,7 +162,7 @@ run() {
   export OUT STATE MODEL VARIANT PY WHEELS
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PIP_NO_INDEX=1
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  local device=cuda dtype=bfloat16 size=1024 steps=4 tokens=""
+  device=cuda dtype=bfloat16 size=1024 steps=4 tokens=""
   VARIANT=large
   if [[ ${DPSERVE_GPU_DRYRUN:-0} == 1 ]]; then
     device=cpu dtype=float32 size=128 steps=2 tokens=64 VARIANT=tiny
@@ -168,11 +174,11 @@ run() {
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpus\", torch.cuda.device_count())
 for i in range(torch.cuda.device_count()): print(i, torch.cuda.get_device_name(i))'"
   cp "$OUT/logs/env.log" "$OUT/env.txt"
-  local gpus=${DPSERVE_GPU_COUNT:-$(sed -n 's/^torch .* gpus \([0-9]*\)$/\1/p' "$OUT/env.txt")}
+  gpus=${DPSERVE_GPU_COUNT:-$(sed -n 's/^torch .* gpus \([0-9]*\)$/\1/p' "$OUT/env.txt")}
   gpus=${gpus:-0}
   log "machine: $(grep -m1 '^torch ' "$OUT/env.txt" || echo 'torch: not importable')"
 
-  local rc=0
+  rc=0
   step install 120 install "$base" "$STATE/venv" || rc=$?
   PY=$STATE/venv/bin/python
   if ((rc == 3)); then
@@ -189,6 +195,11 @@ print("diffusers", diffusers.__version__, "torch", torch.__version__)'; then
     return 1
   fi
   log "install: ok ($(tail -n 1 "$OUT/logs/imports.log"))"
+}
+
+run() {
+  local device dtype size steps tokens gpus rc=0
+  setup || return 1
 
   if step build 150 build_model; then
     log "build: $(cat "$OUT/build.json")"
@@ -248,9 +259,56 @@ print("diffusers", diffusers.__version__, "torch", torch.__version__)'; then
   log "total: $((SECONDS - START))s of ${BUDGET}s budget; steps: $(tr '\n' ';' <"$OUT/steps.txt")"
 }
 
+
+# Each model family beyond Flux (docs/worker.md, Adding a model family), on one GPU: its
+# parallel math on CUDA tensors (co-located ranks over gloo), one rank's latency and peak
+# memory through the worker at the GPU's size, and with >= 2 GPUs its NCCL layouts.
+FAMILIES=(qwen-image flux2 sd3 wan)
+families() {
+  local device dtype size steps tokens gpus rc=0
+  setup || return 1
+  local family
+  for family in "${FAMILIES[@]}"; do
+    local test=$ROOT/tests/integration/test_${family//-/_}_parallel.py
+    [[ $family == wan ]] && test=$ROOT/tests/integration/test_wan_tp_parallel.py
+    if [[ -f $test ]]; then
+      rc=0
+      (cd "$ROOT" && DPSERVE_TEST_DEVICE=$device step "math_$family" 150 \
+        "$PY" -m pytest "$test" -q -x -p no:cacheprovider -m gang) || rc=$?
+      log "$family parallel math on $device: rc=$rc;" \
+        "$(grep -v '^[[:space:]]*$' "$OUT/logs/math_$family.log" | tail -n 1)"
+    fi
+    [[ $family == wan ]] && continue # a video family: bench/video_parallel.py below
+    VARIANT=$family-small
+    [[ $family == qwen-image && ${DPSERVE_GPU_DRYRUN:-0} != 1 ]] && VARIANT=qwen-image-large
+    MODEL=$STATE/model-$VARIANT
+    if ! step "build_$family" 150 build_model; then
+      log "$family: build failed (logs/build_$family.log)"
+      continue
+    fi
+    step "single_$family" 150 "$PY" "$STEPS_PY" serve-checks --model "$MODEL" --out "$OUT" \
+      --device "$device" --dtype "$dtype" --size "$size" --steps "$steps" \
+      ${tokens:+--max-sequence-length "$tokens"} ||
+      log "$family single: failed (logs/single_$family.log)"
+    grep -E '^single' "$OUT/logs/single_$family.log" | sed "s/^/$family /" |
+      tee -a "$OUT/summary.txt"
+    if ((gpus >= 2)); then
+      # shellcheck disable=SC2016  # $@ and $OUT expand in the inner shell
+      step "modes_$family" 240 bash -c 'exec "$@" >"$OUT/modes_'"$family"'.txt"' _ \
+        "$PY" "$ROOT/bench/parallel_modes.py" --family "$family" --model "$MODEL" \
+        --variant "$VARIANT" --device "$device" --dtype "$dtype" --size "$size" \
+        --steps "$steps" --rounds 3 --max-foreign 64 ||
+        log "$family modes: failed (logs/modes_$family.log)"
+      tail -n 1 "$OUT/modes_$family.txt" | tee -a "$OUT/summary.txt"
+    fi
+  done
+  log "total: $((SECONDS - START))s of ${BUDGET}s budget; steps: $(tr '\n' ';' <"$OUT/steps.txt")"
+}
+
 case ${1:-} in
 prepare) prepare ;;
 run) run ;;
+families) families ;;
 _install | _build_model) "${1#_}" "${@:2}" ;; # step's way into a function, under timeout
 *)
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
