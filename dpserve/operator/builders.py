@@ -7,6 +7,7 @@ child carries an owner reference to the CR, so deleting the CR deletes them.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Mapping
@@ -203,6 +204,11 @@ def spec_hash(spec: s.DiffusionServiceSpec, fetched: str | None = None) -> str:
         model["fetched"] = fetched
     if spec.loraCacheMb == type(spec).model_fields["loraCacheMb"].default:
         relevant.pop("loraCacheMb")  # the default, as before adapter caches existed: no roll
+    # Placement at its defaults is left out, as before it existed: an operator upgrade
+    # does not roll running replicas (they were placed already); a change rolls them.
+    for key in ("topologySpreadConstraints", "onePerNode", "priorityClassName"):
+        if getattr(spec, key) == type(spec).model_fields[key].default:
+            relevant.pop(key)
     if spec.router.outputStore is not None:  # replicas upload videos there (none: as before)
         relevant["outputStore"] = spec.router.outputStore.model_dump(mode="json")
     keyed = {"spec": relevant, "shape": POD_SHAPE}
@@ -438,6 +444,57 @@ def fetch_init_container(svc: Svc, images: Images) -> dict[str, Any]:
     return fetch_container(svc.spec, images, node_fetch_args(svc), mounts)
 
 
+def topology_spread(svc: Svc) -> list[dict[str, Any]]:
+    """The replica pods' ``topologySpreadConstraints``: the spec's (spread over nodes as a
+    preference when it gives none), each counting this service's replicas only."""
+    given = svc.spec.topologySpreadConstraints
+    chosen = s.DEFAULT_SPREAD if given is None else given
+    match = {"matchLabels": selector(svc, "replica")}
+    return [c.model_dump(exclude_none=True) | {"labelSelector": match} for c in chosen]
+
+
+def replica_affinity(svc: Svc) -> dict[str, Any] | None:
+    """The spec's affinity, plus with ``onePerNode`` a required anti-affinity to this
+    service's other replicas on kubernetes.io/hostname (added to the user's terms)."""
+    affinity = copy.deepcopy(svc.spec.affinity) if svc.spec.affinity else None
+    if not svc.spec.onePerNode:
+        return affinity
+    affinity = affinity or {}
+    anti = affinity.setdefault("podAntiAffinity", {})
+    required = anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+    required.append(
+        {
+            "labelSelector": {"matchLabels": selector(svc, "replica")},
+            "topologyKey": s.HOSTNAME_KEY,
+        }
+    )
+    return affinity
+
+
+def pdb_max_unavailable(spec: s.DiffusionServiceSpec) -> int:
+    """Replicas a voluntary disruption (an eviction: ``kubectl drain``) may take at once:
+    the roll's maxUnavailable, and at least 1. A budget of 0 (a surge-only roll, or one
+    replica) would block every eviction and make a drain hang forever; the operator's own
+    rolls delete pods, which a budget does not govern."""
+    return max(1, spec.updateStrategy.maxUnavailable)
+
+
+def build_pod_disruption_budget(svc: Svc) -> dict[str, Any]:
+    """How many replicas evictions may take down at once (``pdb_max_unavailable``).
+    Pods that are not Ready may always be evicted: they serve nothing, and a stuck one
+    must not hold a drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_meta(svc, headless_name(svc), "replica"),
+        "spec": {
+            "maxUnavailable": pdb_max_unavailable(svc.spec),
+            "selector": {"matchLabels": selector(svc, "replica")},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
     spec = svc.spec
     volumes, mounts = _volumes(spec)
@@ -494,7 +551,9 @@ def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
     for key, value in (
         ("nodeSelector", spec.nodeSelector),
         ("tolerations", spec.tolerations),
-        ("affinity", spec.affinity),
+        ("affinity", replica_affinity(svc)),
+        ("topologySpreadConstraints", topology_spread(svc)),
+        ("priorityClassName", spec.priorityClassName),
     ):
         if value:
             pod_spec[key] = value
@@ -734,6 +793,7 @@ def build_children(svc: Svc, images: Images) -> list[dict[str, Any]]:
     return [
         build_headless_service(svc),
         build_network_policy(svc),
+        build_pod_disruption_budget(svc),
         build_control_state(svc),
         *build_router_rbac(svc),
         build_router_deployment(svc, images),

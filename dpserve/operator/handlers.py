@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Final
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -40,7 +40,13 @@ from dpserve.operator.model_state import (
     prune_due,
 )
 from dpserve.operator.plan import Note, Plan, plan, why_create, why_delete
-from dpserve.operator.status import compute_status, known_indices, parse_control_state, pod_facts
+from dpserve.operator.status import (
+    POD_REFUSED,
+    compute_status,
+    known_indices,
+    parse_control_state,
+    pod_facts,
+)
 from dpserve.plumbing.curve import WireKey
 from dpserve.plumbing.kubeconfig import load_config
 
@@ -196,11 +202,24 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     for pod_name in todo.delete:
         await kube.delete_pod(namespace, pod_name)
         await _record(kube, obj, why_delete(views[pod_name], replicas))
+    refused: dict[int, str] = {}
     for index in todo.create:
         pod = b.build_replica_pod(svc, index, runtime.images)
-        if await kube.create_pod(pod):
+        try:
+            created = await kube.create_pod(pod)
+        except ApiException as exc:
+            if exc.status not in REFUSED_CREATE:
+                raise
+            # Admission said no (a priorityClassName with no PriorityClass, a quota, a
+            # policy): retrying now would fail the same way, so status says why and the
+            # drift loop tries again later.
+            refused[index] = refusal_message(exc)
+            continue
+        if created:
             note = why_create(index, pod["metadata"]["name"], replicas, known)
             await _record(kube, obj, note)
+    if refused:
+        await _record_refusals(kube, obj, previous, refused)
     if not todo.empty:
         pods = await kube.list_pods(namespace, selector)
     step = await _node_fetches(runtime, obj, svc, step, pods)
@@ -208,7 +227,9 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
     control = parse_control_state(await kube.get_configmap(namespace, b.control_state_name(svc)))
     if control.problem:
         log.warning("%s/%s: control state ignored: %s", namespace, name, control.problem)
-    status = compute_status(svc, pods, previous, router=router, control=control, model=step)
+    status = compute_status(
+        svc, pods, previous, router=router, control=control, model=step, refused=refused
+    )
     if wire.RECORD in previous:
         status[wire.RECORD] = previous[wire.RECORD]
     pruned = prune_due(svc, step, status)
@@ -216,6 +237,38 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
         await _prune(runtime, obj, svc, pruned)
         status["model"]["pruned"] = pruned
     await kube.patch_status(namespace, name, status)
+
+
+# What the apiserver answers a pod create it refuses (admission plugins, webhooks,
+# validation); other statuses are transient or a bug, and raise.
+REFUSED_CREATE: Final = frozenset({400, 403, 422})
+
+
+def refusal_message(exc: ApiException) -> str:
+    """The apiserver's own message for a refused create (its Status body), else the reason."""
+    try:
+        body = json.loads(exc.body or "")
+    except (TypeError, ValueError):
+        body = None
+    if isinstance(body, dict) and body.get("message"):
+        return str(body["message"])
+    return f"{exc.status} {exc.reason}"
+
+
+async def _record_refusals(
+    kube: Kube, obj: dict[str, Any], previous: dict[str, Any], refused: Mapping[int, str]
+) -> None:
+    """A Warning Event per refused replica, once while the same refusal stands (status
+    already says it: the drift loop retries the create without a new Event)."""
+    said = {
+        r.get("index"): r.get("message")
+        for r in previous.get("replicaStatuses") or []
+        if r.get("reason") == POD_REFUSED
+    }
+    for index, message in sorted(refused.items()):
+        if said.get(index) != message:
+            note = Note(POD_REFUSED, f"replica {index}: the apiserver refused its pod: {message}")
+            await _record(kube, obj, note, kind="Warning")
 
 
 async def _wire_secret(

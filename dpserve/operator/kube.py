@@ -180,6 +180,7 @@ class Kube:
                 ("rbac.authorization.k8s.io", "rolebindings"),
                 ("apps", "deployments"),
                 ("networking.k8s.io", "networkpolicies"),
+                ("policy", "poddisruptionbudgets"),
             )
             # An apply that creates the object is authorized as a create too.
             for verb in ("patch", "create")

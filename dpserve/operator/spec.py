@@ -467,6 +467,45 @@ class UpdateStrategy(_Model):
     maxSurge: int = Field(0, ge=0, description="extra replicas (and their GPUs) during a roll")
 
 
+HOSTNAME_KEY: Final = "kubernetes.io/hostname"
+
+
+class TopologySpreadConstraint(_Model):
+    """One of the replica pods' ``topologySpreadConstraints``; the operator fills in the
+    labelSelector (this service's replicas), so it is not given here."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "!has(self.minDomains) || self.whenUnsatisfiable == 'DoNotSchedule'",
+                "minDomains needs whenUnsatisfiable DoNotSchedule",
+            )
+        )
+    )
+
+    topologyKey: str = Field(
+        min_length=1,
+        max_length=316,
+        description="node label whose values are the domains (kubernetes.io/hostname: "
+        "nodes; topology.kubernetes.io/zone: zones)",
+    )
+    maxSkew: int = Field(
+        1, ge=1, le=1000, description="most replicas one domain may have beyond the emptiest"
+    )
+    whenUnsatisfiable: Literal["ScheduleAnyway", "DoNotSchedule"] = Field(
+        "ScheduleAnyway",
+        description="ScheduleAnyway: a preference; DoNotSchedule: a replica stays Pending "
+        "(the scheduler's message in status) rather than break the skew",
+    )
+    minDomains: int | None = Field(
+        None, ge=1, le=1000, description="with DoNotSchedule: domains counted even when empty"
+    )
+
+
+DEFAULT_SPREAD: Final = (TopologySpreadConstraint(topologyKey=HOSTNAME_KEY),)
+PRIORITY_CLASS_PATTERN: Final = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
 class RealtimeSpec(_Model):
     """Realtime sessions each replica holds (docs/realtime.md)."""
 
@@ -540,6 +579,27 @@ class DiffusionServiceSpec(_Model):
         None, json_schema_extra={"type": "array", "items": dict(_OBJECT)}
     )
     affinity: dict[str, Any] | None = Field(None, json_schema_extra=_OBJECT)
+    topologySpreadConstraints: list[TopologySpreadConstraint] | None = Field(
+        None,
+        max_length=8,
+        description="how replica pods spread over nodes or zones (the pod field, with the "
+        "labelSelector filled in); omitted: spread over nodes as a preference "
+        "(kubernetes.io/hostname, maxSkew 1, ScheduleAnyway); [] turns spreading off",
+    )
+    onePerNode: bool = Field(
+        False,
+        description="at most one replica of this service per node (required pod "
+        "anti-affinity on kubernetes.io/hostname): a replica that finds no free node stays "
+        "Pending and status shows the scheduler's message",
+    )
+    priorityClassName: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=PRIORITY_CLASS_PATTERN,
+        description="PriorityClass of the replica pods (it must exist: the apiserver "
+        "refuses the pods otherwise, and status says so)",
+    )
     env: list[EnvVar] | None = None
     schedulerPort: int = Field(5575, ge=1024, le=65535)
     threadsPerRank: int = Field(_worker("threads_per_rank"), ge=1, le=256)
@@ -696,6 +756,9 @@ def problems(spec: DiffusionServiceSpec, allow_host_path: bool = False) -> list[
         found.append(NODE_LOCAL_REFUSED)
     if spec.updateStrategy.maxUnavailable == 0 and spec.updateStrategy.maxSurge == 0:
         found.append("updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress")
+    for spread in spec.topologySpreadConstraints or ():
+        if spread.minDomains is not None and spread.whenUnsatisfiable != "DoNotSchedule":
+            found.append("minDomains needs whenUnsatisfiable DoNotSchedule")
     found += _model_problems(spec.model)
     return found
 

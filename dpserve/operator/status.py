@@ -121,6 +121,11 @@ def _exit(terminated: dict[str, Any]) -> str:
     return f"exit code {terminated.get('exitCode')}: {terminated.get('message') or ''}"
 
 
+# A replica whose pod the apiserver refused to create (admission: a missing
+# PriorityClass, a quota); the message is the apiserver's.
+POD_REFUSED: Final = "PodCreateRefused"
+
+
 def pod_facts(pod: dict[str, Any]) -> PodFacts:
     meta, status = pod["metadata"], pod.get("status") or {}
     ready = (_condition(pod, "Ready") or {}).get("status") == "True"
@@ -217,12 +222,14 @@ def compute_status(
     router: Mapping[str, Any] | None = None,
     control: SyncReports | None = None,
     model: ModelStep | None = None,
+    refused: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """The status subresource, as the schema declares it.
 
     ``router`` is the router Deployment as read (None: absent), ``control`` what the
     routers report in the control-state ConfigMap, ``model`` where model.source stands
-    (None: as for a model in place). A replica counts as ready when its pod is Ready
+    (None: as for a model in place), ``refused`` the replicas whose pod create the
+    apiserver refused, with its message. A replica counts as ready when its pod is Ready
     and no router reports it out of sync: only then does it serve.
     """
     spec, current = svc.spec, svc.pod_hash
@@ -235,6 +242,7 @@ def compute_status(
     ready = sum(1 for f in desired if f.view.index in serving)
     updated = sum(1 for f in desired if f.view.spec_hash == current)
     troubled = [f for f in facts if f.reason is not None]
+    refused = {i: m for i, m in (refused or {}).items() if i < spec.replicas}
     settled = (
         len(desired) == spec.replicas and updated == spec.replicas and len(facts) == spec.replicas
     )
@@ -258,12 +266,19 @@ def compute_status(
             f"{updated}/{spec.replicas} replicas on the current spec, {len(facts)} pods exist",
         ),
     ]
-    if troubled:
-        first = troubled[0]
-        detail = "; ".join(
-            f"{f.view.name}: {f.reason}: {f.message or ''}".rstrip(": ") for f in troubled
-        )
-        wanted.append(("Degraded", "True", first.reason or "ReplicaFailing", detail))
+    if troubled or refused:
+        problems = [
+            *(
+                (f.reason or "ReplicaFailing", f"{f.view.name}: {f.reason}: {f.message or ''}")
+                for f in troubled
+            ),
+            *(
+                (POD_REFUSED, f"{b.replica_pod_name(svc, i)}: {POD_REFUSED}: {m}")
+                for i, m in sorted(refused.items())
+            ),
+        ]
+        detail = "; ".join(text.rstrip(": ") for _, text in problems)
+        wanted.append(("Degraded", "True", problems[0][0], detail))
     else:
         wanted.append(("Degraded", "False", "AsExpected", "no replica reports a problem"))
     if control.problem is not None:
@@ -301,6 +316,8 @@ def compute_status(
             phase="WaitingForModel" if held else "Missing",
             ready=False,
             updated=False,
+            reason=POD_REFUSED if i in refused else None,
+            message=refused.get(i),
         )
         for i in range(spec.replicas)
         if i not in present

@@ -81,10 +81,11 @@ Namespaced resources: bound cluster-wide, or in a Role per watched namespace.
 - dpserve.dev diffusionservices: kopf watches and annotates the CRs; the reconcile reads them.
 - diffusionservices/status: the reconcile writes status through the status subresource.
 - pods: replica pods are created, listed, watched and deleted by the operator itself.
-- services, serviceaccounts, deployments, roles, rolebindings, networkpolicies: the
+- services, serviceaccounts, deployments, roles, rolebindings, networkpolicies,
+  poddisruptionbudgets: the
   headless and router Services, the router's Deployment, ServiceAccount and
-  Role(Binding), the replicas' NetworkPolicy, by server-side apply (patch; an apply
-  that creates the object is authorized as create too).
+  Role(Binding), the replicas' NetworkPolicy and PodDisruptionBudget, by server-side
+  apply (patch; an apply that creates the object is authorized as create too).
 - secrets create only: the service's wire key, made once (409: it exists). No get,
   list or watch: the operator cannot read any Secret, its own included.
 - deployments get/list/watch: Ready needs the router Deployment available.
@@ -124,6 +125,9 @@ Namespaced resources: bound cluster-wide, or in a Role per watched namespace.
   verbs: ["create"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
+  verbs: ["create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
   verbs: ["create", "patch"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
