@@ -468,17 +468,17 @@ class UpdateStrategy(_Model):
 
 
 HOSTNAME_KEY: Final = "kubernetes.io/hostname"
+MIN_DOMAINS_MESSAGE: Final = "minDomains needs whenUnsatisfiable DoNotSchedule"
 
 
 class TopologySpreadConstraint(_Model):
-    """One of the replica pods' ``topologySpreadConstraints``; the operator fills in the
-    labelSelector (this service's replicas), so it is not given here."""
+    """A spread constraint of the replica pods; labelSelector is the operator's."""
 
     model_config = ConfigDict(
         json_schema_extra=_validations(
             cel(
                 "!has(self.minDomains) || self.whenUnsatisfiable == 'DoNotSchedule'",
-                "minDomains needs whenUnsatisfiable DoNotSchedule",
+                MIN_DOMAINS_MESSAGE,
             )
         )
     )
@@ -758,7 +758,7 @@ def problems(spec: DiffusionServiceSpec, allow_host_path: bool = False) -> list[
         found.append("updateStrategy needs maxUnavailable > 0 or maxSurge > 0 to make progress")
     for spread in spec.topologySpreadConstraints or ():
         if spread.minDomains is not None and spread.whenUnsatisfiable != "DoNotSchedule":
-            found.append("minDomains needs whenUnsatisfiable DoNotSchedule")
+            found.append(MIN_DOMAINS_MESSAGE)
     found += _model_problems(spec.model)
     return found
 

@@ -11,6 +11,7 @@ import yaml
 
 from dpserve.operator.crd import build_crd, crd_yaml
 from dpserve.operator.spec import (
+    MIN_DOMAINS_MESSAGE,
     ROLE_MESSAGE,
     ROLE_NOT_IMPLEMENTED,
     DiffusionServiceSpec,
@@ -224,3 +225,37 @@ def test_cel_a_cache_is_a_claim_or_a_node_folder() -> None:
     assert not _holds(CACHE_ONE_OF, {"keep": 1})
     fetched = {"source": "s3://b/m/", "cache": node}
     assert DiffusionServiceSpec.model_validate({"model": fetched}).model.cache is not None
+
+
+def test_placement_fields_are_checked_at_apply_time() -> None:
+    props = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    spec = props["spec"]["properties"]
+    spread = spec["topologySpreadConstraints"]
+    assert spread["type"] == "array" and spread["maxItems"] == 8
+    item = spread["items"]
+    assert item["required"] == ["topologyKey"]
+    fields = item["properties"]
+    assert "labelSelector" not in fields  # the operator's: this service's replicas
+    assert fields["maxSkew"]["minimum"] == 1 and fields["maxSkew"]["default"] == 1
+    assert fields["whenUnsatisfiable"]["enum"] == ["ScheduleAnyway", "DoNotSchedule"]
+    assert fields["whenUnsatisfiable"]["default"] == "ScheduleAnyway"
+    assert spec["onePerNode"]["type"] == "boolean" and spec["onePerNode"]["default"] is False
+    priority = spec["priorityClassName"]
+    assert priority["maxLength"] == 253 and priority["pattern"].startswith("^[a-z0-9]")
+    assert _holds(
+        MIN_DOMAINS_MESSAGE,
+        {"topologyKey": "k", "whenUnsatisfiable": "DoNotSchedule", "minDomains": 2},
+    )
+    assert _holds(MIN_DOMAINS_MESSAGE, {"topologyKey": "k", "whenUnsatisfiable": "ScheduleAnyway"})
+    assert not _holds(
+        MIN_DOMAINS_MESSAGE,
+        {"topologyKey": "k", "whenUnsatisfiable": "ScheduleAnyway", "minDomains": 2},
+    )
+    # Mirrored in the operator, for a cluster whose older CRD lacks the rule.
+    loose = DiffusionServiceSpec.model_validate(
+        {
+            "model": {"path": "/m"},
+            "topologySpreadConstraints": [{"topologyKey": "k", "minDomains": 2}],
+        }
+    )
+    assert problems(loose) == [MIN_DOMAINS_MESSAGE]

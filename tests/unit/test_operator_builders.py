@@ -46,6 +46,12 @@ def probe(*extra: str) -> dict[str, Any]:
     return {"exec": {"command": command}, "timeoutSeconds": 5}
 
 
+REPLICA_SELECTOR = {
+    "app.kubernetes.io/name": "dpserve",
+    "app.kubernetes.io/instance": "qwen",
+    "app.kubernetes.io/component": "replica",
+}
+
 RESTRICTED_POD = {
     "runAsNonRoot": True,
     "runAsUser": 10001,
@@ -191,6 +197,15 @@ def test_replica_pod_gpu_cfg2_on_a_pvc() -> None:
             "tolerations": [
                 {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
             ],
+            # Spread over nodes by default, as a preference (docs/kubernetes.md).
+            "topologySpreadConstraints": [
+                {
+                    "topologyKey": "kubernetes.io/hostname",
+                    "maxSkew": 1,
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": {"matchLabels": REPLICA_SELECTOR},
+                }
+            ],
         },
     }
     assert pod == expected
@@ -309,6 +324,7 @@ def test_every_child_is_owned_and_labelled() -> None:
         [
             "Service",
             "NetworkPolicy",
+            "PodDisruptionBudget",
             "Secret",
             "ConfigMap",
             "ServiceAccount",
@@ -582,3 +598,102 @@ def test_a_new_pod_shape_rolls_the_replicas(monkeypatch: Any) -> None:
     before = b.spec_hash(svc().spec)
     monkeypatch.setattr(b, "POD_SHAPE", b.POD_SHAPE + 1)
     assert b.spec_hash(svc().spec) != before
+
+
+def test_the_disruption_budget_follows_max_unavailable_and_never_blocks_a_drain() -> None:
+    pdb = b.build_pod_disruption_budget(svc(replicas=4, updateStrategy={"maxUnavailable": 2}))
+    assert pdb == {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": "qwen-replicas",
+            "namespace": "ml",
+            "labels": labels("replica"),
+            "ownerReferences": [OWNER],
+        },
+        "spec": {
+            "maxUnavailable": 2,
+            "selector": {"matchLabels": REPLICA_SELECTOR},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+    # The same pods as the replicas' (and the headless Service's) selector.
+    pod_labels = b.build_replica_pod(svc(), 0, IMAGES)["metadata"]["labels"]
+    assert REPLICA_SELECTOR.items() <= pod_labels.items()
+    # A surge-only roll (maxUnavailable 0) and one replica still let a drain evict one.
+    surge = svc(replicas=1, updateStrategy={"maxUnavailable": 0, "maxSurge": 1})
+    assert b.build_pod_disruption_budget(surge)["spec"]["maxUnavailable"] == 1
+    assert b.build_pod_disruption_budget(svc(replicas=1))["spec"]["maxUnavailable"] == 1
+    # Scale and the budget do not roll the replicas.
+    assert b.spec_hash(svc(updateStrategy={"maxUnavailable": 3}).spec) == b.spec_hash(svc().spec)
+
+
+def test_spread_is_configurable_and_can_be_turned_off() -> None:
+    def spread(**spec: Any) -> Any:
+        return b.build_replica_pod(svc(**spec), 0, IMAGES)["spec"].get("topologySpreadConstraints")
+
+    zones = [
+        {
+            "topologyKey": "topology.kubernetes.io/zone",
+            "maxSkew": 2,
+            "whenUnsatisfiable": "DoNotSchedule",
+            "minDomains": 3,
+        }
+    ]
+    assert spread(topologySpreadConstraints=zones) == [
+        {**zones[0], "labelSelector": {"matchLabels": REPLICA_SELECTOR}}
+    ]
+    assert spread(topologySpreadConstraints=[]) is None  # off: no field at all
+
+
+def test_one_replica_per_node_adds_to_the_users_affinity() -> None:
+    mine = {
+        "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"x": 1}]},
+    }
+    s = svc(onePerNode=True, affinity=mine)
+    affinity = b.build_replica_pod(s, 0, IMAGES)["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == mine["nodeAffinity"]
+    assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {"x": 1},
+        {
+            "labelSelector": {"matchLabels": REPLICA_SELECTOR},
+            "topologyKey": "kubernetes.io/hostname",
+        },
+    ]
+    assert s.spec.affinity == mine  # the spec is not changed
+    alone = b.build_replica_pod(svc(onePerNode=True), 0, IMAGES)["spec"]["affinity"]
+    assert alone == {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": REPLICA_SELECTOR},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
+    }
+    assert "affinity" not in b.build_replica_pod(svc(), 0, IMAGES)["spec"]
+
+
+def test_priority_class_reaches_the_replica_pods() -> None:
+    pod = b.build_replica_pod(svc(priorityClassName="gpu-high"), 0, IMAGES)
+    assert pod["spec"]["priorityClassName"] == "gpu-high"
+    assert "priorityClassName" not in b.build_replica_pod(svc(), 0, IMAGES)["spec"]
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        {"topologySpreadConstraints": []},
+        {"topologySpreadConstraints": [{"topologyKey": "topology.kubernetes.io/zone"}]},
+        {"onePerNode": True},
+        {"priorityClassName": "gpu-high"},
+    ],
+)
+def test_a_placement_change_rolls_the_replicas_the_defaults_do_not(
+    placement: dict[str, Any],
+) -> None:
+    # Defaults hash as before placement fields existed: an operator upgrade rolls none.
+    assert b.spec_hash(svc().spec) == b.spec_hash(svc(onePerNode=False).spec)
+    assert b.spec_hash(svc(**placement).spec) != b.spec_hash(svc().spec)
