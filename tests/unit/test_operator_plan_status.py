@@ -9,6 +9,7 @@ from dpserve.operator import builders as b
 from dpserve.operator.plan import PodView, plan, why_create, why_delete
 from dpserve.operator.spec import DiffusionServiceSpec
 from dpserve.operator.status import (
+    POD_REFUSED,
     compute_status,
     known_indices,
     parse_control_state,
@@ -151,6 +152,42 @@ def test_unschedulable_replica_is_degraded_with_the_schedulers_reason() -> None:
     assert degraded["status"] == "True" and degraded["reason"] == "Unschedulable"
     assert message in degraded["message"]
     assert status["replicaStatuses"][1]["reason"] == "Unschedulable"
+    assert status["ready"] == "1/2"
+
+
+def test_a_spread_or_anti_affinity_refusal_shows_the_schedulers_message() -> None:
+    # The scheduler's own words, whatever it refused on (a GPU shortage above; here
+    # onePerNode's anti-affinity or a DoNotSchedule spread on too few nodes).
+    svc = _svc()
+    message = (
+        "0/2 nodes are available: 1 node(s) didn't match pod anti-affinity rules, 1 node(s) "
+        "didn't match pod topology spread constraints. preemption: 0/2 nodes are available: "
+        "2 No preemption victims found for incoming pod."
+    )
+    stuck = _pod(1, svc, False)
+    stuck["status"]["conditions"].append(
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+    )
+    status = compute_status(svc, [_pod(0, svc, True), stuck], {})
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "Unschedulable" and message in degraded["message"]
+    assert status["replicaStatuses"][1]["message"] == message
+
+
+def test_a_pod_the_apiserver_refused_is_listed_with_its_message() -> None:
+    svc = _svc()
+    message = 'pods "qwen-replica-1" is forbidden: no PriorityClass with name gpu-high was found'
+    status = compute_status(svc, [_pod(0, svc, True)], {}, refused={1: message, 5: "gone"})
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == POD_REFUSED
+    assert message in degraded["message"]
+    replica = status["replicaStatuses"][1]
+    assert (replica["phase"], replica["reason"], replica["message"]) == (
+        "Missing",
+        POD_REFUSED,
+        message,
+    )
+    assert len(status["replicaStatuses"]) == 2  # an index beyond replicas is not listed
     assert status["ready"] == "1/2"
 
 
