@@ -458,7 +458,7 @@ def test_delete_collects_every_child(k8s: Backend) -> None:
     k8s.kubectl("-n", NS, "delete", "dsvc", "tiny", "--wait=false")
     kinds = (
         "pods,services,deployments,serviceaccounts,roles,rolebindings,configmaps,"
-        "secrets,networkpolicies"
+        "secrets,networkpolicies,poddisruptionbudgets"
     )
 
     def leftovers() -> list[str]:

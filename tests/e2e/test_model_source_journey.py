@@ -505,7 +505,7 @@ def test_delete_takes_the_fill_jobs_too(k8s: NodeBackend, seen: Seen) -> None:
     k8s.kubectl("-n", NS, "delete", "dsvc", NAME, "--wait=false")
     kinds = (
         "pods,services,deployments,jobs,serviceaccounts,roles,rolebindings,configmaps,"
-        "secrets,networkpolicies"
+        "secrets,networkpolicies,poddisruptionbudgets"
     )
 
     def leftovers() -> list[str]:
