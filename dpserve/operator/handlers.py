@@ -219,7 +219,7 @@ async def _reconcile(runtime: Runtime, namespace: str, name: str, drift: bool) -
             note = why_create(index, pod["metadata"]["name"], replicas, known)
             await _record(kube, obj, note)
     if refused:
-        await _record_refusals(kube, obj, previous, refused)
+        await _record_refusals(kube, obj, svc, previous, refused)
     if not todo.empty:
         pods = await kube.list_pods(namespace, selector)
     step = await _node_fetches(runtime, obj, svc, step, pods)
@@ -256,17 +256,19 @@ def refusal_message(exc: ApiException) -> str:
 
 
 async def _record_refusals(
-    kube: Kube, obj: dict[str, Any], previous: dict[str, Any], refused: Mapping[int, str]
+    kube: Kube,
+    obj: dict[str, Any],
+    svc: b.Svc,
+    previous: dict[str, Any],
+    refused: Mapping[int, str],
 ) -> None:
-    """A Warning Event per refused replica, once while the same refusal stands (status
-    already says it: the drift loop retries the create without a new Event)."""
-    said = {
-        r.get("index"): r.get("message")
-        for r in previous.get("replicaStatuses") or []
-        if r.get("reason") == POD_REFUSED
-    }
+    """A Warning Event per refused replica, once while the same refusal stands (the
+    previous Degraded condition says it: the drift loop retries without a new Event)."""
+    conditions = previous.get("conditions") or []
+    degraded: dict[str, Any] = next((c for c in conditions if c.get("type") == "Degraded"), {})
+    said = str(degraded.get("message") or "")
     for index, message in sorted(refused.items()):
-        if said.get(index) != message:
+        if f"{b.replica_pod_name(svc, index)}: {POD_REFUSED}: {message}" not in said:
             note = Note(POD_REFUSED, f"replica {index}: the apiserver refused its pod: {message}")
             await _record(kube, obj, note, kind="Warning")
 

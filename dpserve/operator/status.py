@@ -242,7 +242,7 @@ def compute_status(
     ready = sum(1 for f in desired if f.view.index in serving)
     updated = sum(1 for f in desired if f.view.spec_hash == current)
     troubled = [f for f in facts if f.reason is not None]
-    refused = {i: m for i, m in (refused or {}).items() if i < spec.replicas}
+    refused = dict(refused or {})
     settled = (
         len(desired) == spec.replicas and updated == spec.replicas and len(facts) == spec.replicas
     )

@@ -187,7 +187,8 @@ def test_a_pod_the_apiserver_refused_is_listed_with_its_message() -> None:
         POD_REFUSED,
         message,
     )
-    assert len(status["replicaStatuses"]) == 2  # an index beyond replicas is not listed
+    assert len(status["replicaStatuses"]) == 2  # a surge index is in Degraded only
+    assert "x-replica-5: PodCreateRefused: gone" in degraded["message"]
     assert status["ready"] == "1/2"
 
 
