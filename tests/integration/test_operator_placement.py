@@ -208,6 +208,7 @@ def test_one_replica_per_node_shows_the_schedulers_refusal(
         assert [r["node"] for r in placed] == ["place-node-a"]
     finally:
         # Other modules expect no node at all; bound pods here never finish terminating.
+        cluster.kubectl("-n", NS, "delete", "dsvc", "alone", "--wait=false", check=False)
         cluster.kubectl("delete", "node", "place-node-a", "--wait=false", check=False)
         cluster.kubectl(
             "-n", NS, "delete", "pods", "--all", "--force", "--grace-period=0", check=False
