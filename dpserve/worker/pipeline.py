@@ -110,8 +110,9 @@ def load_pipeline(
     # component its class calls optional (WanPipeline's transformer) and loads it whole.
     index = json.loads((path / "model_index.json").read_text())
     named = getattr(diffusers, str(index.get("_class_name")), None)
-    own = isinstance(named, type) and issubclass(named, DiffusionPipeline)
-    loader = named if own else DiffusionPipeline
+    loader: Any = DiffusionPipeline
+    if isinstance(named, type) and issubclass(named, DiffusionPipeline):
+        loader = named
     pipe = loader.from_pretrained(
         path, dtype=dtype, local_files_only=True, use_safetensors=True, **given
     )

@@ -107,7 +107,9 @@ class TensorParallel:
             layer = module.get_submodule(path)
             if spec.kind == "norm":
                 if not isinstance(layer, torch.nn.RMSNorm) or layer.weight is None:
-                    raise ValueError(f"{path} is a {type(layer).__name__}, not an RMSNorm with weight")
+                    raise ValueError(
+                        f"{path} is a {type(layer).__name__}, not an RMSNorm with weight"
+                    )
                 size = layer.weight.shape[0]
             elif not isinstance(layer, torch.nn.Linear):
                 raise ValueError(f"{path} is a {type(layer).__name__}, not a Linear layer")
@@ -126,7 +128,9 @@ class TensorParallel:
                 linear = module.get_submodule(path)
                 if spec.kind == "norm":
                     assert isinstance(linear, torch.nn.RMSNorm) and linear.weight is not None
-                    index = shard_indices(linear.weight.shape[0], spec.blocks, self.rank, self.degree)
+                    index = shard_indices(
+                        linear.weight.shape[0], spec.blocks, self.rank, self.degree
+                    )
                     linear.weight = torch.nn.Parameter(_take(linear.weight, 0, index), False)
                     fit(linear)
                     continue

@@ -86,7 +86,8 @@ class _WanWhole:
 
     def __call__(self, attn: Any, *args: Any) -> Any:
         heads = local_heads(attn)
-        return self.processor(attn if heads == attn.heads else _LocalHeads(attn, heads), *args)
+        seen: Any = attn if heads == attn.heads else _LocalHeads(attn, heads)
+        return self.processor(seen, *args)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
