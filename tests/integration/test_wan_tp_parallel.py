@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dpserve.contract import protocol as p
-
 from tests.integration.test_video_parallel_math import REQUEST
 from tests.parallel_harness import final_latents, gang_run, relative_error
 
