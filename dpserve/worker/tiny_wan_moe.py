@@ -5,7 +5,7 @@ timesteps at or above the boundary) and ``transformer_2`` (the low-noise one),
 ``boundary_ratio`` 0.875 and a flow shift of 12, so a 3-step request runs two steps
 on the first expert and one on the second. The text encoder, tokenizer and VAE are
 the ``video`` variant's (same seeds). The experts are wider and deeper than the
-``video`` variant's transformer (4 heads, 6 blocks), so their blocks, which tensor
+``video`` variant's transformer (4 heads, 8 blocks), so their blocks, which tensor
 parallel splits, outweigh the embedders it keeps whole: a tp2 rank holds at most
 0.55 of each (docs/worker.md, "Sequence and tensor parallel").
 """
@@ -39,8 +39,8 @@ def _expert(seed: int, name: str) -> WanTransformer3DModel:
         out_channels=_VAE_LATENT_CHANNELS,
         text_dim=VIDEO_VARIANTS["video"].text_dim,
         freq_dim=32,
-        ffn_dim=384,
-        num_layers=6,
+        ffn_dim=768,
+        num_layers=8,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
     )

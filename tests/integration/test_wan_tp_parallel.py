@@ -98,3 +98,41 @@ def test_a_wan_moe_tp_gang_makes_one_ranks_video(tiny_wan_moe_model: Path) -> No
         assert gap.mean() < 0.5 and (gap > 4).mean() < 0.01, (gap.mean(), (gap > 4).mean())
     # Each rank ran every pass of the first expert (CFG: 3 steps x 2 branches).
     assert [a.passes for a in split] == [[6, 6], [3, 3]]
+
+
+def test_a_wan_moe_tp_worker_holds_half_of_each_expert_after_an_update(
+    tiny_wan_moe_model: Path, allow_tmp: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A real worker (supervisor, ZMQ front, 2 ranks): each rank holds its piece of both
+    experts and the text encoder lives on the output rank only; a weight update of the
+    second expert alone is cut the same way (checksums change, pieces stay pieces)."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+    from tests.workers import WorkerProcess
+
+    other = build_tiny_pipeline(tmp_path_factory.mktemp("models") / "wan-moe-b", "wan-moe", 1)
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    from dpserve.worker.weights import tensor_bytes
+
+    # One rank's (what its rank_weights reports: parameters and buffers, the rope table
+    # included).
+    whole = {
+        name: tensor_bytes(WanTransformer3DModel.from_pretrained(tiny_wan_moe_model / name))
+        for name in ("transformer", "transformer_2")
+    }
+
+    def pieces(info: dict[str, object]) -> None:
+        ranks = info["rank_weights"]
+        assert isinstance(ranks, list) and len(ranks) == 2
+        for name, size in whole.items():
+            held = [r["bytes"][name] for r in ranks]
+            assert all(0.45 * size < b <= 0.55 * size for b in held), (name, held, size)
+        assert ranks[0]["bytes"]["text_encoder"] > 0 and ranks[1]["bytes"]["text_encoder"] == 0
+
+    worker = WorkerProcess(tiny_wan_moe_model, "--tp", "2", *allow_tmp)
+    with worker, worker.client() as c:
+        pieces(c.control("model_info"))
+        before = c.control("get_weights_checksum", modules=["transformer_2"])
+        c.control("update_weights_from_disk", model_path=str(other), modules=["transformer_2"])
+        pieces(c.control("model_info"))
+        assert c.control("get_weights_checksum", modules=["transformer_2"]) != before
