@@ -93,8 +93,8 @@ def test_a_wan_moe_tp_gang_makes_one_ranks_video(tiny_wan_moe_model: Path) -> No
         got, want = (decoded_frames(a.reply.blobs[0]).astype(np.int16) for a in (mine, theirs))
         gap = np.abs(got - want)
         # H.264 turns the split's last-bit differences (latents 1.4e-6 apart) into a few
-        # other codec decisions: measured, mean 0.14 grey levels, 0.4% of the values over
-        # 4 apart (max 11); another seed's frames are over 5 apart on average.
+        # other codec decisions: once measured, mean 0.14 grey levels and 0.4% of the
+        # values over 4 apart (max 11); another seed's frames are over 5 apart on average.
         assert gap.mean() < 0.5 and (gap > 4).mean() < 0.01, (gap.mean(), (gap > 4).mean())
     # Each rank ran every pass of the first expert (CFG: 3 steps x 2 branches).
     assert [a.passes for a in split] == [[6, 6], [3, 3]]
