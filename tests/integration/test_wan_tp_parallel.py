@@ -136,3 +136,24 @@ def test_a_wan_moe_tp_worker_holds_half_of_each_expert_after_an_update(
         c.control("update_weights_from_disk", model_path=str(other), modules=["transformer_2"])
         pieces(c.control("model_info"))
         assert c.control("get_weights_checksum", modules=["transformer_2"]) != before
+
+
+def test_a_requests_lora_adapts_the_first_expert_on_a_tp_gang_as_on_one_rank(
+    tiny_wan_moe_model: Path,
+) -> None:
+    """A request's own LoRA (cut to each rank's pieces) on the high-noise expert, as
+    diffusers' load_lora_weights adapts it: the tp2 gang's frames are one rank's."""
+    from dpserve.worker.tiny_model import build_tiny_lora
+    from tests.integration.test_video_gang import _video
+    from tests.video_gang import VideoRun, decoded_frames, run_videos
+
+    lora = tiny_wan_moe_model / "lora"  # inside the model folder, which a worker may read
+    if not lora.exists():
+        build_tiny_lora(lora, tiny_wan_moe_model, seed=3)
+    ref = p.LoraRef(name="l", path=str(lora), scale=1.0)
+    runs = [VideoRun(_video(guidance_scale=1.0, lora=[ref])), VideoRun(_video(guidance_scale=1.0))]
+    split, one = run_videos(tiny_wan_moe_model, runs, tp=2), run_videos(tiny_wan_moe_model, runs)
+    assert all(a.reply.kind == p.RESULT for a in (*split, *one))
+    frames = [[decoded_frames(a.reply.blobs[0]).astype(np.int16) for a in x] for x in (split, one)]
+    assert np.abs(frames[0][0] - frames[1][0]).mean() < 0.5  # measured 0.03
+    assert np.abs(frames[1][0] - frames[1][1]).mean() > 2  # the adapter changed it (5.6)
