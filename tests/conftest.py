@@ -229,3 +229,11 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield kind
     finally:
         kind.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Wan 2.2-style pipeline with two denoisers (transformer_2, boundary_ratio)."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "wan-moe", "wan-moe", seed=0)

@@ -8,6 +8,7 @@ across layouts: images would hide differences below one grey level.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -74,6 +75,7 @@ def _rank(
 
     from dpserve.worker.comm import init_gang
     from dpserve.worker.denoiser import DenoiserPatch
+    from dpserve.worker.executor import denoisers_of
     from dpserve.worker.parallel import ModelParallel
     from dpserve.worker.pipeline import (
         call_defaults,
@@ -105,7 +107,9 @@ def _rank(
     patch = DenoiserPatch(comm.info.cfg_rank, comm.cfg_group, lambda: None, parallel.wrap)
     by_guidance = guides_by_scale(pipe)  # a video model's CFG is its guidance_scale
     split = patch.can_split(pipe.transformer) and cfg_requested(params, defaults, by_guidance)
-    with torch.inference_mode(), patch.applied(pipe.transformer, split):
+    with torch.inference_mode(), contextlib.ExitStack() as patched:
+        for denoiser in denoisers_of(pipe):  # Wan 2.2's second expert too
+            patched.enter_context(patch.applied(denoiser, split))
         output = pipe(**kwargs)
     latents = output.images if params.video is None else output.frames
     if rank == 0:

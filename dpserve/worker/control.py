@@ -41,7 +41,7 @@ from dpserve.worker.converge import Effects, StateApplier
 from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.parallel.encoders import EncoderRelay, relayed
-from dpserve.worker.pipeline import Pipeline
+from dpserve.worker.pipeline import DENOISERS, Pipeline
 from dpserve.worker.weights import checksum, modules_of, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class ControlOps:
         return {
             "checksums": {name: checksum(modules[name]) for name in held},
             "tp_rank": self.parallel.info.tp_rank,
-            "sharded": ["transformer"] if self.parallel.sharded else [],
+            "sharded": [n for n in DENOISERS if n in modules] if self.parallel.sharded else [],
         }
 
     def op_list_loras(self, args: Mapping[str, Any], agree: Agree) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from dpserve.worker.lora import LoraAdapters
 from dpserve.worker.parallel import ModelParallel
 from dpserve.worker.parallel.encoders import EncoderRelay, relayed
 from dpserve.worker.paths import AllowedPaths, refuse_pickles
-from dpserve.worker.pipeline import Pipeline
+from dpserve.worker.pipeline import DENOISERS, Pipeline
 from dpserve.worker.weights import WeightOffload, modules_of, own_storage
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class StateApplier:
             cls: Any = type(current[name])
             dtype = next(current[name].parameters()).dtype
             module = None
-            if name == "transformer":
+            if name in DENOISERS:
                 # A tp rank reads only its pieces, prepared; otherwise the module loads
                 # whole and is cut here, before it moves to the device.
                 module = self.parallel.read_transformer(path / name, cls, dtype)
@@ -142,7 +142,7 @@ class StateApplier:
                 module = cls.from_pretrained(
                     path, subfolder=name, dtype=dtype, local_files_only=True, use_safetensors=True
                 )
-                if name == "transformer":
+                if name in DENOISERS:
                     self.parallel.prepare(module)
             loaded[name] = own_storage(module.to(self.device)).eval()
         return loaded

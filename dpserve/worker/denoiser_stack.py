@@ -48,7 +48,7 @@ f. The class's ``forward``, inside which the step cache's hooks run on the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,21 +93,29 @@ class DenoiserStack:
     @contextlib.contextmanager
     def applied(
         self,
-        denoiser: torch.nn.Module,
+        denoiser: torch.nn.Module | Sequence[torch.nn.Module],
         split: bool,
         cache: StepCache | None,
         gate: StopGate | None = None,
     ) -> Iterator[None]:
         """Every layer around one pipeline call of ``denoiser``: ``split`` when its CFG
         branches go to the CFG ranks, ``cache`` the resolved step cache (or None),
-        ``gate`` the generation's stop gate (None for a session's frame)."""
+        ``gate`` the generation's stop gate (None for a session's frame).
+
+        A pipeline with two denoisers (Wan 2.2's experts, one called above the boundary
+        timestep and the other below it) passes both: each gets its own step cache and
+        patch (its own CFG branches), and they share the progress tick and the stop
+        gate, so whichever the pipeline calls is split alike."""
+        denoisers = [denoiser] if isinstance(denoiser, torch.nn.Module) else list(denoiser)
         stance = self.compiler.stance() if self.compiler else contextlib.nullcontext()
-        with (
-            torch.inference_mode(),
-            stance,
-            step_cache.applied(denoiser, cache),
-            self._patch(cached=cache is not None).applied(denoiser, split, gate),
-        ):
+        patch = self._patch(cached=cache is not None)
+        with contextlib.ExitStack() as layers:
+            layers.enter_context(torch.inference_mode())
+            layers.enter_context(stance)
+            for module in denoisers:
+                layers.enter_context(step_cache.applied(module, cache))
+            for module in denoisers:
+                layers.enter_context(patch.applied(module, split, gate))
             yield
 
     def _patch(self, cached: bool) -> DenoiserPatch:

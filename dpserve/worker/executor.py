@@ -81,6 +81,13 @@ def denoiser_of(pipe: Pipeline) -> torch.nn.Module:
     return module
 
 
+def denoisers_of(pipe: Pipeline) -> list[torch.nn.Module]:
+    """The pipeline's denoiser, and its second one where it has one (Wan 2.2's
+    low-noise expert, ``transformer_2``): the stack patches each."""
+    second = getattr(pipe, "transformer_2", None)
+    return [denoiser_of(pipe), *([second] if isinstance(second, torch.nn.Module) else [])]
+
+
 @dataclass
 class Executor:
     pipe: Pipeline
@@ -157,9 +164,9 @@ class Executor:
             with self.adapters.applied(params.lora, self._agree_refusal):
                 # The adapters are in place before the stack wraps the denoiser (tp
                 # re-plans a layer's pieces when an adapter wraps it).
-                denoiser = denoiser_of(pipe)
+                denoisers = denoisers_of(pipe)
                 reset_peak_memory(self.device)
-                with self.stack.applied(denoiser, split, cache, self._gate):
+                with self.stack.applied(denoisers, split, cache, self._gate):
                     return pipe_output(pipe(**kwargs))
         finally:
             if params.lora is not None:

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 Pipeline: TypeAlias = Any
 # (component folder, its class, dtype) -> the component, prepared; None: load it whole.
 ReadTransformer: TypeAlias = Callable[[Path, Any, torch.dtype], torch.nn.Module | None]
+# The components a gang splits: the denoiser, and Wan 2.2's second one (its low-noise
+# expert, which the pipeline calls below its boundary timestep).
+DENOISERS = ("transformer", "transformer_2")
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
@@ -81,7 +84,8 @@ def load_pipeline(
     ``read`` may build the transformer itself (a tp rank reads only its pieces:
     ``ModelParallel.read_transformer``), already prepared; when it returns None the
     transformer loads whole and ``prepare`` gets it before it moves to the device
-    (so a rank that keeps a shard of it never holds the whole on the device). The
+    (so a rank that keeps a shard of it never holds the whole on the device); each
+    of ``DENOISERS`` alike (Wan 2.2's second expert). The
     components named in ``skip`` are not loaded at all. Weights load from
     safetensors only (dpserve.worker.paths): a component that has only pickle
     checkpoints is refused.
@@ -95,18 +99,28 @@ def load_pipeline(
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
     given: dict[str, Any] = dict(skip or {})
-    cls = component_class(path, "transformer")
-    if cls is not None and "transformer" not in given:
-        transformer = read(path / "transformer", cls, dtype)
-        if transformer is not None:
-            given["transformer"] = transformer
-    pipe = DiffusionPipeline.from_pretrained(
+    for name in DENOISERS:
+        cls = component_class(path, name)
+        if cls is not None and name not in given:
+            transformer = read(path / name, cls, dtype)
+            if transformer is not None:
+                given[name] = transformer
+    read_ones = set(given)
+    # Through the pipeline's own class: DiffusionPipeline's drops a module passed for a
+    # component its class calls optional (WanPipeline's transformer) and loads it whole.
+    index = json.loads((path / "model_index.json").read_text())
+    named = getattr(diffusers, str(index.get("_class_name")), None)
+    loader: Any = DiffusionPipeline
+    if isinstance(named, type) and issubclass(named, DiffusionPipeline):
+        loader = named
+    pipe = loader.from_pretrained(
         path, dtype=dtype, local_files_only=True, use_safetensors=True, **given
     )
     pipe.set_progress_bar_config(disable=True)
-    whole = "transformer" not in given
-    if whole and isinstance(getattr(pipe, "transformer", None), torch.nn.Module):
-        prepare(pipe.transformer)
+    for name in DENOISERS:
+        module = getattr(pipe, name, None)
+        if name not in read_ones and isinstance(module, torch.nn.Module):
+            prepare(module)
     pipe = pipe.to(device)
     for module in modules_of(pipe.components).values():
         own_storage(module)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -199,8 +200,8 @@ def test_warm_up_makes_a_short_video_and_requests_calibrate_with_their_frames(
     )
 
 
-def test_compile_step_caches_and_tp_are_refused_for_video_but_sp_is_not(
-    gang: Any, tiny_video_model: Path
+def test_compile_and_step_caches_are_refused_for_video_but_sp_and_tp_are_not(
+    gang: Any, tiny_video_model: Path, tmp_path: Path
 ) -> None:
     video, _, cfg = gang
     with pytest.raises(ParallelUnsupported, match="--compile is not verified on video"):
@@ -209,8 +210,14 @@ def test_compile_step_caches_and_tp_are_refused_for_video_but_sp_is_not(
         _accel(dataclasses.replace(cfg, step_cache="first_block_cache"), video.pipe)
     assert video.features.step_caches.offered == ()
     assert layout_problem(tiny_video_model, ParallelConfig(sp=2, ulysses=2), None) is None
-    problem = layout_problem(tiny_video_model, ParallelConfig(tp=2), None)
-    assert problem is not None and "is WanTransformer3DModel" in problem
+    assert layout_problem(tiny_video_model, ParallelConfig(tp=2), None) is None
+    # Another video denoiser has no plan: refused by name.
+    other = tmp_path / "hunyuan"
+    (other / "transformer").mkdir(parents=True)
+    config = {"_class_name": "HunyuanVideoTransformer3DModel", "num_attention_heads": 24}
+    (other / "transformer" / "config.json").write_text(json.dumps(config))
+    problem = layout_problem(other, ParallelConfig(tp=2), None)
+    assert problem is not None and "is HunyuanVideoTransformer3DModel" in problem
 
 
 def _png(colour: tuple[int, int, int], size: tuple[int, int] = (80, 60)) -> bytes:

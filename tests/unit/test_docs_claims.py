@@ -71,9 +71,9 @@ def _cli_variants() -> list[str]:
 
 def test_the_variant_lists_are_the_builders() -> None:
     pytest.importorskip("diffusers")
-    from dpserve.worker.tiny_model import VARIANTS, VIDEO_VARIANTS
+    from dpserve.worker.tiny_model import FAMILY_VARIANTS, VARIANTS, VIDEO_VARIANTS
 
-    variants = [*VARIANTS, *VIDEO_VARIANTS]
+    variants = [*VARIANTS, *VIDEO_VARIANTS, *FAMILY_VARIANTS]
     assert _cli_variants() == variants  # the CLI spells them out, to import no torch
     for page in (ROOT / "README.md", ROOT / "docs" / "worker.md"):
         text = page.read_text().replace("\\|", "|")

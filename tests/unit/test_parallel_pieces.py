@@ -125,14 +125,16 @@ def test_layouts_a_model_cannot_split_are_named_before_start(tmp_path: Path) -> 
     assert "text tokens (77" in str(layout_problem(flux, ParallelConfig(sp=2), 77))
     assert layout_problem(flux, ParallelConfig(cfg=2), 77) is None  # CFG splits nothing
     other = _model(tmp_path / "q", "HunyuanVideoTransformer3DModel", 24)
-    assert "needs a transformer it can split" in str(
-        layout_problem(other, ParallelConfig(tp=2), None)
-    )
-    # A video transformer: sp cuts its frames x tokens (and not its text), tp has no plan.
+    assert (
+        "tp needs a transformer it can split (FluxTransformer2DModel, WanTransformer3DModel); "
+        "this model's denoiser is HunyuanVideoTransformer3DModel"
+    ) in str(layout_problem(other, ParallelConfig(tp=2), None))
+    # A video transformer: sp cuts its frames x tokens (and not its text), tp its heads.
     wan = _model(tmp_path / "w", "WanTransformer3DModel", 2)
     assert layout_problem(wan, ParallelConfig(sp=2, ring=2), 77) is None
-    assert "tp needs a transformer it can split (FluxTransformer2DModel)" in str(
-        layout_problem(wan, ParallelConfig(tp=2), None)
+    assert layout_problem(wan, ParallelConfig(tp=2), None) is None
+    assert "divisible by ulysses * tp (4)" in str(
+        layout_problem(wan, ParallelConfig(tp=2, sp=2, ulysses=2), None)
     )
     unet = tmp_path / "unet"
     unet.mkdir()
@@ -167,9 +169,6 @@ def test_encoder_outputs_cross_the_gang_exactly() -> None:
 @pytest.mark.parametrize(
     ("layout", "pipe", "reason"),
     [
-        # Wan 2.2's second expert: no split reaches it, so a gang would repeat its passes.
-        (ParallelConfig(cfg=2), {"transformer_2": object()}, "second denoiser"),
-        (ParallelConfig(sp=2), {"transformer_2": object()}, "second denoiser"),
         # Wan 2.2 TI2V's per-token timesteps: the cut does not carry them.
         (ParallelConfig(sp=2), {"config": {"expand_timesteps": True}}, "per-token timesteps"),
     ],
@@ -185,3 +184,13 @@ def test_pipelines_a_gang_cannot_split_are_refused_once_loaded(
         parallel.check_loaded(loaded, None)
     one = ParallelConfig()
     ModelParallel(rank_info(one, 0), ParallelGroups(), one).check_loaded(loaded, None)
+
+
+def test_a_second_denoiser_is_split_as_the_first() -> None:
+    """Wan 2.2's two experts: the stack patches both (test_wan_tp_parallel.py), so a
+    gang accepts them."""
+    from types import SimpleNamespace
+
+    layout = ParallelConfig(cfg=2)
+    parallel = ModelParallel(rank_info(layout, 0), ParallelGroups(), layout)
+    parallel.check_loaded(SimpleNamespace(config={}, transformer_2=object()), None)

@@ -128,15 +128,9 @@ class ModelParallel:
     def check_loaded(self, pipe: Any, text_tokens: int | None) -> None:
         """What is known once the pipeline is loaded: it has a transformer (prepared by
         ``prepare``), its text tokens split evenly over the sp ranks where sp splits
-        them, its timesteps are one per video (Wan 2.2 TI2V's are per token), and a
-        gang has only one denoiser to split."""
-        if self.layout.gang_size > 1 and getattr(pipe, "transformer_2", None) is not None:
-            # Wan 2.2's second expert: neither the CFG nor the sequence split reaches it,
-            # so every rank would run its passes whole.
-            raise ParallelUnsupported(
-                f"{type(pipe).__name__} has a second denoiser (transformer_2), which a "
-                f"gang does not split: serve it with one rank per replica"
-            )
+        them, and its timesteps are one per video (Wan 2.2 TI2V's are per token).
+        A second denoiser (Wan 2.2's ``transformer_2``) was prepared as the first was,
+        and the denoiser stack patches whichever the pipeline calls."""
         config: Any = getattr(pipe, "config", {})
         if config.get("expand_timesteps"):
             self.lending = None  # its calls cannot be cut (wan.WanCut)

@@ -16,7 +16,7 @@ from typing import Any
 from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
 from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut
 from dpserve.worker.parallel.tensor import Shard
-from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut
+from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut, wan_plan
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class FamilyPlan:
 PLANS: Mapping[str, FamilyPlan] = MappingProxyType(
     {
         "FluxTransformer2DModel": FamilyPlan(FluxCut, SequenceParallelFluxProcessor, flux_plan),
-        "WanTransformer3DModel": FamilyPlan(WanCut, SequenceParallelWanProcessor),
+        "WanTransformer3DModel": FamilyPlan(WanCut, SequenceParallelWanProcessor, wan_plan),
     }
 )
 

@@ -5,8 +5,9 @@ diffusers' own loader does), the plan's layers are given their shard shapes, and
 every tensor is then read from the component's safetensors file(s) with slice
 reads (``safe_open(...).get_slice(name)[...]`` copies only the bytes asked for):
 a planned layer only this rank's rows or columns (``shard_indices``, blocks
-included), everything else whole. So a rank never holds a whole planned weight,
-and its host peak is about its share of the transformer, not all of it.
+included; a ``norm`` layer's weight like a column layer's), everything else
+whole. So a rank never holds a whole planned weight, and its host peak is about
+its share of the transformer, not all of it.
 
 **Decision:** the checkpoint's keys and shapes must be exactly the module's. When
 they are not (a checkpoint diffusers would convert on load), ``CannotRead`` says
@@ -25,7 +26,7 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
 
-from dpserve.worker.parallel.tensor import Shard, TensorParallel, shard_indices
+from dpserve.worker.parallel.tensor import Shard, TensorParallel, fit, shard_indices
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
@@ -131,9 +132,7 @@ def read_pieces(
                         piece = piece.to(torch.float32 if fp32 else dtype)
                     _put(module, owner, leaf, piece, expected[key])
     for layer in tensor.plan:
-        linear = module.get_submodule(layer)
-        assert isinstance(linear, torch.nn.Linear)
-        linear.out_features, linear.in_features = linear.weight.shape
+        fit(module.get_submodule(layer))
     return report
 
 

@@ -7,7 +7,10 @@ A plan names linear layers by path and how each is split across the tp ranks:
   layer); the partial outputs are summed with an all-reduce, and only tp rank 0
   keeps the bias, so it is added once;
 - ``gathered``: output features split, then all-gathered to the full output
-  (for small outputs that every rank needs whole, like AdaLN modulations).
+  (for small outputs that every rank needs whole, like AdaLN modulations);
+- ``norm``: an ``nn.RMSNorm`` over a column layer's whole output (Wan's q/k norm
+  across all heads): its weight is cut like those columns, and its statistic, the
+  mean of squares over every feature, sums each rank's part with an all-reduce.
 
 ``blocks`` says the split dimension is a concatenation of independently split
 blocks (a layer whose input is ``cat([attention, mlp])``): every block is cut in
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-ShardKind = Literal["column", "row", "gathered"]
+ShardKind = Literal["column", "row", "gathered", "norm"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ def _take(tensor: torch.Tensor, dim: int, index: slice | list[int]) -> torch.Ten
     return picked.contiguous().clone()  # a copy, so the full tensor's storage is freed
 
 
+def fit(layer: torch.nn.Module) -> None:
+    """Set a planned layer's sizes from its (cut) weight: a Linear's features, an
+    RMSNorm's normalized shape."""
+    if isinstance(layer, torch.nn.Linear):
+        layer.out_features, layer.in_features = layer.weight.shape
+    elif isinstance(layer, torch.nn.RMSNorm):
+        layer.normalized_shape = (layer.weight.shape[0],)
+
+
 @dataclass
 class TensorParallel:
     plan: Mapping[str, Shard]
@@ -92,10 +104,17 @@ class TensorParallel:
     def check(self, module: torch.nn.Module) -> None:
         """Raise ValueError naming the first layer that this plan cannot split."""
         for path, spec in self.plan.items():
-            linear = module.get_submodule(path)
-            if not isinstance(linear, torch.nn.Linear):
-                raise ValueError(f"{path} is a {type(linear).__name__}, not a Linear layer")
-            size = linear.in_features if spec.kind == "row" else linear.out_features
+            layer = module.get_submodule(path)
+            if spec.kind == "norm":
+                if not isinstance(layer, torch.nn.RMSNorm) or layer.weight is None:
+                    raise ValueError(
+                        f"{path} is a {type(layer).__name__}, not an RMSNorm with weight"
+                    )
+                size = layer.weight.shape[0]
+            elif not isinstance(layer, torch.nn.Linear):
+                raise ValueError(f"{path} is a {type(layer).__name__}, not a Linear layer")
+            else:
+                size = layer.in_features if spec.kind == "row" else layer.out_features
             try:
                 shard_indices(size, spec.blocks, 0, self.degree)
             except ValueError as exc:
@@ -107,6 +126,14 @@ class TensorParallel:
         with torch.no_grad():
             for path, spec in self.plan.items():
                 linear = module.get_submodule(path)
+                if spec.kind == "norm":
+                    assert isinstance(linear, torch.nn.RMSNorm) and linear.weight is not None
+                    index = shard_indices(
+                        linear.weight.shape[0], spec.blocks, self.rank, self.degree
+                    )
+                    linear.weight = torch.nn.Parameter(_take(linear.weight, 0, index), False)
+                    fit(linear)
+                    continue
                 assert isinstance(linear, torch.nn.Linear)
                 if spec.kind == "row":
                     index = shard_indices(linear.in_features, spec.blocks, self.rank, self.degree)
@@ -155,7 +182,8 @@ class TensorParallel:
         for path, spec in self.plan.items():
             if spec.kind == "column":
                 continue
-            hook = self._all_reduce if spec.kind == "row" else self._all_gather
+            hooks = {"row": self._all_reduce, "gathered": self._all_gather, "norm": self._norm}
+            hook = hooks[spec.kind]
             self._handles.append(module.get_submodule(path).register_forward_hook(hook))
 
     def remove(self) -> None:
@@ -169,3 +197,15 @@ class TensorParallel:
 
     def _all_gather(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
         return gather_cat(output, self.group, dim=-1)
+
+    def _norm(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        """The RMSNorm of the whole feature vector, from this rank's part of it: the local
+        output is discarded, and the mean of squares is summed over the ranks (in float32,
+        as torch's own RMSNorm computes it for half precision)."""
+        x = args[0]
+        wide = x.float()
+        squares = wide.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares, group=self.group)
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        normed = wide * torch.rsqrt(squares / (x.shape[-1] * self.degree) + eps)
+        return (normed * module.weight).type_as(x)

@@ -11,6 +11,15 @@ every rank holds), nor do the norms and feed-forward (per token).
 
 Text tokens are not split, and per-token timesteps (Wan 2.2's TI2V) are refused at
 load: their conditioning would need the same cut.
+
+Tensor parallel (``wan_plan``): both attentions' q/k/v (and the image-to-video
+variant's image keys and values) are split by heads, their output projections by
+rows, the feed-forward column then row. Wan's q/k norm is one RMSNorm across all
+heads, so on a rank's heads it is a ``norm`` shard: its weight cut like the
+columns, its mean of squares summed over the tp ranks. The condition embedder
+(timestep, text, image), the patch embedding and the output projection stay whole.
+The attention counts a rank's heads from its projection's width
+(``_LocalHeads``), so diffusers' own processor runs on the pieces unchanged.
 """
 
 from __future__ import annotations
@@ -28,8 +37,57 @@ from dpserve.contract.protocol import (
 )
 from dpserve.worker.parallel.attention import SequenceGroups, parallel_attention
 from dpserve.worker.parallel.sequence import AttentionScope, Piece, SplitAttention
+from dpserve.worker.parallel.tensor import Shard
 
 Forward = Callable[..., Any]
+COLUMN, ROW, NORM = Shard("column"), Shard("row"), Shard("norm")
+
+
+def wan_plan(transformer: Any) -> dict[str, Shard]:
+    plan: dict[str, Shard] = {}
+    for i, block in enumerate(transformer.blocks):
+        for attn in ("attn1", "attn2"):
+            p = f"blocks.{i}.{attn}"
+            for name in ("to_q", "to_k", "to_v"):
+                plan[f"{p}.{name}"] = COLUMN
+            plan[f"{p}.to_out.0"] = ROW
+            plan[f"{p}.norm_q"] = NORM
+            plan[f"{p}.norm_k"] = NORM
+        if block.attn2.add_k_proj is not None:  # image-to-video (Wan 2.1 I2V)
+            plan[f"blocks.{i}.attn2.add_k_proj"] = COLUMN
+            plan[f"blocks.{i}.attn2.add_v_proj"] = COLUMN
+            plan[f"blocks.{i}.attn2.norm_added_k"] = NORM
+        plan[f"blocks.{i}.ffn.net.0.proj"] = COLUMN
+        plan[f"blocks.{i}.ffn.net.2"] = ROW
+    return plan
+
+
+def local_heads(attn: Any) -> int:
+    """The heads this rank's pieces of ``attn`` hold (all of them without tp)."""
+    return int(attn.to_q.out_features) * int(attn.heads) // int(attn.inner_dim)
+
+
+class _LocalHeads:
+    """``attn`` as diffusers' processor sees it, with this rank's head count."""
+
+    def __init__(self, attn: Any, heads: int) -> None:
+        self._attn = attn
+        self.heads = heads
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._attn, name)
+
+
+class _WanWhole:
+    """diffusers' Wan processor, on a tp rank's heads where the projections are cut."""
+
+    def __init__(self) -> None:
+        self.processor = WanAttnProcessor()
+
+    def __call__(self, attn: Any, *args: Any) -> Any:
+        heads = local_heads(attn)
+        seen: Any = attn if heads == attn.heads else _LocalHeads(attn, heads)
+        return self.processor(seen, *args)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,7 +103,7 @@ class SequenceParallelWanProcessor(SplitAttention):
     to the whole prompt, which every rank holds) is diffusers' own."""
 
     def __init__(self, scope: AttentionScope) -> None:
-        super().__init__(scope, WanAttnProcessor())
+        super().__init__(scope, _WanWhole())
 
     def exchanges(self, encoder_hidden_states: torch.Tensor | None) -> bool:
         return encoder_hidden_states is None
@@ -59,7 +117,7 @@ class SequenceParallelWanProcessor(SplitAttention):
         rotary: Any,  # (cos, sin), this rank's tokens' (WanCut)
     ) -> Any:
         def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(2, (attn.heads, -1))
+            return x.unflatten(2, (local_heads(attn), -1))
 
         query = heads(attn.norm_q(attn.to_q(hidden_states)))
         key = heads(attn.norm_k(attn.to_k(hidden_states)))
