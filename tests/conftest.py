@@ -229,3 +229,11 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield kind
     finally:
         kind.close()
+
+
+@pytest.fixture(scope="session")
+def flux2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A FLUX.2 [klein] pipeline (Flux2Transformer2DModel, 4 heads) with random weights."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "flux2", "flux2", seed=0)

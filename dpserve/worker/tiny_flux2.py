@@ -150,7 +150,8 @@ def build(variant: str, seed: int) -> Flux2KleinPipeline:
         time_shift_type="exponential",
     )
 
-    for name, module in (("text_encoder", text_encoder), ("transformer", transformer), ("vae", vae)):
+    modules = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+    for name, module in modules.items():
         if any(p.dtype != torch.float32 for p in module.parameters()):
             module.float()  # only if the caller changed torch's default dtype
         _perturb(module, _seeded(seed, name + ":perturb"), 0.02)
