@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
@@ -27,7 +28,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 )
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from dpserve.worker.tiny_model import _WORDS, _bytes_to_unicode, _perturb, _seeded
+from dpserve.worker.tiny_model import _WORDS, _atomic_dir, _bytes_to_unicode, _perturb, _seeded
 
 _LATENT_CHANNELS = 4  # the transformer sees 2x2 patches of them: 16 input channels
 _ENCODER_LAYERS = 27  # the pipeline reads hidden states 9, 18 and 27
@@ -165,3 +166,44 @@ def build(variant: str, seed: int) -> Flux2KleinPipeline:
         transformer=transformer,
         is_distilled=False,
     )
+
+
+# Every linear layer of the blocks a LoRA may adapt, the fused ones included (the single
+# blocks' q/k/v+MLP input and their attention+MLP output, the SwiGLU inputs), so a
+# tensor-parallel rank's adapters must be cut in the same packed blocks as its weights.
+FUSED_LORA_TARGETS: tuple[str, ...] = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.linear_in",
+    "ff.linear_out",
+    "ff_context.linear_in",
+    "ff_context.linear_out",
+    "attn.to_qkv_mlp_proj",
+    "attn.to_out",
+)
+
+
+def build_lora(out_dir: Path, model_dir: Path, seed: int = 0, rank: int = 4) -> Path:
+    """A random diffusers-format LoRA over every block layer of ``model_dir``'s FLUX.2
+    transformer, fused ones included (``build_tiny_lora`` adapts attention only)."""
+    config = Flux2Transformer2DModel.load_config(Path(model_dir) / "transformer")
+    with torch.device("meta"):
+        skeleton = Flux2Transformer2DModel.from_config(config)
+    suffixes = tuple("." + t for t in FUSED_LORA_TARGETS)
+    gen = torch.Generator().manual_seed(_seeded(seed, f"flux2-lora:{rank}"))
+    layers: dict[str, torch.nn.Module | torch.Tensor] = {}
+    for name, module in sorted(skeleton.named_modules(), key=lambda item: item[0]):
+        if isinstance(module, torch.nn.Linear) and name.endswith(suffixes):
+            a = torch.randn(rank, module.in_features, generator=gen) / module.in_features**0.5
+            b = torch.randn(module.out_features, rank, generator=gen) / rank**0.5
+            layers[f"{name}.lora_A.weight"] = a.contiguous()
+            layers[f"{name}.lora_B.weight"] = b.contiguous()
+    with _atomic_dir(Path(out_dir)) as tmp:
+        Flux2KleinPipeline.save_lora_weights(tmp, transformer_lora_layers=layers)
+    return Path(out_dir)

@@ -10,13 +10,17 @@ rank; the tolerance is the issue's, 1e-5 of the latents' magnitude.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import io
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.parallel_harness import final_latents, gang_run, relative_error
+from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang
 
@@ -82,3 +86,81 @@ def test_tp_ranks_read_only_their_pieces(flux2_model: Path, reference: torch.Ten
     shares = [r["share"] for r in reads]
     print(f"flux2 tp2 read shares {shares}")
     assert all(s is not None and s <= 0.55 for s in shares), shares
+
+
+# ------------------------------------------------------------ through the ZMQ front
+
+TOKENS = ("--max-sequence-length", "32")
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png))).astype(np.int16)
+
+
+def _gap(a: bytes, b: bytes) -> int:
+    return int(np.abs(_pixels(a) - _pixels(b)).max())
+
+
+def _png(worker: WorkerProcess, **fields: object) -> bytes:
+    with worker.client() as c:
+        return c.generate(**{**REQUEST, "seed": 21, **fields})[1][0]
+
+
+@pytest.fixture(scope="module")
+def single(flux2_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
+    with WorkerProcess(flux2_model, *TOKENS, *allow_tmp) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def tp2(flux2_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
+    with WorkerProcess(flux2_model, "--tp", "2", *TOKENS, *allow_tmp) as w:
+        yield w
+
+
+def test_a_tp2_replica_serves_one_rank_s_images_from_half_the_transformer(
+    single: WorkerProcess, tp2: WorkerProcess
+) -> None:
+    for fields in ({}, {"guidance_scale": 1.0}, {"width": 128}):
+        assert _gap(_png(tp2, **fields), _png(single, **fields)) <= 1, fields
+    with single.client() as c:
+        whole = c.control("model_info")["rank_weights"][0]["bytes"]["transformer"]
+    with tp2.client() as c:
+        weights = c.control("model_info")["rank_weights"]
+    pieces = [w["bytes"]["transformer"] for w in weights]
+    print(f"flux2 tp2 transformer bytes per rank {pieces} of {whole}: {max(pieces) / whole:.3f}")
+    assert all(p <= 0.55 * whole for p in pieces), (pieces, whole)
+    # The Qwen3 text encoder lives on the output rank only; the VAE on every rank.
+    assert [w["bytes"]["text_encoder"] > 0 for w in weights] == [True, False]
+    assert weights[0]["bytes"]["vae"] == weights[1]["bytes"]["vae"] > 0
+
+
+def test_fused_lora_and_weight_updates_under_tp_match_one_rank(
+    single: WorkerProcess, tp2: WorkerProcess, flux2_lora: Path, flux2_model: Path,
+    flux2_model_b: Path,
+) -> None:  # fmt: skip
+    """A LoRA on the single blocks' fused layers and the SwiGLU inputs is cut in the
+    same packed blocks as the weights it adapts."""
+    base = _png(tp2)
+    try:
+        for worker in (single, tp2):
+            with worker.client() as c:
+                c.control("set_lora", lora_nickname="f", lora_path=str(flux2_lora))
+        lora = _png(tp2)
+        assert _gap(lora, base) > 1 and _gap(lora, _png(single)) <= 1
+        with tp2.client() as c:
+            c.control("merge_lora_weights")
+            assert _gap(_png(tp2), lora) <= 1
+            c.control("unmerge_lora_weights")
+            assert _png(tp2) == lora  # the saved base pieces come back exactly
+            c.control("set_lora", lora_nickname="f", strength=0.0)
+        assert _png(tp2) == base
+        for worker in (single, tp2):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(flux2_model_b))
+        assert _gap(_png(tp2), _png(single)) <= 1 and _gap(_png(tp2), base) > 1
+    finally:
+        for worker in (single, tp2):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(flux2_model))
+    assert _png(tp2) == base
