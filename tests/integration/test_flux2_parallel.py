@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dpserve.contract import protocol as p
 from tests.parallel_harness import final_latents, gang_run, relative_error
 from tests.workers import WorkerProcess
 
@@ -106,6 +107,15 @@ def _png(worker: WorkerProcess, **fields: object) -> bytes:
         return c.generate(**{**REQUEST, "seed": 21, **fields})[1][0]
 
 
+def _edited(worker: WorkerProcess) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (230, 30, 30)).save(buf, format="PNG")
+    body = {**REQUEST, "seed": 21, "edit": {"images": [0]}}
+    with worker.client() as c:
+        reply = c.call(p.GENERATE, body, blobs=[buf.getvalue()])
+    return reply.blobs[reply.body_as(p.GenerateResult).images[0].blob]
+
+
 @pytest.fixture(scope="module")
 def single(flux2_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
     with WorkerProcess(flux2_model, *TOKENS, *allow_tmp) as w:
@@ -127,10 +137,12 @@ def split(
 def test_split_replicas_serve_one_rank_s_images(
     single: WorkerProcess, split: WorkerProcess
 ) -> None:
-    """With CFG, without (a CFG gang lends its ranks to the sequence split), and at
-    another size; tp ranks hold at most 0.55 of the transformer each."""
+    """With CFG, without (a CFG gang lends its ranks to the sequence split), at
+    another size, and an edit; tp ranks hold at most 0.55 of the transformer each."""
     for fields in ({}, {"guidance_scale": 1.0}, {"width": 128}):
         assert _gap(_png(split, **fields), _png(single, **fields)) <= 1, fields
+    # An edit: klein conditions on the image's latents, more image tokens to cut.
+    assert _gap(_edited(split), _edited(single)) <= 1
     with single.client() as c:
         whole = c.control("model_info")["rank_weights"][0]["bytes"]["transformer"]
     with split.client() as c:
