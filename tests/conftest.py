@@ -237,3 +237,26 @@ def tiny_wan_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dpserve.worker.tiny_model import build_tiny_pipeline
 
     return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "wan-moe", "wan-moe", seed=0)
+
+
+def flux2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A FLUX.2 [klein] pipeline (Flux2Transformer2DModel, 4 heads) with random weights."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "flux2", "flux2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def flux2_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.2 with other weights: what a weight update loads."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "flux2-b", "flux2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def flux2_lora(flux2_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA over every block layer of the tiny FLUX.2, its fused layers included."""
+    from dpserve.worker.tiny_flux2 import build_lora
+
+    return build_lora(tmp_path_factory.mktemp("loras") / "flux2-lora", flux2_model, seed=0)

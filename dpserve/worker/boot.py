@@ -203,7 +203,7 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
     one (a video model's: 5 frames), or with --compile one at each compile size, which
     compiles its graph there (worker/compile.py); then the compiler is sealed."""
     from dpserve.worker.compile import graphs
-    from dpserve.worker.pipeline import size_factor
+    from dpserve.worker.pipeline import call_defaults, size_factor
     from dpserve.worker.video_call import warmup_reference
 
     # The smallest square from 64 px whose image tokens the sp ranks can split evenly.
@@ -215,6 +215,7 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
     sizes = compiler.sizes if compiler is not None else ((side, side),)
     compiled_before = graphs()
     video = executor.features.video
+    takes = call_defaults(executor.pipe)
     clip = (
         None
         if video is None
@@ -226,9 +227,10 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
         blobs = [warmup_reference(width, height)] if needs_image else []
         params = p.GenerateParams(
             prompt="warmup",
-            negative_prompt="blurry" if cfg.cfg > 1 else None,
-            # A video model's CFG is its guidance_scale, on by default.
-            true_cfg_scale=2.0 if cfg.cfg > 1 and video is None else None,
+            # A pipeline's CFG is true CFG (a negative prompt and true_cfg_scale) where
+            # it takes them, else its guidance_scale, on by default (Wan, FLUX.2 klein).
+            negative_prompt="blurry" if cfg.cfg > 1 and "negative_prompt" in takes else None,
+            true_cfg_scale=2.0 if cfg.cfg > 1 and "true_cfg_scale" in takes else None,
             width=width,
             height=height,
             num_inference_steps=cfg.warmup_steps,

@@ -9,6 +9,7 @@ unmerging restores that copy.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,13 +58,17 @@ class LoraAdapters:
         piece (peft sizes them from the already split layers), and the text encoder's
         only where the encoder is held (not a stand-in for the output rank's)."""
         pipe = self.pipe
-        state, alphas, metadata = pipe.lora_state_dict(
-            path, return_alphas=True, return_lora_metadata=True, use_safetensors=True
+        # Flux's loader takes network alphas; FLUX.2's and others' have none to return.
+        load_params = inspect.signature(pipe.load_lora_into_transformer).parameters
+        alphas_kw = "network_alphas" in load_params
+        loaded = pipe.lora_state_dict(
+            path, return_alphas=alphas_kw, return_lora_metadata=True, use_safetensors=True
         )
+        state, alphas, metadata = loaded if alphas_kw else (loaded[0], None, loaded[1])
         prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
         pipe.load_lora_into_transformer(
             self.parallel.shard_lora(pipe.transformer, state, prefix),
-            network_alphas=alphas,
+            **({"network_alphas": alphas} if alphas_kw else {}),
             transformer=pipe.transformer,
             adapter_name=nickname,
             metadata=metadata,

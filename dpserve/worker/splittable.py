@@ -34,6 +34,8 @@ FAMILIES: Mapping[str, FamilyTraits] = MappingProxyType(
         "FluxTransformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True),
         # Wan cross-attends, each rank to the whole prompt: its text is not split.
         "WanTransformer3DModel": FamilyTraits(tp=True, sp=True),
+        # FLUX.2 pads every prompt to max_sequence_length, as FLUX.1 does.
+        "Flux2Transformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True),
     }
 )
 TENSOR_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.tp)

@@ -494,6 +494,8 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
 FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType(
     {
         "wan-moe": "dpserve.worker.tiny_wan_moe:build",
+        "flux2": "dpserve.worker.tiny_flux2:build",
+        "flux2-small": "dpserve.worker.tiny_flux2:build",
     }
 )
 
