@@ -156,5 +156,5 @@ def build(variant: str, seed: int) -> StableDiffusion3Pipeline:
         text_encoder_2=text_encoder_2,
         tokenizer_2=clip_tok,
         text_encoder_3=text_encoder_3,
-        tokenizer_3=t5_tok,  # type: ignore[arg-type]  # hint: the fast class
+        tokenizer_3=t5_tok,
     )
