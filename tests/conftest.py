@@ -229,3 +229,11 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield kind
     finally:
         kind.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD3.5-style model (dual attention, RMS qk-norm; 4 heads)."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd3", "sd3", seed=0)
