@@ -45,6 +45,7 @@ class TinySD3Variant:
     dual_attention_layers: tuple[int, ...]
     attention_head_dim: int
     num_attention_heads: int
+    pos_embed_max_size: int  # patches a side, 16 px each (8: up to 128x128)
     clip_dim: int = 32  # each CLIP's width; their concatenation pads to the T5 width
     text_dim: int = 64  # T5 d_model (>= 2 * clip_dim, as SD3 pads CLIP up to T5)
     text_ff_dim: int = 128
@@ -56,7 +57,11 @@ SD3_VARIANTS: dict[str, TinySD3Variant] = {
     # A 3-step 64x64 request in a fraction of a second on one CPU thread; 4 heads, so
     # tp2 x ulysses2 can split them.
     "sd3": TinySD3Variant(
-        num_layers=2, dual_attention_layers=(0,), attention_head_dim=16, num_attention_heads=4
+        num_layers=4,
+        dual_attention_layers=(0, 1),
+        attention_head_dim=16,
+        num_attention_heads=4,
+        pos_embed_max_size=8,
     ),
     # Wide enough that the transformer carries a request's time on a CPU (benchmarks).
     "sd3-small": TinySD3Variant(
@@ -64,6 +69,7 @@ SD3_VARIANTS: dict[str, TinySD3Variant] = {
         dual_attention_layers=(0, 1, 2),
         attention_head_dim=64,
         num_attention_heads=8,
+        pos_embed_max_size=64,
     ),
 }
 
@@ -113,7 +119,7 @@ def build(variant: str, seed: int) -> StableDiffusion3Pipeline:
         caption_projection_dim=inner,
         pooled_projection_dim=2 * v.clip_dim,
         out_channels=_LATENT_CHANNELS,
-        pos_embed_max_size=64,  # up to 1024x1024
+        pos_embed_max_size=v.pos_embed_max_size,
         dual_attention_layers=v.dual_attention_layers,
         qk_norm="rms_norm",
     )
