@@ -227,8 +227,8 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
         params = p.GenerateParams(
             prompt="warmup",
             negative_prompt="blurry" if cfg.cfg > 1 else None,
-            # A video model's CFG is its guidance_scale, on by default.
-            true_cfg_scale=2.0 if cfg.cfg > 1 and video is None else None,
+            # A video model's CFG (SD3's) is its guidance_scale, on by default.
+            true_cfg_scale=2.0 if cfg.cfg > 1 and not executor.by_guidance else None,
             width=width,
             height=height,
             num_inference_steps=cfg.warmup_steps,

@@ -5,12 +5,16 @@ latents' magnitude. 64x64 is 16 image tokens; the prompt is 32 CLIP + 32 T5 toke
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.parallel_harness import final_latents, relative_error
+from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang
 
@@ -65,3 +69,36 @@ def test_sd3_tokens_that_do_not_split_are_refused_with_the_count(tiny_sd3_model:
     odd = {**REQUEST, "width": 48, "height": 48}  # 3 x 3 = 9 image tokens over 2 ranks
     with pytest.raises(Exception, match="9 image tokens cannot be split over sp=2"):
         final_latents(tiny_sd3_model, {"sp": 2, "ring": 2}, odd)
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png))).astype(np.int16)
+
+
+def test_sd3_images_through_a_tp2_cfg2_gang_match_one_rank(
+    tiny_sd3_model: Path, allow_tmp: tuple[str, str]
+) -> None:
+    """Through the worker's ZMQ front: a tp2 x cfg2 gang (batched CFG over the CFG
+    ranks; without CFG, lent to the sequence split) draws one rank's images within one
+    grey level; each tp rank holds at most 0.55 of the transformer, and only the output
+    rank the text encoders."""
+    tokens = ("--max-sequence-length", "32")
+    request = {**REQUEST, "seed": 21}
+    pngs: dict[str, list[bytes]] = {}
+    for name, layout in (("one", ()), ("gang", ("--tp", "2", "--cfg", "2"))):
+        with WorkerProcess(tiny_sd3_model, *layout, *tokens, *allow_tmp) as w, w.client() as c:
+            pngs[name] = [
+                c.generate(**{**request, **f})[1][0] for f in ({}, {"guidance_scale": 1.0})
+            ]
+            info = c.control("model_info")
+        weights = [w["bytes"] for w in info["rank_weights"]]
+        if name == "one":
+            whole = weights[0]["transformer"]
+            continue
+        assert len(weights) == 4
+        assert all(w["transformer"] <= 0.55 * whole for w in weights), (weights, whole)
+        encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        assert all(weights[0][e] > 0 for e in encoders)
+        assert all(w[e] == 0 for w in weights[1:] for e in encoders)
+    for got, want in zip(pngs["gang"], pngs["one"], strict=True):
+        assert int(np.abs(_pixels(got) - _pixels(want)).max()) <= 1
