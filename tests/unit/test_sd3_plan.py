@@ -76,3 +76,18 @@ def test_sd3_text_tokens_count_clip_and_t5(tmp_path: Path) -> None:
     assert layout_problem(tmp_path, ParallelConfig(sp=2, tp=2), 31) is None
     heads = layout_problem(tmp_path, ParallelConfig(sp=8, ulysses=8), 35)
     assert heads is not None and "attention heads (4)" in heads
+
+
+def test_batched_cfg_takes_each_ranks_half_of_every_batch_argument() -> None:
+    from dpserve.worker.denoiser import DenoiserPatch, _batch_half
+
+    latents, text = torch.arange(4.0).reshape(2, 2), [torch.zeros(2, 3), torch.ones(2, 3)]
+    assert torch.equal(_batch_half(latents, 2, 1), latents[1:])
+    halves = _batch_half(text, 2, 0)
+    assert isinstance(halves, list) and [h.shape for h in halves] == [(1, 3), (1, 3)]
+    assert _batch_half(torch.tensor(3.0), 2, 1).ndim == 0  # not a batch: as it is
+    assert _batch_half([1, 2], 2, 1) == [1, 2]
+    sd3 = _transformer("sd3")
+    group: object = object()
+    assert DenoiserPatch(0, group, lambda: None).can_split(sd3)  # type: ignore[arg-type]
+    assert not DenoiserPatch(0, None, lambda: None).can_split(sd3)
