@@ -239,6 +239,7 @@ def tiny_wan_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "wan-moe", "wan-moe", seed=0)
 
 
+@pytest.fixture(scope="session")
 def flux2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A FLUX.2 [klein] pipeline (Flux2Transformer2DModel, 4 heads) with random weights."""
     from dpserve.worker.tiny_model import build_tiny_pipeline
@@ -260,3 +261,11 @@ def flux2_lora(flux2_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     from dpserve.worker.tiny_flux2 import build_lora
 
     return build_lora(tmp_path_factory.mktemp("loras") / "flux2-lora", flux2_model, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD3.5-style model (dual attention, RMS qk-norm; 4 heads)."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd3", "sd3", seed=0)

@@ -15,6 +15,16 @@ latents and fills it in place at the exchange, before the pipeline reads it
 Each rank therefore runs the exact single-process forward for its branch, so the
 output is bit-identical to one process at the same thread count.
 
+Other pipelines (SD3) batch the two branches instead: one denoiser call a step on
+``torch.cat([latents] * 2)``, negative prompt first, split by ``chunk(2)`` after.
+For their denoisers (``BATCHED_CFG``) each CFG rank runs its half of the batch
+(rank 0 the first, unconditional half: every argument whose first dimension is the
+batch is narrowed) and the halves are all-gathered along the batch. A call with an
+odd batch (SD3's skip-layer guidance passes the latents alone) runs whole on every
+rank. The samples of a batch never meet in the denoiser, so this is the one-process
+result up to how the CPU's matrix kernels block a batch of one against a batch of
+two (tests/integration/test_sd3_parallel.py measures it).
+
 The stop gate drops a generation whose client cancelled it or whose deadline
 passed at its next denoising step instead of rendering it to the end. Every rank
 calls the denoiser the same number of times (the rank that skips a branch still
@@ -145,6 +155,46 @@ class _BranchSplit:
         return _wrap(uncond, kwargs)
 
 
+# Denoisers whose pipelines batch both CFG branches into one call (module docstring).
+BATCHED_CFG = frozenset({"SD3Transformer2DModel"})
+
+
+def _batch_half(value: Any, batch: int, rank: int) -> Any:
+    """``value``'s half ``rank`` along a first dimension of size ``batch`` (a list or
+    tuple of such tensors, each); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0 or value.shape[0] != batch:
+            return value
+        return value.narrow(0, rank * (batch // 2), batch // 2)
+    tensors = isinstance(value, list | tuple) and all(isinstance(v, torch.Tensor) for v in value)
+    if tensors and value:
+        return type(value)(_batch_half(v, batch, rank) for v in value)
+    return value
+
+
+class _BatchSplit:
+    """One request's CFG split of a batched-CFG denoiser: each call, this CFG rank runs
+    its half of the batch, then the halves are all-gathered (module docstring)."""
+
+    def __init__(self, cfg_rank: int, group: dist.ProcessGroup) -> None:
+        self.cfg_rank = cfg_rank
+        self.group = group
+
+    def call(self, forward: Forward, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        latents = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(latents, torch.Tensor):
+            raise RuntimeError("CFG-parallel needs the denoiser's hidden_states argument")
+        batch = latents.shape[0]
+        if batch % 2:
+            return forward(*args, **kwargs)
+        args = tuple(_batch_half(a, batch, self.cfg_rank) for a in args)
+        kwargs = {k: _batch_half(v, batch, self.cfg_rank) for k, v in kwargs.items()}
+        mine = _sample(forward(*args, **kwargs)).contiguous()
+        gathered = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(gathered, mine, group=self.group)
+        return _wrap(torch.cat(gathered), kwargs)
+
+
 class DenoiserPatch:
     """Patches ``pipe.transformer`` for one request, then restores it."""
 
@@ -161,7 +211,13 @@ class DenoiserPatch:
         self.wrap = wrap
 
     def can_split(self, denoiser: torch.nn.Module) -> bool:
-        return self.cfg_group is not None and hasattr(denoiser, "cache_context")
+        return self.cfg_group is not None and (
+            hasattr(denoiser, "cache_context") or self.batched(denoiser)
+        )
+
+    @staticmethod
+    def batched(denoiser: torch.nn.Module) -> bool:
+        return type(denoiser).__name__ in BATCHED_CFG
 
     @contextlib.contextmanager
     def applied(
@@ -171,23 +227,22 @@ class DenoiserPatch:
         lend = self.cfg_group is not None and not split
         original_forward: Forward = self.wrap(denoiser.forward, lend)
         original_context = getattr(denoiser, "cache_context", None)
-        state = (
-            _BranchSplit(self.cfg_rank, self.cfg_group)
-            if split and self.cfg_group is not None
-            else None
-        )
+        state: _BranchSplit | _BatchSplit | None = None
+        if split and self.cfg_group is not None:
+            batched = self.batched(denoiser)
+            state = (_BatchSplit if batched else _BranchSplit)(self.cfg_rank, self.cfg_group)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             self.on_step()
             if gate is not None:
-                gate(ask=state is None or state.branch != "uncond")
+                gate(ask=not isinstance(state, _BranchSplit) or state.branch != "uncond")
             if state is None:
                 return original_forward(*args, **kwargs)
             return state.call(original_forward, args, kwargs)
 
         @contextlib.contextmanager
         def cache_context(name: str, **kw: Any) -> Iterator[None]:
-            assert original_context is not None and state is not None
+            assert original_context is not None and isinstance(state, _BranchSplit)
             state.branch = name
             try:
                 with original_context(name, **kw):
@@ -197,7 +252,7 @@ class DenoiserPatch:
 
         # Instance attributes shadow the class's methods for this request only.
         object.__setattr__(denoiser, "forward", forward)
-        if state is not None:
+        if isinstance(state, _BranchSplit):
             object.__setattr__(denoiser, "cache_context", cache_context)
         try:
             yield

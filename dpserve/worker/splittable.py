@@ -25,6 +25,7 @@ class FamilyTraits:
     tp: bool
     sp: bool
     text_split: bool = False
+    clip_tokens: bool = False  # the prompt carries CLIP's padded tokens ahead of T5's (SD3)
 
 
 # Every family a gang can split, by denoiser class. Adding one: docs/worker.md,
@@ -36,6 +37,8 @@ FAMILIES: Mapping[str, FamilyTraits] = MappingProxyType(
         "WanTransformer3DModel": FamilyTraits(tp=True, sp=True),
         # FLUX.2 pads every prompt to max_sequence_length, as FLUX.1 does.
         "Flux2Transformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True),
+        # SD3's joint attention, as Flux's; its prompt is 77 CLIP tokens and then T5's.
+        "SD3Transformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True, clip_tokens=True),
     }
 )
 TENSOR_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.tp)
@@ -63,15 +66,39 @@ def text_split(kind: str, sp: int, cfg: int) -> int:
     return sp * cfg if kind in TEXT_SPLIT else 1
 
 
-def text_tokens_problem(kind: str, text_tokens: int | None, sp: int) -> str | None:
+def text_tokens_problem(
+    kind: str, text_tokens: int | None, sp: int, clip_tokens: int = 0
+) -> str | None:
     """Where sp splits the text tokens too (Flux, which pads every prompt to
-    --max-sequence-length), they must split evenly."""
-    if kind not in TEXT_SPLIT or text_tokens is None or text_tokens % sp == 0:
+    --max-sequence-length; SD3, which pads it to its CLIP tokenizer's length,
+    ``clip_tokens``, and then to --max-sequence-length T5 tokens), they must split
+    evenly."""
+    if kind not in TEXT_SPLIT or text_tokens is None:
         return None
+    clip = clip_tokens if FAMILIES[kind].clip_tokens else 0
+    if (clip + text_tokens) % sp == 0:
+        return None
+    if not clip:
+        return (
+            f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by sp "
+            f"({sp}), which splits them: use a multiple of {sp}"
+        )
     return (
-        f"text tokens ({text_tokens}, --max-sequence-length) must be divisible by sp "
-        f"({sp}), which splits them: use a multiple of {sp}"
+        f"text tokens ({clip} CLIP + {text_tokens} T5, --max-sequence-length, = "
+        f"{clip + text_tokens}) must be divisible by sp ({sp}), which splits them: use a "
+        f"--max-sequence-length whose sum with {clip} is a multiple of {sp}"
     )
+
+
+def clip_tokens(model: Path) -> int:
+    """The CLIP tokens a model folder's pipeline pads every prompt to (SD3's
+    ``tokenizer_max_length``: its first tokenizer's ``model_max_length``, else 77)."""
+    config = model / "tokenizer" / "tokenizer_config.json"
+    if config.is_file():
+        length = json.loads(config.read_text()).get("model_max_length")
+        if isinstance(length, int) and 0 < length < 1 << 20:
+            return length
+    return 77
 
 
 def layout_problem(model: Path, layout: ParallelConfig, text_tokens: int | None) -> str | None:
@@ -90,7 +117,7 @@ def layout_problem(model: Path, layout: ParallelConfig, text_tokens: int | None)
     problem = splittable_problem(kind, layout)
     if problem is not None:
         return problem
-    if problem := text_tokens_problem(kind, text_tokens, layout.sp):
+    if problem := text_tokens_problem(kind, text_tokens, layout.sp, clip_tokens(model)):
         return problem
     try:
         layout.validate(num_heads=int(config["num_attention_heads"]))

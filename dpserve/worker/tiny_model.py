@@ -496,6 +496,8 @@ FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType(
         "wan-moe": "dpserve.worker.tiny_wan_moe:build",
         "flux2": "dpserve.worker.tiny_flux2:build",
         "flux2-small": "dpserve.worker.tiny_flux2:build",
+        "sd3": "dpserve.worker.tiny_sd3:build",
+        "sd3-small": "dpserve.worker.tiny_sd3:build",
     }
 )
 

@@ -145,7 +145,9 @@ class ModelParallel:
         if transformer is None:
             kind = type(pipe).__name__ + " without one"
             raise ParallelUnsupported(splittable_problem(kind, self.layout) or kind)
-        if problem := text_tokens_problem(type(transformer).__name__, text_tokens, self.layout.sp):
+        clip = int(getattr(pipe, "tokenizer_max_length", 77))  # SD3's CLIP tokens
+        kind = type(transformer).__name__
+        if problem := text_tokens_problem(kind, text_tokens, self.layout.sp, clip):
             raise ParallelUnsupported(problem)
 
     def _lend_as(self, transformer: Any) -> str | None:
