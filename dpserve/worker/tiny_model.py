@@ -491,7 +491,12 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
 
 # Other families' variants: variant -> "module:function" building the pipeline from a
 # seed (imported when asked for, so a Flux build loads no other family's classes).
-FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType({})
+FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType(
+    {
+        "qwen-image": "dpserve.worker.tiny_qwen_image:build",
+        "qwen-image-small": "dpserve.worker.tiny_qwen_image:build",
+    }
+)
 
 
 def _family_builder(variant: str) -> Any:
