@@ -229,3 +229,19 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield kind
     finally:
         kind.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen-Image pipeline (QwenImagePipeline, Qwen2.5-VL encoder) with random weights."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "qwen", "qwen-image", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen-Image architecture with other weights: what a weight update loads."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "qwen-b", "qwen-image", seed=1)

@@ -34,6 +34,8 @@ FAMILIES: Mapping[str, FamilyTraits] = MappingProxyType(
         "FluxTransformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True),
         # Wan cross-attends, each rank to the whole prompt: its text is not split.
         "WanTransformer3DModel": FamilyTraits(tp=False, sp=True),
+        # Qwen's prompts have any length: its cut pads them with masked keys.
+        "QwenImageTransformer2DModel": FamilyTraits(tp=True, sp=True),
     }
 )
 TENSOR_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.tp)

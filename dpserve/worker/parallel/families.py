@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
+from dpserve.worker.parallel.qwen_image import QwenCut, SequenceParallelQwenProcessor, qwen_image_plan
 from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut
 from dpserve.worker.parallel.tensor import Shard
 from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut
@@ -34,6 +35,9 @@ PLANS: Mapping[str, FamilyPlan] = MappingProxyType(
     {
         "FluxTransformer2DModel": FamilyPlan(FluxCut, SequenceParallelFluxProcessor, flux_plan),
         "WanTransformer3DModel": FamilyPlan(WanCut, SequenceParallelWanProcessor),
+        "QwenImageTransformer2DModel": FamilyPlan(
+            QwenCut, SequenceParallelQwenProcessor, qwen_image_plan
+        ),
     }
 )
 
