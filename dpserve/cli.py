@@ -158,7 +158,17 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("dir", type=Path, help="folder to write the pipeline to (absent or empty)")
     # The builder's VARIANTS and VIDEO_VARIANTS, spelled out: importing them here would
     # load torch for every command.
-    variants = ("tiny", "tiny4", "small", "large", "video", "video-small", "video-i2v", "qwen-image", "qwen-image-small")
+    variants = (
+        "tiny",
+        "tiny4",
+        "small",
+        "large",
+        "video",
+        "video-small",
+        "video-i2v",
+        "qwen-image",
+        "qwen-image-small",
+    )
     t.add_argument(
         "--variant", choices=variants, default="tiny", help="docs/worker.md, Tiny models"
     )

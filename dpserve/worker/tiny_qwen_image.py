@@ -106,7 +106,7 @@ def qwen_tokenizer() -> Qwen2Tokenizer:
 
 
 def _text_encoder(v: TinyQwenVariant, tokenizer: Qwen2Tokenizer) -> Any:
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in _SPECIALS}
+    ids = {name: int(tokenizer.convert_tokens_to_ids(name)) for name in _SPECIALS}  # type: ignore[arg-type]
     head_dim = v.text_dim // v.text_heads
     config = Qwen2_5_VLConfig(
         text_config={

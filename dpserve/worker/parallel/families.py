@@ -14,7 +14,11 @@ from types import MappingProxyType
 from typing import Any
 
 from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
-from dpserve.worker.parallel.qwen_image import QwenCut, SequenceParallelQwenProcessor, qwen_image_plan
+from dpserve.worker.parallel.qwen_image import (
+    QwenCut,
+    SequenceParallelQwenProcessor,
+    qwen_image_plan,
+)
 from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut
 from dpserve.worker.parallel.tensor import Shard
 from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut

@@ -53,6 +53,12 @@ def qwen_image_plan(transformer: Any) -> dict[str, Shard]:
     return plan
 
 
+def _rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Qwen's rotary embedding (complex angles, (S, D/2)) on (B, S, H, D)."""
+    turned: Any = apply_rotary_emb_qwen(x, angles, use_real=False)
+    return turned
+
+
 class SequenceParallelQwenProcessor:
     """Qwen's joint text-image attention with the attention spread over the sp ranks;
     diffusers' own outside a split call.
@@ -63,7 +69,7 @@ class SequenceParallelQwenProcessor:
 
     def __init__(self, scope: AttentionScope) -> None:
         self.scope = scope
-        self.whole = QwenDoubleStreamAttnProcessor2_0()
+        self.whole: Any = QwenDoubleStreamAttnProcessor2_0()
 
     def __call__(
         self,
@@ -108,10 +114,8 @@ class SequenceParallelQwenProcessor:
             text_k = attn.norm_added_k(text_k)
         if image_rotary_emb is not None:  # this rank's tokens' angles (QwenCut)
             image_angles, text_angles = image_rotary_emb
-            query = apply_rotary_emb_qwen(query, image_angles, use_real=False)
-            key = apply_rotary_emb_qwen(key, image_angles, use_real=False)
-            text_q = apply_rotary_emb_qwen(text_q, text_angles, use_real=False)
-            text_k = apply_rotary_emb_qwen(text_k, text_angles, use_real=False)
+            query, key = _rotate(query, image_angles), _rotate(key, image_angles)
+            text_q, text_k = _rotate(text_q, text_angles), _rotate(text_k, text_angles)
         key_mask = None
         if encoder_hidden_states_mask is not None:  # this rank's text's (QwenCut)
             image_mask = encoder_hidden_states_mask.new_ones(hidden_states.shape[:2])
@@ -185,4 +189,3 @@ class QwenCut:
         finally:
             for hook in hooks:
                 hook.remove()
-
