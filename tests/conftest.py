@@ -245,3 +245,10 @@ def tiny_qwen_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dpserve.worker.tiny_model import build_tiny_pipeline
 
     return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "qwen-b", "qwen-image", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_lora(tiny_qwen_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dpserve.worker.tiny_model import build_tiny_lora
+
+    return build_tiny_lora(tmp_path_factory.mktemp("loras") / "qwen", tiny_qwen_model, seed=0)

@@ -1,0 +1,110 @@
+"""Qwen-Image through the worker's ZMQ front: one rank, and split (tp2, ulysses2) against it."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.workers import WorkerProcess
+
+pytestmark = pytest.mark.gang
+
+REQUEST = dict(
+    prompt="a red fox in snow",
+    negative_prompt="ugly blurry",
+    true_cfg_scale=4.0,
+    width=64,
+    height=64,
+    num_inference_steps=3,
+    seed=[21],
+)
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png))).astype(np.int16)
+
+
+def _close(a: bytes, b: bytes) -> bool:
+    return int(np.abs(_pixels(a) - _pixels(b)).max()) <= 1
+
+
+def _png(worker: WorkerProcess, **fields: object) -> bytes:
+    with worker.client() as c:
+        return c.generate(**{**REQUEST, **fields})[1][0]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_qwen_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
+    with WorkerProcess(tiny_qwen_model, *allow_tmp) as w:
+        yield w
+
+
+def test_one_rank_serves_qwen_image(single: WorkerProcess) -> None:
+    a, b = _png(single), _png(single, prompt="a blue car")
+    assert _pixels(a).shape == (64, 64, 3) and a != b
+
+
+LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2")}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def split(
+    request: pytest.FixtureRequest, tiny_qwen_model: Path, allow_tmp: tuple[str, str]
+) -> Iterator[WorkerProcess]:
+    with WorkerProcess(tiny_qwen_model, *LAYOUTS[request.param], *allow_tmp) as w:
+        yield w
+
+
+def test_images_match_one_rank(single: WorkerProcess, split: WorkerProcess) -> None:
+    # True CFG, none (a cfg-free call), and a wider image (more tokens).
+    for fields in ({}, {"negative_prompt": None, "true_cfg_scale": None}, {"width": 128}):
+        assert _close(_png(split, **fields), _png(single, **fields)), fields
+
+
+def test_each_rank_holds_its_share_of_the_transformer(
+    single: WorkerProcess, split: WorkerProcess
+) -> None:
+    with single.client() as c:
+        whole = c.control("model_info")["rank_weights"][0]["bytes"]["transformer"]
+    with split.client() as c:
+        info = c.control("model_info")
+    pieces = [w["bytes"]["transformer"] for w in info["rank_weights"]]
+    # Qwen2.5-VL lives on the output rank only; the VAE on every rank.
+    encoders = [w["bytes"]["text_encoder"] for w in info["rank_weights"]]
+    assert encoders[0] > 0 and encoders[1] == 0
+    if info["parallel"]["tp"] == 2:
+        ratio = max(pieces) / whole
+        print(f"tp2 per-rank transformer bytes: {ratio:.3f} of one rank's")
+        assert ratio <= 0.55, (pieces, whole)
+    else:
+        assert pieces == [whole, whole]
+
+
+def test_lora_and_weight_updates_match_one_rank(
+    single: WorkerProcess, split: WorkerProcess, tiny_qwen_lora: Path, tiny_qwen_model: Path,
+    tiny_qwen_model_b: Path,
+) -> None:  # fmt: skip
+    base = _png(split)
+    try:
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("set_lora", lora_nickname="q", lora_path=str(tiny_qwen_lora))
+        lora = _png(split)
+        assert not _close(lora, base) and _close(lora, _png(single))
+        with split.client() as c:
+            c.control("set_lora", lora_nickname="q", strength=0.0)
+        assert _png(split) == base
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(tiny_qwen_model_b))
+        assert _close(_png(split), _png(single)) and not _close(_png(split), base)
+    finally:
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(tiny_qwen_model))
+    assert _png(split) == base
