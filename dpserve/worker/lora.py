@@ -9,6 +9,8 @@ unmerging restores that copy.
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,17 +59,26 @@ class LoraAdapters:
         piece (peft sizes them from the already split layers), and the text encoder's
         only where the encoder is held (not a stand-in for the output rank's)."""
         pipe = self.pipe
-        state, alphas, metadata = pipe.lora_state_dict(
-            path, return_alphas=True, return_lora_metadata=True, use_safetensors=True
-        )
+        alphas = None
+        if "return_alphas" in inspect.signature(pipe.lora_state_dict).parameters:  # Flux's
+            state, alphas, metadata = pipe.lora_state_dict(
+                path, return_alphas=True, return_lora_metadata=True, use_safetensors=True
+            )
+        else:  # Qwen-Image's and others': no network alphas
+            state, metadata = pipe.lora_state_dict(
+                path, return_lora_metadata=True, use_safetensors=True
+            )
         prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
+        extra: dict[str, Any] = {}
+        if "network_alphas" in inspect.signature(pipe.load_lora_into_transformer).parameters:
+            extra["network_alphas"] = alphas
         pipe.load_lora_into_transformer(
             self.parallel.shard_lora(pipe.transformer, state, prefix),
-            network_alphas=alphas,
             transformer=pipe.transformer,
             adapter_name=nickname,
             metadata=metadata,
             _pipeline=pipe,
+            **extra,
         )
         text = getattr(pipe, "text_encoder_name", "text_encoder")
         text_keys = any(k.startswith(f"{text}.") for k in state)

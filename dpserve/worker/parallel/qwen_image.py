@@ -4,7 +4,8 @@ split across a gang.
 - Tensor parallel (``qwen_image_plan``): attention heads are split (the image and text
   q/k/v column, both output projections row), so are both streams' MLPs; the AdaLN
   modulations (``img_mod``, ``txt_mod``: a third of a block's weights) are split by output
-  and gathered. Embedders, the final norm and projection stay whole.
+  and gathered, and so are the timestep MLP and the output norm's modulation. The
+  input embedders and the output projection stay whole.
 - Sequence parallel (``QwenCut``): Qwen makes its rotary angles inside its forward, from the
   image grid and the text length, so the cut is made there by hooks, like Wan's: the text is
   first padded to a multiple of the split with keys masked out (Qwen's prompts have any
@@ -50,6 +51,11 @@ def qwen_image_plan(transformer: Any) -> dict[str, Shard]:
             plan[f"{p}.{mlp}.net.2"] = ROW
         plan[f"{p}.img_mod.1"] = GATHERED
         plan[f"{p}.txt_mod.1"] = GATHERED
+    # The timestep's MLP (column then row around its SiLU) and the output norm's
+    # modulation: small at Qwen-Image's width, a tenth of a tiny model's weights.
+    plan["time_text_embed.timestep_embedder.linear_1"] = COLUMN
+    plan["time_text_embed.timestep_embedder.linear_2"] = ROW
+    plan["norm_out.linear"] = GATHERED
     return plan
 
 
