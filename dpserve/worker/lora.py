@@ -10,9 +10,9 @@ unmerging restores that copy.
 from __future__ import annotations
 
 import inspect
-
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
