@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from dpserve.client import ReplicaClient
+from dpserve.contract import protocol as p
 from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang
@@ -108,3 +110,27 @@ def test_lora_and_weight_updates_match_one_rank(
             with worker.client() as c:
                 c.control("update_weights_from_disk", model_path=str(tiny_qwen_model))
     assert _png(split) == base
+
+
+def _stream(client: ReplicaClient, rid: str, body: dict[str, object]) -> list[p.Message]:
+    """Every reply to ``rid``, up to and including its final one."""
+    client.send_raw(p.encode(p.GENERATE, rid, body))
+    replies = [client.recv()]
+    while replies[-1].kind == p.PARTIAL:
+        replies.append(client.recv())
+    assert all(r.id == rid for r in replies)
+    return replies
+
+
+def test_previews_decode_qwen_s_packed_latents(split: WorkerProcess) -> None:
+    """Previews under the split, and the final image the same bytes without them."""
+    body = {**REQUEST, "num_inference_steps": 4, "partial_images": 2}
+    with split.client() as client:
+        replies = _stream(client, "previews", body)
+        assert [r.kind for r in replies] == [p.PARTIAL] * 2 + [p.RESULT]
+        previews = [r.body_as(p.PartialImage) for r in replies[:-1]]
+        assert [(m.width, m.height) for m in previews] == [(64, 64)] * 2
+        assert _pixels(replies[0].blobs[0]).shape == (64, 64, 3)
+        plain = {k: v for k, v in body.items() if k != "partial_images"}
+        (alone,) = _stream(client, "plain", plain)
+        assert alone.blobs == replies[-1].blobs
