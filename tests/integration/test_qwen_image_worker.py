@@ -134,3 +134,29 @@ def test_previews_decode_qwen_s_packed_latents(split: WorkerProcess) -> None:
         plain = {k: v for k, v in body.items() if k != "partial_images"}
         (alone,) = _stream(client, "plain", plain)
         assert alone.blobs == replies[-1].blobs
+
+
+def _files() -> list[bytes]:
+    image, mask = Image.new("RGB", (64, 64), (30, 140, 220)), Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    out = []
+    for img in (image, mask):
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def test_edits_of_two_images_match_one_rank(single: WorkerProcess, split: WorkerProcess) -> None:
+    """Image-to-image and inpainting (diffusers' Qwen-Image siblings share the split
+    transformer), two images a call."""
+    for edit in ({"images": [0], "strength": 0.8}, {"images": [0], "mask": 1, "strength": 0.9}):
+        body = {**REQUEST, "n": 2, "seed": [3, 4], "edit": edit}
+        images = []
+        for worker in (single, split):
+            with worker.client() as client:
+                client.send_raw(p.encode(p.GENERATE, "edit", body, _files()))
+                reply = client.recv()
+                assert reply.kind == p.RESULT, reply.body
+                images.append(reply.blobs)
+        assert len(images[0]) == 2 and all(map(_close, *images)), edit
