@@ -52,3 +52,60 @@ def test_layout_matches_one_rank(name: str, tiny_qwen_model: Path, reference: to
     error = relative_error(latents, reference)
     print(f"{name}: relative error {error:.2e}")
     assert error <= 1e-5, f"{name}: relative error {error:.2e}"
+
+
+def _rows_rank(rank: int, model: str, layout: dict[str, int], store: str, out: str) -> None:
+    """One transformer call on a batch of two prompts of different lengths (masked
+    differently per row), split by ``layout``; rank 0 also runs it whole."""
+    import os
+
+    import torch.distributed as dist
+    from diffusers.models.transformers.transformer_qwenimage import (
+        QwenImageTransformer2DModel,
+    )
+
+    from dpserve.contract.layout import ParallelConfig
+    from dpserve.worker.comm import init_gang
+    from dpserve.worker.parallel import ModelParallel
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    config = ParallelConfig(**layout)
+    comm = init_gang(config, rank, store, torch.device("cpu"), 120.0)
+    parallel = ModelParallel(comm.info, comm.model_groups, config)
+    transformer = QwenImageTransformer2DModel.from_pretrained(Path(model, "transformer")).eval()
+    gen = torch.Generator().manual_seed(5)
+    c = transformer.config
+    text = torch.randn(2, 13, c.joint_attention_dim, generator=gen)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, 9:] = 0  # the second prompt is 9 tokens long
+    call = dict(
+        hidden_states=torch.randn(2, 16, c.in_channels, generator=gen),
+        encoder_hidden_states=text,
+        encoder_hidden_states_mask=mask,
+        timestep=torch.tensor([0.7, 0.7]),
+        img_shapes=[[(1, 4, 4)]] * 2,
+        return_dict=False,
+    )
+    with torch.inference_mode():
+        whole = transformer(**call)[0]
+        parallel.prepare(transformer)
+        split = parallel.wrap(transformer.forward, lend=False)(**call)[0]
+    if rank == 0:
+        Path(out).write_text(str(relative_error(split, whole)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", [dict(sp=2, ulysses=2), dict(sp=4, ulysses=2, ring=2)])
+def test_a_batch_of_prompts_of_different_lengths_splits(
+    layout: dict[str, int], tiny_qwen_model: Path, tmp_path: Path
+) -> None:
+    from dpserve.contract.layout import ParallelConfig
+    from tests.parallel_harness import start_ranks
+
+    out = tmp_path / "error"
+    args = (str(tiny_qwen_model), layout, str(tmp_path / "store"), str(out))
+    start_ranks(_rows_rank, args, ParallelConfig(**layout).gang_size)
+    error = float(out.read_text())
+    print(f"{layout}: relative error {error:.2e}")
+    assert error <= 1e-5
