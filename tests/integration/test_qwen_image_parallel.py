@@ -54,6 +54,14 @@ def test_layout_matches_one_rank(name: str, tiny_qwen_model: Path, reference: to
     assert error <= 1e-5, f"{name}: relative error {error:.2e}"
 
 
+def test_a_request_without_cfg_splits_over_the_cfg_ranks(tiny_qwen_model: Path) -> None:
+    plain = {k: v for k, v in REQUEST.items() if k not in ("negative_prompt", "true_cfg_scale")}
+    latents = final_latents(tiny_qwen_model, {"cfg": 2}, plain)
+    error = relative_error(latents, final_latents(tiny_qwen_model, {}, plain))
+    print(f"cfg2 lent: relative error {error:.2e}")
+    assert 0 < error <= 1e-5, f"relative error {error:.2e}"  # split (not bitwise), and close
+
+
 def _rows_rank(rank: int, model: str, layout: dict[str, int], store: str, out: str) -> None:
     """One transformer call on a batch of two prompts of different lengths (masked
     differently per row), split by ``layout``; rank 0 also runs it whole."""
