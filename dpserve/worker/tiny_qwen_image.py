@@ -76,25 +76,36 @@ _TEMPLATE_WORDS = (
 def qwen_tokenizer() -> Qwen2Tokenizer:
     """A byte-level BPE tokenizer: every byte is a token, known words (with or without a
     leading space) merge into one, and the chat specials are added tokens."""
-    alphabet = list(_bytes_to_unicode().values())
-    vocab: dict[str, int] = {}
-    for tok in alphabet:
-        vocab.setdefault(tok, len(vocab))
-    merges: list[tuple[str, str]] = []
-    space = _bytes_to_unicode()[ord(" ")]
-    # Longest first: a short word's merges (``a`` + ``n``) would break longer ones.
     words = sorted({*_WORDS, *_TEMPLATE_WORDS}, key=lambda w: (-len(w), w))
-    for word in words:  # letter by letter, every prefix in the vocab as BPE requires
+    # One word's merges (``r`` + ``e``) can break another's spelling (``textur`` + ``e``):
+    # the words left in pieces get the first merges, until none is (3 rounds here).
+    order = words
+    for _ in range(8):
+        tokenizer = _bpe(order, words)
+        broken = [w for w in words if len(tokenizer.tokenize(w)) != 1]
+        if not broken:
+            break
+        order = broken + [w for w in order if w not in broken]
+    return tokenizer
+
+
+def _bpe(order: list[str], words: list[str]) -> Qwen2Tokenizer:
+    """Words spelled letter by letter (every prefix in the vocab, as BPE requires) in
+    ``order``, then each spaced word in one merge, then the specials."""
+    alphabet = list(_bytes_to_unicode().values())
+    vocab = {token: i for i, token in enumerate(alphabet)}
+    merges: list[tuple[str, str]] = []
+    for word in order:
         left = word[0]
         for ch in word[1:]:
             if left + ch not in vocab:
                 merges.append((left, ch))
                 vocab[left + ch] = len(vocab)
             left += ch
-    for word in words:  # then the spaced word in one merge
-        if space + word not in vocab:
-            merges.append((space, word))
-            vocab[space + word] = len(vocab)
+    space = _bytes_to_unicode()[ord(" ")]
+    for word in words:
+        merges.append((space, word))
+        vocab[space + word] = len(vocab)
     for special in _SPECIALS:
         vocab[special] = len(vocab)
     return Qwen2Tokenizer(

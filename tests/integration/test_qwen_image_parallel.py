@@ -16,7 +16,7 @@ from tests.parallel_harness import final_latents, relative_error
 
 pytestmark = pytest.mark.gang
 
-# 27 and 17 text tokens: the split pads them (1 and 3 keys masked at sp=4).
+# 17 and 7 text tokens: the split pads them (3 and 1 keys masked at sp=4).
 REQUEST = dict(
     prompt="a red fox in snow",
     negative_prompt="ugly blurry",
