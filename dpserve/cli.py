@@ -160,7 +160,7 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # load torch for every command.
     variants = (
         *("tiny", "tiny4", "small", "large", "video", "video-small", "video-i2v", "wan-moe"),
-        *("flux2", "flux2-small", "sd3", "sd3-small"),
+        *("flux2", "flux2-small", "sd3", "sd3-small", "qwen-image", "qwen-image-small"),
     )
     t.add_argument(
         "--variant", choices=variants, default="tiny", help="docs/worker.md, Tiny models"

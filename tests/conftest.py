@@ -269,3 +269,26 @@ def tiny_sd3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dpserve.worker.tiny_model import build_tiny_pipeline
 
     return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd3", "sd3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen-Image pipeline (QwenImagePipeline, Qwen2.5-VL encoder) with random weights."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "qwen", "qwen-image", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen-Image architecture with other weights: what a weight update loads."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "qwen-b", "qwen-image", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_lora(tiny_qwen_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dpserve.worker.tiny_model import build_tiny_lora
+
+    return build_tiny_lora(tmp_path_factory.mktemp("loras") / "qwen", tiny_qwen_model, seed=0)

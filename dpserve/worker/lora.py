@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -60,12 +61,16 @@ class LoraAdapters:
         pipe = self.pipe
         # Flux's loader takes network alphas; FLUX.2's and others' have none to return.
         load_params = inspect.signature(pipe.load_lora_into_transformer).parameters
-        alphas_kw = "network_alphas" in load_params
+        takes = inspect.signature(pipe.lora_state_dict).parameters
+        alphas_kw = "network_alphas" in load_params and "return_alphas" in takes
         loaded = pipe.lora_state_dict(
             path, return_alphas=alphas_kw, return_lora_metadata=True, use_safetensors=True
         )
         state, alphas, metadata = loaded if alphas_kw else (loaded[0], None, loaded[1])
         prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
+        extra: dict[str, Any] = {}
+        if "network_alphas" in inspect.signature(pipe.load_lora_into_transformer).parameters:
+            extra["network_alphas"] = alphas
         pipe.load_lora_into_transformer(
             self.parallel.shard_lora(pipe.transformer, state, prefix),
             **({"network_alphas": alphas} if alphas_kw else {}),
@@ -73,6 +78,7 @@ class LoraAdapters:
             adapter_name=nickname,
             metadata=metadata,
             _pipeline=pipe,
+            **extra,
         )
         text = getattr(pipe, "text_encoder_name", "text_encoder")
         text_keys = any(k.startswith(f"{text}.") for k in state)

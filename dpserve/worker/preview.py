@@ -49,17 +49,29 @@ def preview_steps(steps: int, count: int) -> list[int]:
     return sorted({min(steps - 2, max(0, s - 1)) for s in spread})
 
 
+def _per_channel(config: Any) -> bool:
+    """Qwen-Image's VAE layout: latents normalized per channel (``latents_mean`` and
+    ``latents_std``, one of each per ``z_dim`` channel), decoded as one-frame videos."""
+    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+    z_dim = getattr(config, "z_dim", None)
+    return isinstance(z_dim, int) and mean is not None and std is not None and len(mean) == z_dim
+
+
 def can_preview(pipe: Pipeline) -> bool:
     """The layouts this module knows: packed Flux-style latents (``_unpack_latents``)
-    over a VAE scaled by ``scaling_factor`` and ``shift_factor``, from a scheduler
-    that keeps its sigmas and step index (flow matching)."""
+    over a VAE scaled by ``scaling_factor`` and ``shift_factor``, or per channel
+    (Qwen-Image's: ``_per_channel``), from a scheduler that keeps its sigmas and step
+    index (flow matching)."""
     vae = getattr(pipe, "vae", None)
     config = getattr(vae, "config", None)
     scheduler = getattr(pipe, "scheduler", None)
+    scaled = (
+        getattr(config, "scaling_factor", None) is not None
+        and getattr(config, "shift_factor", None) is not None
+    )
     return (
         hasattr(pipe, "_unpack_latents")
-        and getattr(config, "scaling_factor", None) is not None
-        and getattr(config, "shift_factor", None) is not None
+        and (scaled or _per_channel(config))
         and hasattr(scheduler, "sigmas")
         and hasattr(scheduler, "step_index")
         and "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
@@ -122,8 +134,15 @@ class Previews:
         clean = after.float() - s_next * velocity
         latents = pipe._unpack_latents(clean, self.height, self.width, pipe.vae_scale_factor)
         config = pipe.vae.config
-        latents = latents / config.scaling_factor + config.shift_factor
-        decoded = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
+        if _per_channel(config) and latents.ndim == 5:  # (B, C, 1, H, W): Qwen-Image's
+            shape = (1, config.z_dim, 1, 1, 1)
+            mean = torch.tensor(config.latents_mean).view(shape).to(latents)
+            std = torch.tensor(config.latents_std).view(shape).to(latents)
+            latents = latents * std + mean
+            decoded = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0][:, :, 0]
+        else:
+            latents = latents / config.scaling_factor + config.shift_factor
+            decoded = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
         fmt, compression = self.params.output_format, self.params.output_compression
         for image_index, image in enumerate(pipe.image_processor.postprocess(decoded, "pil")):
             body = PartialImage(

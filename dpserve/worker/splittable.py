@@ -39,6 +39,8 @@ FAMILIES: Mapping[str, FamilyTraits] = MappingProxyType(
         "Flux2Transformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True),
         # SD3's joint attention, as Flux's; its prompt is 77 CLIP tokens and then T5's.
         "SD3Transformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True, clip_tokens=True),
+        # Qwen's prompts have any length: its cut pads them with masked keys.
+        "QwenImageTransformer2DModel": FamilyTraits(tp=True, sp=True),
     }
 )
 TENSOR_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.tp)

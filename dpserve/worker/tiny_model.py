@@ -498,6 +498,8 @@ FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType(
         "flux2-small": "dpserve.worker.tiny_flux2:build",
         "sd3": "dpserve.worker.tiny_sd3:build",
         "sd3-small": "dpserve.worker.tiny_sd3:build",
+        "qwen-image": "dpserve.worker.tiny_qwen_image:build",
+        "qwen-image-small": "dpserve.worker.tiny_qwen_image:build",
     }
 )
 

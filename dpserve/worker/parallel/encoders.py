@@ -37,8 +37,9 @@ def encoder_names(model_index: dict[str, Any]) -> list[str]:
     ]
 
 
-# A decoder-style text encoder's KV cache: no pipeline reads it after encoding.
-_NOT_RELAYED = frozenset({"past_key_values"})
+# A decoder-style text encoder's KV cache (``cache`` in transformers 5's newer
+# outputs, Qwen2.5-VL's): no pipeline reads it after encoding.
+_NOT_RELAYED = frozenset({"past_key_values", "cache"})
 _TENSORS, _FAILED = b"T", b"E"  # the first byte of every relayed message
 
 

@@ -90,7 +90,9 @@ class SplitAttention:
 
 
 class Piece(Protocol):
-    """This rank's part of a split call's sequence."""
+    """This rank's part of a split call's sequence (one of ``degree`` equal parts)."""
+
+    degree: int
 
     def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
