@@ -15,12 +15,12 @@ from typing import Any
 
 from dpserve.worker.parallel.flux import FluxCut, SequenceParallelFluxProcessor, flux_plan
 from dpserve.worker.parallel.flux2 import Flux2Cut, SequenceParallelFlux2Processor, flux2_plan
-from dpserve.worker.parallel.sd3 import SD3Cut, SequenceParallelSD3Processor, sd3_plan
 from dpserve.worker.parallel.qwen_image import (
     QwenCut,
     SequenceParallelQwenProcessor,
     qwen_image_plan,
 )
+from dpserve.worker.parallel.sd3 import SD3Cut, SequenceParallelSD3Processor, sd3_plan
 from dpserve.worker.parallel.sequence import AttentionScope, SequenceCut
 from dpserve.worker.parallel.tensor import Shard
 from dpserve.worker.parallel.wan import SequenceParallelWanProcessor, WanCut, wan_plan
