@@ -112,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--family", default="flux", choices=sorted(FAMILIES))
     parser.add_argument("--variant", help="a tiny variant of the family (default: its small)")
-    parser.add_argument("--size", type=int, default=512, help="width and height")
+    parser.add_argument("--size", type=int, help="width and height (the family's)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-sequence-length", type=int, help="text tokens (family's)")
@@ -130,6 +130,7 @@ def main() -> None:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.variant = args.variant or family.variant
+    args.size = args.size or family.size
     text_tokens = args.max_sequence_length or family.text_tokens
     model = args.model or cached_model(args.variant)
     worker_args: tuple[str, ...] = ("--max-sequence-length", str(text_tokens))
