@@ -500,6 +500,7 @@ FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType(
         "sd3-small": "dpserve.worker.tiny_sd3:build",
         "qwen-image": "dpserve.worker.tiny_qwen_image:build",
         "qwen-image-small": "dpserve.worker.tiny_qwen_image:build",
+        "qwen-image-large": "dpserve.worker.tiny_qwen_image:build",
     }
 )
 

@@ -51,6 +51,14 @@ QWEN_VARIANTS: Mapping[str, TinyQwenVariant] = MappingProxyType(
             num_attention_heads=8,
             axes_dims_rope=(16, 24, 24),
         ),
+        # Qwen-Image's width (24 heads x 128, its rope split) with 4 of its 60 blocks: the
+        # real model's per-layer shapes for GPU benchmarks (bench/gpu.sh families).
+        "qwen-image-large": TinyQwenVariant(
+            num_layers=4,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            axes_dims_rope=(16, 56, 56),
+        ),
     }
 )
 
