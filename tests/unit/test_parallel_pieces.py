@@ -126,7 +126,8 @@ def test_layouts_a_model_cannot_split_are_named_before_start(tmp_path: Path) -> 
     assert layout_problem(flux, ParallelConfig(cfg=2), 77) is None  # CFG splits nothing
     other = _model(tmp_path / "q", "HunyuanVideoTransformer3DModel", 24)
     assert (
-        "tp needs a transformer it can split (FluxTransformer2DModel, WanTransformer3DModel); "
+        "tp needs a transformer it can split (FluxTransformer2DModel, WanTransformer3DModel, "
+        "Flux2Transformer2DModel, SD3Transformer2DModel, QwenImageTransformer2DModel); "
         "this model's denoiser is HunyuanVideoTransformer3DModel"
     ) in str(layout_problem(other, ParallelConfig(tp=2), None))
     # A video transformer: sp cuts its frames x tokens (and not its text), tp its heads.

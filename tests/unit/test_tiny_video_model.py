@@ -24,7 +24,12 @@ from PIL import Image  # noqa: E402
 
 from dpserve.cli import build_parser  # noqa: E402
 from dpserve.worker.pipeline import guides_by_scale, size_factor  # noqa: E402
-from dpserve.worker.tiny_model import VARIANTS, VIDEO_VARIANTS, build_tiny_pipeline  # noqa: E402
+from dpserve.worker.tiny_model import (  # noqa: E402
+    FAMILY_VARIANTS,
+    VARIANTS,
+    VIDEO_VARIANTS,
+    build_tiny_pipeline,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -93,7 +98,7 @@ def test_loads_as_a_wan_pipeline_with_its_factors(pipe: Any) -> None:
 def test_the_cli_offers_every_variant() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     variant = next(a for a in sub.choices["make-tiny-model"]._actions if a.dest == "variant")
-    assert set(variant.choices or ()) == {*VARIANTS, *VIDEO_VARIANTS}
+    assert set(variant.choices or ()) == {*VARIANTS, *VIDEO_VARIANTS, *FAMILY_VARIANTS}
     assert set(VIDEO_VARIANTS) == {"video", "video-small", "video-i2v"}
 
 
