@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -68,9 +67,6 @@ class LoraAdapters:
         )
         state, alphas, metadata = loaded if alphas_kw else (loaded[0], None, loaded[1])
         prefix = f"{getattr(pipe, 'transformer_name', 'transformer')}."
-        extra: dict[str, Any] = {}
-        if "network_alphas" in inspect.signature(pipe.load_lora_into_transformer).parameters:
-            extra["network_alphas"] = alphas
         pipe.load_lora_into_transformer(
             self.parallel.shard_lora(pipe.transformer, state, prefix),
             **({"network_alphas": alphas} if alphas_kw else {}),
@@ -78,7 +74,6 @@ class LoraAdapters:
             adapter_name=nickname,
             metadata=metadata,
             _pipeline=pipe,
-            **extra,
         )
         text = getattr(pipe, "text_encoder_name", "text_encoder")
         text_keys = any(k.startswith(f"{text}.") for k in state)
