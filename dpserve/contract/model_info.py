@@ -51,11 +51,15 @@ class CompileInfo(msgspec.Struct, frozen=True, kw_only=True):
     other_shapes: str
 
 
-class TextLength(msgspec.Struct, frozen=True, kw_only=True):
-    """The text tokens a request may ask (``max_sequence_length``)."""
+class TextLength(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The text tokens a request may ask (``max_sequence_length``): at most ``max``,
+    and ``prefix + max_sequence_length`` a multiple of ``multiple_of``. ``prefix``: the
+    tokens the model puts ahead of the request's (SD3's padded CLIP prompt), which a
+    sequence split cuts with them; shown only where there are some."""
 
     max: Positive
     multiple_of: Positive
+    prefix: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class FlowShift(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,7 +8,8 @@ request never asks for something the call would silently skip:
 - ``max_sequence_length``: the pipeline's argument of that name (Flux, Wan,
   Qwen-Image), at most the service's text length (``--max-sequence-length``, else
   the pipeline's default). Where sequence parallel splits the text tokens (Flux),
-  a multiple of the ranks that may split them.
+  a multiple of the ranks that may split them, counted with the tokens the family
+  puts ahead of the request's (SD3's padded CLIP prompt: ``splittable.text_prefix``).
 - ``flow_shift``: the shift ``s`` of a flow-matching schedule, ``sigma -> s*sigma /
   (1 + (s-1)*sigma)``: the ``shift`` of ``FlowMatchEulerDiscreteScheduler`` or the
   ``flow_shift`` of a multistep scheduler on flow sigmas (UniPC, DPM-Solver). A
@@ -46,13 +47,15 @@ class CallSettings:
     """What a request may set on this replica's pipeline call beyond its arguments.
 
     ``text_length``: the most text tokens a request may ask (None: the pipeline takes
-    no ``max_sequence_length``); ``text_multiple``: what they must divide by.
+    no ``max_sequence_length``); ``text_multiple``: what they, with the
+    ``text_prefix`` tokens the model puts ahead of them, must divide by.
     ``shift_key``: the scheduler config key a ``flow_shift`` sets (None: it has no
     shift); ``shift_default``: the scheduler's own (None: by image size).
     """
 
     text_length: int | None = None
     text_multiple: int = 1
+    text_prefix: int = 0
     shift_key: str | None = None
     shift_default: float | None = None
     vae_tiling: bool = False
@@ -62,7 +65,9 @@ class CallSettings:
         """model_info's ``max_sequence_length``: what a request may ask."""
         if self.text_length is None:
             return None
-        return TextLength(max=self.text_length, multiple_of=self.text_multiple)
+        return TextLength(
+            max=self.text_length, multiple_of=self.text_multiple, prefix=self.text_prefix
+        )
 
     def shift_offer(self) -> FlowShift | None:
         """model_info's ``flow_shift``: None where the scheduler has no shift to set."""
@@ -75,15 +80,8 @@ class CallSettings:
         if length is not None:
             if self.text_length is None:
                 bad.append(FieldError("max_sequence_length", "is not taken by this pipeline"))
-            elif length > self.text_length or length % self.text_multiple:
-                multiple = f", a multiple of {self.text_multiple}" if self.text_multiple > 1 else ""
-                bad.append(
-                    FieldError(
-                        "max_sequence_length",
-                        f"must be at most {self.text_length}{multiple} "
-                        f"(this service's text tokens), got {length}",
-                    )
-                )
+            elif length > self.text_length or (self.text_prefix + length) % self.text_multiple:
+                bad.append(FieldError("max_sequence_length", self._text_problem(length)))
         if params.flow_shift is not None and self.shift_key is None:
             bad.append(FieldError("flow_shift", "this model's scheduler has no shift to set"))
         if params.vae_use_tiling and not self.vae_tiling:
@@ -93,6 +91,21 @@ class CallSettings:
         if bad:
             detail = "; ".join(f"{e.field} {e.message}" for e in bad)
             raise RequestError(UNSUPPORTED, f"not supported by the served model: {detail}", bad)
+
+    def _text_problem(self, length: int) -> str:
+        multiple, prefix = self.text_multiple, self.text_prefix
+        if multiple == 1:
+            return f"must be at most {self.text_length} (this service's text tokens), got {length}"
+        if not prefix:
+            return (
+                f"must be at most {self.text_length}, a multiple of {multiple} (this "
+                f"service's text tokens, split over {multiple} ranks), got {length}"
+            )
+        return (
+            f"must be at most {self.text_length} and, with the model's {prefix} tokens "
+            f"ahead of it, a multiple of {multiple} (this service's text tokens, split "
+            f"over {multiple} ranks), got {length} ({prefix} + {length} = {prefix + length})"
+        )
 
     @contextlib.contextmanager
     def applied(self, pipe: Any, params: GenerateParams) -> Iterator[None]:
@@ -138,14 +151,18 @@ def shift_of(scheduler: Any) -> tuple[str | None, float | None]:
     return key, value
 
 
-def offer(pipe: Any, text_length: int | None, text_multiple: int) -> CallSettings:
+def offer(
+    pipe: Any, text_length: int | None, text_multiple: int, text_prefix: int = 0
+) -> CallSettings:
     """What ``pipe`` lets a request set. ``text_length``: the service's text tokens
-    (None: the pipeline takes no max_sequence_length)."""
+    (None: the pipeline takes no max_sequence_length); ``text_multiple`` and
+    ``text_prefix``: how a sequence split constrains them (``CallSettings``)."""
     key, default = shift_of(getattr(pipe, "scheduler", None))
     vae = getattr(pipe, "vae", None)
     return CallSettings(
         text_length=text_length,
         text_multiple=text_multiple,
+        text_prefix=text_prefix,
         shift_key=key,
         shift_default=default,
         vae_tiling=hasattr(vae, "use_tiling"),

@@ -17,7 +17,7 @@ output is bit-identical to one process at the same thread count.
 
 Other pipelines (SD3) batch the two branches instead: one denoiser call a step on
 ``torch.cat([latents] * 2)``, negative prompt first, split by ``chunk(2)`` after.
-For their denoisers (``BATCHED_CFG``) each CFG rank runs its half of the batch
+For their denoisers (``batched_cfg`` in ``splittable.FAMILIES``) each CFG rank runs its half of the batch
 (rank 0 the first, unconditional half: every argument whose first dimension is the
 batch is narrowed) and the halves are all-gathered along the batch. A call with an
 odd batch (SD3's skip-layer guidance passes the latents alone) runs whole on every
@@ -53,6 +53,7 @@ from dpserve.contract.protocol import (
     DEADLINE_EXCEEDED,
     RequestError,
 )
+from dpserve.worker.splittable import BATCHED_CFG
 
 Forward = Callable[..., Any]
 # The driver's look at the running request: why it must stop now (a CANCELLED or
@@ -153,10 +154,6 @@ class _BranchSplit:
                 cond.resize_(gathered[0].shape)
             cond.copy_(gathered[0])
         return _wrap(uncond, kwargs)
-
-
-# Denoisers whose pipelines batch both CFG branches into one call (module docstring).
-BATCHED_CFG = frozenset({"SD3Transformer2DModel"})
 
 
 def _batch_half(value: Any, batch: int, rank: int) -> Any:

@@ -57,7 +57,7 @@ from dpserve.worker.pipeline import (
 from dpserve.worker.preview import Emit, Previews, can_preview, output_size
 from dpserve.worker.reply import Reply
 from dpserve.worker.sessions import Rendered, Session, SessionHost, SessionLimits
-from dpserve.worker.splittable import text_split
+from dpserve.worker.splittable import text_prefix, text_split
 from dpserve.worker.step_cache import StepCaches
 from dpserve.worker.weights import peak_memory_mb, reset_peak_memory
 
@@ -139,14 +139,16 @@ class Executor:
 
     def _call_settings(self) -> call_settings.CallSettings:
         """What a request may set on this replica's calls: text tokens up to the
-        service's, splitting evenly where a sequence split cuts them too."""
+        service's, splitting evenly where a sequence split cuts them too (with the
+        CLIP tokens SD3 puts ahead of them)."""
         accepted = self.call_defaults
         text = self.fixed_kwargs.get("max_sequence_length", accepted.get("max_sequence_length"))
         length = int(text) if "max_sequence_length" in accepted and text is not None else None
         layout = self.parallel.layout if self.parallel is not None else None
         kind = type(denoiser_of(self.pipe)).__name__
         multiple = text_split(kind, layout.sp, layout.cfg) if layout is not None else 1
-        return call_settings.offer(self.pipe, length, multiple)
+        prefix = text_prefix(kind, int(getattr(self.pipe, "tokenizer_max_length", 77)))
+        return call_settings.offer(self.pipe, length, multiple, prefix if multiple > 1 else 0)
 
     def _progress(self) -> None:
         self.status.progress_at = time.monotonic()

@@ -1,7 +1,8 @@
 """Previews of a running generation, decoded from the current prediction.
 
 After a chosen denoising step the output rank estimates the clean latents the
-step is heading for and decodes them like the final image. For a flow-matching
+step is heading for and decodes them like the final image (each family's latent
+layout: ``preview_latents.py``). For a flow-matching
 scheduler a step moves the latents along the predicted velocity,
 ``x_next = x_prev + (sigma_next - sigma_prev) * v``, so the two latents around
 the step give ``v`` back exactly and ``x0 = x_next - sigma_next * v``. The two
@@ -34,6 +35,8 @@ from dpserve.contract.protocol import (
 )
 from dpserve.worker.encode import encode_image
 from dpserve.worker.pipeline import Pipeline
+from dpserve.worker.preview_latents import decoder
+from dpserve.worker.preview_latents import layout as latent_layout
 from dpserve.worker.reply import Reply
 
 Emit = Callable[[Reply], None]  # hands one interim answer to the driver's output path
@@ -49,29 +52,14 @@ def preview_steps(steps: int, count: int) -> list[int]:
     return sorted({min(steps - 2, max(0, s - 1)) for s in spread})
 
 
-def _per_channel(config: Any) -> bool:
-    """Qwen-Image's VAE layout: latents normalized per channel (``latents_mean`` and
-    ``latents_std``, one of each per ``z_dim`` channel), decoded as one-frame videos."""
-    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-    z_dim = getattr(config, "z_dim", None)
-    return isinstance(z_dim, int) and mean is not None and std is not None and len(mean) == z_dim
-
-
 def can_preview(pipe: Pipeline) -> bool:
-    """The layouts this module knows: packed Flux-style latents (``_unpack_latents``)
-    over a VAE scaled by ``scaling_factor`` and ``shift_factor``, or per channel
-    (Qwen-Image's: ``_per_channel``), from a scheduler that keeps its sigmas and step
-    index (flow matching)."""
-    vae = getattr(pipe, "vae", None)
-    config = getattr(vae, "config", None)
+    """A latent layout ``preview_latents`` knows, from a flow-matching Euler scheduler
+    (whose step gives the velocity back exactly, module docstring) and a pipeline
+    that calls back after each step."""
     scheduler = getattr(pipe, "scheduler", None)
-    scaled = (
-        getattr(config, "scaling_factor", None) is not None
-        and getattr(config, "shift_factor", None) is not None
-    )
     return (
-        hasattr(pipe, "_unpack_latents")
-        and (scaled or _per_channel(config))
+        latent_layout(pipe) is not None
+        and type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
         and hasattr(scheduler, "sigmas")
         and hasattr(scheduler, "step_index")
         and "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
@@ -132,17 +120,7 @@ class Previews:
         s_prev, s_next = float(sigmas[at - 1]), float(sigmas[at])
         velocity = (after.float() - before.float()) / (s_next - s_prev)
         clean = after.float() - s_next * velocity
-        latents = pipe._unpack_latents(clean, self.height, self.width, pipe.vae_scale_factor)
-        config = pipe.vae.config
-        if _per_channel(config) and latents.ndim == 5:  # (B, C, 1, H, W): Qwen-Image's
-            shape = (1, config.z_dim, 1, 1, 1)
-            mean = torch.tensor(config.latents_mean).view(shape).to(latents)
-            std = torch.tensor(config.latents_std).view(shape).to(latents)
-            latents = latents * std + mean
-            decoded = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0][:, :, 0]
-        else:
-            latents = latents / config.scaling_factor + config.shift_factor
-            decoded = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
+        decoded = decoder(pipe, self.width, self.height)(clean)
         fmt, compression = self.params.output_format, self.params.output_compression
         for image_index, image in enumerate(pipe.image_processor.postprocess(decoded, "pil")):
             body = PartialImage(

@@ -20,12 +20,15 @@ from dpserve.contract.layout import LayoutError, ParallelConfig
 class FamilyTraits:
     """What a gang can do with one denoiser class; its plan (``parallel/families.py``)
     does it. ``tp``: a sharding plan; ``sp``: a sequence cut; ``text_split``: sp splits
-    the text tokens too (joint attention over padded prompts)."""
+    the text tokens too (joint attention over padded prompts); ``batched_cfg``: its
+    pipelines batch both CFG branches into one denoiser call (``worker/denoiser.py``)
+    instead of calling it once per branch."""
 
     tp: bool
     sp: bool
     text_split: bool = False
     clip_tokens: bool = False  # the prompt carries CLIP's padded tokens ahead of T5's (SD3)
+    batched_cfg: bool = False
 
 
 # Every family a gang can split, by denoiser class. Adding one: docs/worker.md,
@@ -37,8 +40,11 @@ FAMILIES: Mapping[str, FamilyTraits] = MappingProxyType(
         "WanTransformer3DModel": FamilyTraits(tp=True, sp=True),
         # FLUX.2 pads every prompt to max_sequence_length, as FLUX.1 does.
         "Flux2Transformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True),
-        # SD3's joint attention, as Flux's; its prompt is 77 CLIP tokens and then T5's.
-        "SD3Transformer2DModel": FamilyTraits(tp=True, sp=True, text_split=True, clip_tokens=True),
+        # SD3's joint attention, as Flux's; its prompt is 77 CLIP tokens and then T5's;
+        # its pipeline runs both CFG branches as one batch.
+        "SD3Transformer2DModel": FamilyTraits(
+            tp=True, sp=True, text_split=True, clip_tokens=True, batched_cfg=True
+        ),
         # Qwen's prompts have any length: its cut pads them with masked keys.
         "QwenImageTransformer2DModel": FamilyTraits(tp=True, sp=True),
     }
@@ -46,6 +52,7 @@ FAMILIES: Mapping[str, FamilyTraits] = MappingProxyType(
 TENSOR_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.tp)
 SEQUENCE_SPLITTABLE: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.sp)
 TEXT_SPLIT: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.text_split)
+BATCHED_CFG: frozenset[str] = frozenset(k for k, f in FAMILIES.items() if f.batched_cfg)
 
 
 def splittable_problem(kind: str, layout: ParallelConfig) -> str | None:
@@ -68,6 +75,13 @@ def text_split(kind: str, sp: int, cfg: int) -> int:
     return sp * cfg if kind in TEXT_SPLIT else 1
 
 
+def text_prefix(kind: str, clip_tokens: int) -> int:
+    """The tokens a sequence split cuts ahead of the T5 tokens a request sizes: the
+    CLIP tokenizer's padded length where the family's prompts carry it (SD3), else 0."""
+    traits = FAMILIES.get(kind)
+    return clip_tokens if traits is not None and traits.clip_tokens else 0
+
+
 def text_tokens_problem(
     kind: str, text_tokens: int | None, sp: int, clip_tokens: int = 0
 ) -> str | None:
@@ -77,7 +91,7 @@ def text_tokens_problem(
     evenly."""
     if kind not in TEXT_SPLIT or text_tokens is None:
         return None
-    clip = clip_tokens if FAMILIES[kind].clip_tokens else 0
+    clip = text_prefix(kind, clip_tokens)
     if (clip + text_tokens) % sp == 0:
         return None
     if not clip:
