@@ -17,13 +17,14 @@ output is bit-identical to one process at the same thread count.
 
 Other pipelines (SD3) batch the two branches instead: one denoiser call a step on
 ``torch.cat([latents] * 2)``, negative prompt first, split by ``chunk(2)`` after.
-For their denoisers (``batched_cfg`` in ``splittable.FAMILIES``) each CFG rank runs its half of the batch
-(rank 0 the first, unconditional half: every argument whose first dimension is the
-batch is narrowed) and the halves are all-gathered along the batch. A call with an
-odd batch (SD3's skip-layer guidance passes the latents alone) runs whole on every
-rank. The samples of a batch never meet in the denoiser, so this is the one-process
-result up to how the CPU's matrix kernels block a batch of one against a batch of
-two (tests/integration/test_sd3_parallel.py measures it).
+For their denoisers (the family trait ``batched_cfg``, ``splittable.FAMILIES``) each
+CFG rank runs its half of the batch (rank 0 the first, unconditional half: every
+argument whose first dimension is the batch is narrowed) and the halves are
+all-gathered along the batch. A call with an odd batch (SD3's skip-layer guidance
+passes the latents alone) runs whole on every rank. The samples of a batch never
+meet in the denoiser, so this is the one-process result up to how the CPU's matrix
+kernels block a batch of one against a batch of two
+(tests/integration/test_sd3_parallel.py measures it).
 
 The stop gate drops a generation whose client cancelled it or whose deadline
 passed at its next denoising step instead of rendering it to the end. Every rank

@@ -97,7 +97,7 @@ def decoder(pipe: Pipeline, width: int, height: int) -> Decode:
         # The pipeline's own sizes: latents of 2x2 patches, each side a multiple of 2.
         rows = int(height) // (pipe.vae_scale_factor * 2)
         cols = int(width) // (pipe.vae_scale_factor * 2)
-        batch, _, channels = latents.shape
+        batch = latents.shape[0]
         ids = pipe._prepare_latent_ids(latents.new_empty(batch, 0, rows, cols))
         grid = pipe._unpack_latents_with_ids(latents, ids.to(latents.device), rows, cols)
         bn = vae.bn

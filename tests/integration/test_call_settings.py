@@ -17,6 +17,7 @@ from PIL import Image
 
 from dpserve.config.worker import WorkerConfig
 from dpserve.contract import protocol as p
+from dpserve.contract.model_info import TextLength
 from tests.executors import one_rank_executors, reply_to
 from tests.pixels import psnr_db
 from tests.workers import free_port
@@ -131,6 +132,29 @@ def test_what_the_pipeline_lacks_is_refused_by_name() -> None:
     with pytest.raises(p.RequestError, match="at most 512"):
         split.check(p.GenerateParams(prompt="x", max_sequence_length=1024))
     split.check(p.GenerateParams(prompt="x", max_sequence_length=64))
+
+
+def test_sd3_s_text_length_counts_the_clip_tokens_ahead_of_it() -> None:
+    """SD3's joint text is its CLIP prompt (77 tokens for the real models) and then the
+    request's T5 tokens; a split cuts the two together, so the sum must divide."""
+    from dpserve.worker.call_settings import CallSettings
+    from dpserve.worker.splittable import text_prefix
+
+    assert text_prefix("SD3Transformer2DModel", 77) == 77
+    assert text_prefix("FluxTransformer2DModel", 77) == 0  # no CLIP tokens in its text
+    sd3 = CallSettings(text_length=255, text_multiple=2, text_prefix=77)
+    sd3.check(p.GenerateParams(prompt="x", max_sequence_length=127))  # 77 + 127 = 204
+    with pytest.raises(p.RequestError) as err:
+        sd3.check(p.GenerateParams(prompt="x", max_sequence_length=128))  # even, yet 205
+    (field,) = err.value.fields
+    assert field.field == "max_sequence_length"
+    assert "with the model's 77 tokens ahead of it, a multiple of 2" in field.message
+    assert "got 128 (77 + 128 = 205)" in field.message
+    assert sd3.text_offer() == TextLength(max=255, multiple_of=2, prefix=77)
+    assert msgspec.to_builtins(CallSettings(text_length=8).text_offer()) == {
+        "max": 8,
+        "multiple_of": 1,
+    }  # no prefix where there is none
 
 
 def test_which_schedulers_have_a_shift_and_how_a_request_sets_it() -> None:

@@ -191,3 +191,36 @@ def test_fused_lora_and_weight_updates_match_one_rank(
             with worker.client() as c:
                 c.control("update_weights_from_disk", model_path=str(flux2_model))
     assert _png(split) == base
+
+
+def _stream(worker: WorkerProcess, rid: str, body: dict[str, object]) -> list[p.Message]:
+    """Every reply to ``rid``, up to and including its final one."""
+    with worker.client() as client:
+        client.send_raw(p.encode(p.GENERATE, rid, body))
+        replies = [client.recv()]
+        while replies[-1].kind == p.PARTIAL:
+            replies.append(client.recv())
+    assert all(r.id == rid for r in replies)
+    return replies
+
+
+def test_previews_decode_flux2_s_patchified_latents(
+    single: WorkerProcess, split: WorkerProcess
+) -> None:
+    """FLUX.2's previews (tokens of 2x2 patches, batch-normed by the VAE) under the
+    split are one rank's within a grey level, and the final image is the same bytes
+    as without previews."""
+    body = {**REQUEST, "seed": 21, "width": 64, "height": 48, "num_inference_steps": 4,
+            "partial_images": 2}  # fmt: skip
+    workers = {"one": single, "split": split}
+    replies = {name: _stream(w, "previews", body) for name, w in workers.items()}
+    for got in replies.values():
+        assert [r.kind for r in got] == [p.PARTIAL] * 2 + [p.RESULT]
+        previews = [r.body_as(p.PartialImage) for r in got[:-1]]
+        assert [(m.width, m.height, m.index) for m in previews] == [(64, 48, 0), (64, 48, 1)]
+    for got, want in zip(replies["split"], replies["one"], strict=True):
+        assert _gap(got.blobs[0], want.blobs[0]) <= 1
+    plain = {k: v for k, v in body.items() if k != "partial_images"}
+    (alone,) = _stream(split, "plain", plain)
+    assert alone.blobs == replies["split"][-1].blobs
+    assert _gap(replies["one"][0].blobs[0], replies["one"][-1].blobs[0]) > 1  # mid-run

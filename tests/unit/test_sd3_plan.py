@@ -13,7 +13,7 @@ from dpserve.contract.layout import ParallelConfig
 from dpserve.worker.parallel.families import PLANS
 from dpserve.worker.parallel.sd3 import sd3_plan
 from dpserve.worker.parallel.tensor import TensorParallel
-from dpserve.worker.splittable import layout_problem, text_tokens_problem
+from dpserve.worker.splittable import FAMILIES, layout_problem, text_tokens_problem
 from dpserve.worker.tiny_sd3 import CLIP_TOKENS, SD3_VARIANTS
 
 
@@ -90,4 +90,7 @@ def test_batched_cfg_takes_each_ranks_half_of_every_batch_argument() -> None:
     sd3 = _transformer("sd3")
     group: object = object()
     assert DenoiserPatch(0, group, lambda: None).can_split(sd3)  # type: ignore[arg-type]
+    # The family's trait picks the batched split; Flux's pipelines call once a branch.
+    assert FAMILIES["SD3Transformer2DModel"].batched_cfg and DenoiserPatch.batched(sd3)
+    assert not FAMILIES["FluxTransformer2DModel"].batched_cfg
     assert not DenoiserPatch(0, None, lambda: None).can_split(sd3)
