@@ -115,7 +115,7 @@ class StateApplier:
             setattr(self.pipe, name, module)
             self.pipe.register_modules(**{name: module})
             if self.relay is not None and name in self.relay.names:
-                self.relay.attach(module)
+                self.relay.attach(module, name)
         self.weights = dict(target)
         return cleared
 

@@ -161,6 +161,15 @@ def test_split_replicas_serve_one_rank_s_images(
     assert len({w["bytes"]["vae"] for w in weights}) == 1
 
 
+def test_a_cfg2_gang_draws_one_rank_s_bytes(
+    single: WorkerProcess, flux2_model: Path, allow_tmp: tuple[str, str]
+) -> None:
+    """The output rank's Qwen3 relays only the three hidden states the pipeline stacks
+    (parallel/encoder_reads.py); each CFG rank runs one branch exactly on them."""
+    with WorkerProcess(flux2_model, "--cfg", "2", *TOKENS, *allow_tmp) as cfg2:
+        assert _png(cfg2) == _png(single)
+
+
 def test_fused_lora_and_weight_updates_match_one_rank(
     single: WorkerProcess, split: WorkerProcess, flux2_lora: Path, flux2_model: Path,
     flux2_model_b: Path,

@@ -68,6 +68,17 @@ def test_images_match_one_rank(single: WorkerProcess, split: WorkerProcess) -> N
         assert _close(_png(split, **fields), _png(single, **fields)), fields
 
 
+def test_a_cfg2_gang_draws_one_rank_s_bytes(
+    single: WorkerProcess, tiny_qwen_model: Path, allow_tmp: tuple[str, str]
+) -> None:
+    """Each CFG rank runs one branch's exact forward on the text the output rank's
+    Qwen2.5-VL encoded and relayed (its last hidden state only, the one the pipeline
+    reads: parallel/encoder_reads.py), so the images are one rank's bytes."""
+    with WorkerProcess(tiny_qwen_model, "--cfg", "2", *allow_tmp) as cfg2:
+        for fields in ({}, {"width": 128, "prompt": "a blue car"}):
+            assert _png(cfg2, **fields) == _png(single, **fields), fields
+
+
 def test_each_rank_holds_its_share_of_the_transformer(
     single: WorkerProcess, split: WorkerProcess
 ) -> None:

@@ -167,6 +167,64 @@ def test_encoder_outputs_cross_the_gang_exactly() -> None:
         _unpack(b"Eboom", torch.device("cpu"))
 
 
+def test_an_encoder_relay_carries_only_what_the_pipeline_reads() -> None:
+    """Qwen-Image reads the last of Qwen2.5-VL's hidden states: the logits and the
+    other layers travel as empty tensors, the tuple keeps its length, and what is read
+    arrives exactly. The bytes shrink by the unread share (26 of 27 tensors here)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from dpserve.worker.parallel.encoder_reads import Reads
+    from dpserve.worker.parallel.encoders import _TENSORS, _pack, _unpack
+
+    gen = torch.Generator().manual_seed(2)
+    layers = tuple(torch.randn(1, 64, 64, generator=gen).bfloat16() for _ in range(26))
+    logits = torch.randn(1, 64, 64, generator=gen).bfloat16()
+    output = CausalLMOutputWithPast(logits=logits, hidden_states=layers)
+    last = Reads(frozenset({"hidden_states"}), frozenset({-1}))
+    whole, lean = _pack(output), _pack(output, last)
+    ratio = len(lean) / len(whole)
+    print(f"relayed bytes, last layer only: {ratio:.3f} of the whole output's")
+    assert ratio < 2 / 27, (len(lean), len(whole))  # one tensor of 27, and the header
+    back = _unpack(_TENSORS + lean, torch.device("cpu"))
+    assert type(back) is CausalLMOutputWithPast and len(back.hidden_states) == 26
+    assert torch.equal(back.hidden_states[-1], layers[-1])
+    assert back.hidden_states[-1].dtype == torch.bfloat16
+    assert all(h.numel() == 0 and h.dtype == torch.bfloat16 for h in back.hidden_states[:-1])
+    assert back.logits.numel() == 0
+    # FLUX.2 [klein]'s three layers, SD3's pooled CLIP output and its layer -2.
+    chosen = Reads(frozenset({"hidden_states"}), frozenset({9, 18, 25}))
+    back = _unpack(_TENSORS + _pack(output, chosen), torch.device("cpu"))
+    kept = [i for i, h in enumerate(back.hidden_states) if h.numel()]
+    assert kept == [9, 18, 25] and all(torch.equal(back.hidden_states[i], layers[i]) for i in kept)
+
+
+def test_each_pipeline_s_reads_follow_its_encode_prompt() -> None:
+    from diffusers import (
+        FluxPipeline,
+        QwenImageEditPipeline,
+        QwenImagePipeline,
+        StableDiffusion3Img2ImgPipeline,
+        StableDiffusion3Pipeline,
+    )
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+
+    from dpserve.worker.parallel.encoder_reads import Reads, reads_of
+
+    def reads(cls: type) -> dict[str, Reads]:
+        return reads_of(cls.__new__(cls))  # the class's own code, no weights
+
+    hidden = frozenset({"hidden_states"})
+    for qwen in (QwenImagePipeline, QwenImageEditPipeline):
+        assert reads(qwen) == {"text_encoder": Reads(hidden, frozenset({-1}))}
+    assert reads(Flux2KleinPipeline) == {"text_encoder": Reads(hidden, frozenset({9, 18, 27}))}
+    assert reads(Flux2Pipeline) == {"text_encoder": Reads(hidden, frozenset({10, 20, 30}))}
+    clip = Reads(frozenset({"text_embeds", "hidden_states"}), frozenset({-2}))
+    for sd3 in (StableDiffusion3Pipeline, StableDiffusion3Img2ImgPipeline):
+        assert reads(sd3) == {"text_encoder": clip, "text_encoder_2": clip}
+    assert reads(FluxPipeline) == {}  # T5 without hidden states: relayed whole
+
+
 @pytest.mark.parametrize(
     ("layout", "pipe", "reason"),
     [

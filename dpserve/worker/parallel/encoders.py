@@ -8,7 +8,8 @@ ranks a ``RelayedEncoder`` stands in the encoder's place and returns what
 arrived. The pipeline calls its encoders in the same order on every rank (same
 prompts, same control flow), so the n-th call meets the n-th output. Tensors
 travel as safetensors bytes: the other ranks see the very same embeddings, and
-CFG-only gangs stay byte-identical to one rank.
+CFG-only gangs stay byte-identical to one rank. Only what the pipeline reads of an
+output travels (``encoder_reads.py``); the rest arrives as empty tensors.
 
 The VAE stays on every rank: it is small, and an image-to-image request encodes
 its starting image on every rank.
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+
+from dpserve.worker.parallel.encoder_reads import Reads, reads_of
 
 Broadcast = Callable[[bytes | None], bytes]  # the output rank's bytes on every rank
 
@@ -49,8 +52,14 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
-def _pack(output: Any) -> bytes:
-    """An encoder's output (a ``ModelOutput``, a tuple or a tensor) as bytes."""
+def _unread(tensor: torch.Tensor) -> torch.Tensor:
+    # In an unread entry's place: its dtype, no elements (encoder_reads.py).
+    return torch.empty(0, dtype=tensor.dtype)
+
+
+def _pack(output: Any, reads: Reads | None = None) -> bytes:
+    """An encoder's output (a ``ModelOutput``, a tuple or a tensor) as bytes; with
+    ``reads``, only the fields and hidden states the pipeline reads carry values."""
     if isinstance(output, torch.Tensor):
         kind, fields = "tensor", {"0": output}
     elif isinstance(output, tuple) and not hasattr(output, "keys"):
@@ -63,12 +72,15 @@ def _pack(output: Any) -> bytes:
     for name, value in fields.items():
         if name in _NOT_RELAYED:
             continue
+        read = reads is None or name in reads.fields
         if isinstance(value, torch.Tensor):
-            tensors[name] = _own(value)
+            tensors[name] = _own(value) if read else _unread(value)
             layout.append([name, -1])
         elif isinstance(value, tuple | list) and all(isinstance(v, torch.Tensor) for v in value):
+            layers = reads if name == "hidden_states" else None
             for i, v in enumerate(value):
-                tensors[f"{name}.{i}"] = _own(v)
+                kept = read and (layers is None or layers.keeps_layer(i, len(value)))
+                tensors[f"{name}.{i}"] = _own(v) if kept else _unread(v)
             layout.append([name, len(value)])
         else:
             raise TypeError(f"cannot relay an encoder output field {name!r} of {type(value)}")
@@ -136,26 +148,30 @@ class EncoderRelay:
         self.names = names
         self.output_rank = output_rank
         self.broadcast = broadcast
+        self.reads: dict[str, Reads] = {}  # what the pipeline reads of each (install)
 
     def skipped(self) -> dict[str, None]:
         """``from_pretrained`` overrides: the encoders a non-output rank never loads."""
         return {} if self.output_rank else dict.fromkeys(self.names)
 
     def install(self, pipe: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.reads = reads_of(pipe)
         for name in self.names:
             if self.output_rank:
-                self.attach(getattr(pipe, name))
+                self.attach(getattr(pipe, name), name)
             else:
                 pipe.register_modules(**{name: RelayedEncoder(name, dtype, device, self.broadcast)})
 
-    def attach(self, encoder: torch.nn.Module) -> None:
-        """Send every output of ``encoder`` (a newly loaded one too) to the other ranks."""
+    def attach(self, encoder: torch.nn.Module, name: str) -> None:
+        """Send every output of ``encoder`` (a newly loaded one too), the pipeline's
+        component ``name``, to the other ranks: what the pipeline reads of it."""
+        reads = self.reads.get(name)
 
         def send(module: Any, args: Any, output: Any) -> Any:
             # The other ranks wait for this message: they get one even if packing
             # fails, so every rank fails the request together instead of hanging.
             try:
-                message = _TENSORS + _pack(output)
+                message = _TENSORS + _pack(output, reads)
             except Exception as exc:
                 self.broadcast(_FAILED + str(exc).encode())
                 raise
