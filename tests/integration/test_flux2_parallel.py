@@ -170,38 +170,6 @@ def test_a_cfg2_gang_draws_one_rank_s_bytes(
         assert _png(cfg2) == _png(single)
 
 
-def test_fused_lora_and_weight_updates_match_one_rank(
-    single: WorkerProcess, split: WorkerProcess, flux2_lora: Path, flux2_model: Path,
-    flux2_model_b: Path,
-) -> None:  # fmt: skip
-    """A LoRA on the single blocks' fused layers and the SwiGLU inputs is cut in the
-    same packed blocks as the weights it adapts (tp), and loads beside a stand-in text
-    encoder (every gang)."""
-    base = _png(split)
-    try:
-        for worker in (single, split):
-            with worker.client() as c:
-                c.control("set_lora", lora_nickname="f", lora_path=str(flux2_lora))
-        lora = _png(split)
-        assert _gap(lora, base) > 1 and _gap(lora, _png(single)) <= 1
-        with split.client() as c:
-            c.control("merge_lora_weights")
-            assert _gap(_png(split), lora) <= 1
-            c.control("unmerge_lora_weights")
-            assert _png(split) == lora  # the saved base pieces come back exactly
-            c.control("set_lora", lora_nickname="f", strength=0.0)
-        assert _png(split) == base
-        for worker in (single, split):
-            with worker.client() as c:
-                c.control("update_weights_from_disk", model_path=str(flux2_model_b))
-        assert _gap(_png(split), _png(single)) <= 1 and _gap(_png(split), base) > 1
-    finally:
-        for worker in (single, split):
-            with worker.client() as c:
-                c.control("update_weights_from_disk", model_path=str(flux2_model))
-    assert _png(split) == base
-
-
 def _stream(worker: WorkerProcess, rid: str, body: dict[str, object]) -> list[p.Message]:
     """Every reply to ``rid``, up to and including its final one."""
     with worker.client() as client:
@@ -233,3 +201,35 @@ def test_previews_decode_flux2_s_patchified_latents(
     (alone,) = _stream(split, "plain", plain)
     assert alone.blobs == replies["split"][-1].blobs
     assert _gap(replies["one"][0].blobs[0], replies["one"][-1].blobs[0]) > 1  # mid-run
+
+
+def test_fused_lora_and_weight_updates_match_one_rank(
+    single: WorkerProcess, split: WorkerProcess, flux2_lora: Path, flux2_model: Path,
+    flux2_model_b: Path,
+) -> None:  # fmt: skip
+    """A LoRA on the single blocks' fused layers and the SwiGLU inputs is cut in the
+    same packed blocks as the weights it adapts (tp), and loads beside a stand-in text
+    encoder (every gang)."""
+    base = _png(split)
+    try:
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("set_lora", lora_nickname="f", lora_path=str(flux2_lora))
+        lora = _png(split)
+        assert _gap(lora, base) > 1 and _gap(lora, _png(single)) <= 1
+        with split.client() as c:
+            c.control("merge_lora_weights")
+            assert _gap(_png(split), lora) <= 1
+            c.control("unmerge_lora_weights")
+            assert _png(split) == lora  # the saved base pieces come back exactly
+            c.control("set_lora", lora_nickname="f", strength=0.0)
+        assert _png(split) == base
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(flux2_model_b))
+        assert _gap(_png(split), _png(single)) <= 1 and _gap(_png(split), base) > 1
+    finally:
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(flux2_model))
+    assert _png(split) == base
