@@ -123,8 +123,11 @@ if [[ " ${TODO[*]} " == *" registry "* ]]; then
 fi
 if [[ " ${TODO[*]} " == *" kube-router "* ]]; then
     echo "build.sh: building the NetworkPolicy engine (kube-router) ..." >&2
-    (cd "$HERE/kube-router" && "${GOBUILD[@]}" -ldflags "-s -w" -o "$TMP/bin/kube-router" \
-        github.com/cloudnativelabs/kube-router/v2/cmd/kube-router)
+    KR_VERSION=$(sed -nE 's/^[[:space:]]*(require[[:space:]]+)?github\.com\/cloudnativelabs\/kube-router\/v2[[:space:]]+(v[0-9][^[:space:]]*).*/\2/p' \
+        "$HERE/kube-router/go.mod" | head -n1)
+    (cd "$HERE/kube-router" && "${GOBUILD[@]}" \
+        -ldflags "-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KR_VERSION" \
+        -o "$TMP/bin/kube-router" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router)
 fi
 for b in "${TODO[@]}"; do
     [[ -x "$TMP/bin/$b" ]] || { echo "build.sh: the build produced no $b" >&2; exit 1; }
