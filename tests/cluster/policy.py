@@ -25,6 +25,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dpserve.plumbing.ports import free_ports
 from tests.cluster.controlplane import ControlPlane
@@ -44,9 +45,9 @@ _READ = [
 READY_CHAIN = "KUBE-ROUTER-FORWARD"
 
 
-def rbac() -> list[dict[str, object]]:
+def rbac() -> list[dict[str, Any]]:
     """The ClusterRole and binding that let the engine's user read what it watches."""
-    role = {
+    role: dict[str, Any] = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": "dpserve:kube-router"},
@@ -55,7 +56,7 @@ def rbac() -> list[dict[str, object]]:
             for group, resources in _READ
         ],
     }
-    binding = {
+    binding: dict[str, Any] = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRoleBinding",
         "metadata": {"name": "dpserve:kube-router"},

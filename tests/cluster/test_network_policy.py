@@ -91,7 +91,7 @@ def cluster(real_cluster: RealCluster) -> Iterator[RealCluster]:
 def _ready(cluster: RealCluster, names: list[str]) -> dict[str, str]:
     """Pod IPs by name, once all of ``names`` are Ready."""
 
-    def ips() -> dict[str, str] | None:
+    def ips() -> dict[str, str]:
         pods = json.loads(cluster.kubectl("-n", NS, "get", "pods", "-o", "json").stdout)
         ready = {
             p["metadata"]["name"]: p["status"]["podIP"]
@@ -101,7 +101,7 @@ def _ready(cluster: RealCluster, names: list[str]) -> dict[str, str]:
                 for c in p["status"].get("conditions", [])
             )
         }
-        return ready if set(names) <= set(ready) else None
+        return ready if set(names) <= set(ready) else {}
 
     return eventually(ips, 90, f"pods {names} Ready")
 
