@@ -347,9 +347,9 @@ def _run_probe(k8s: Backend, pod: dict[str, Any]) -> tuple[str, str]:
     name = pod["metadata"]["name"]
     k8s.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(pod))
 
-    def finished() -> dict[str, Any] | None:
+    def finished() -> dict[str, Any]:
         got: dict[str, Any] = k8s.get(NS, "pod", name)
-        return got if got["status"].get("phase") in ("Succeeded", "Failed") else None
+        return got if got["status"].get("phase") in ("Succeeded", "Failed") else {}
 
     done = eventually(finished, 120, f"probe {name} ran")
     logs = k8s.kubectl("-n", NS, "logs", name).stdout
