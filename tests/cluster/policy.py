@@ -15,9 +15,9 @@ and its ipsets ``KUBE-SRC-*``/``KUBE-DST-*`` (``hoststate.remove_node_ipsets``),
 node's leftover cleanup covers a killed run too.
 
 One engine per host network namespace: each instance removes the ``KUBE-POD-FW-*``
-chains it did not make itself, so two nodes sharing this host's netfilter cannot run
-one each (a second node needs another arrangement: one engine whose node IP covers
-both nodes' pods, or nodes in network namespaces of their own).
+chains of pods that are not its node's, so two nodes sharing this host's netfilter
+cannot run one each (a second node on this host needs a network namespace of its own
+for its engine to enforce there).
 
 Identity: a client cert for ``system:dpserve:kube-router``, bound to a ClusterRole
 that reads what its controller watches (nothing more: it writes nothing to the API).
