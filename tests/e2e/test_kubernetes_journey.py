@@ -368,7 +368,9 @@ def test_the_replicas_admit_the_router_alone(k8s: Backend) -> None:
     policy = k8s.get(NS, "networkpolicy", "tiny-replicas")["spec"]
     router_labels = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
     port = str(policy["ingress"][0]["ports"][0]["port"])
-    (replica, *_) = replica_pods(k8s).values()
+    # A replica on the node whose engine enforces (the first: one engine per host).
+    enforced_on = k8s.cluster.node.name
+    (replica, *_) = [p for p in replica_pods(k8s).values() if p["spec"]["nodeName"] == enforced_on]
     ip = replica["status"]["podIP"]
     routers = k8s.get(NS, "pods", "-l", ",".join(f"{k}={v}" for k, v in router_labels.items()))
     router = routers["items"][0]
