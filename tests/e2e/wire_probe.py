@@ -36,7 +36,7 @@ def tcp_opens(ip: str, port: int, within_s: float) -> str | None:
 
 
 def main(ip: str, port: int, service_public: bytes) -> None:
-    error = tcp_opens(ip, port, within_s=20)
+    error = tcp_opens(ip, port, within_s=10)
     if error is not None:
         print(f"tcp: {error}", flush=True)
         return
