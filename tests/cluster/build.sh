@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler), etcd, a node's kubelet and kube-proxy, and an image registry (to
-# carry built images to that node) from Go modules, for tests that need a live
-# cluster on a machine without a public container registry.
+# kube-scheduler), etcd, a node's kubelet, kube-proxy and NetworkPolicy engine
+# (kube-router), and an image registry (to carry built images to that node) from Go
+# modules, for tests that need a live cluster on a machine without a public
+# container registry.
 #
 #   tests/cluster/build.sh            # builds once (cold: tens of minutes on 2 cores)
 #   BIN=$(tests/cluster/build.sh | tail -n1)
@@ -12,8 +13,10 @@
 #   etcd/go.mod  go.etcd.io/etcd/server/v3 vA.B.C
 #   registry/go.mod  github.com/distribution/distribution/v3 (its version is not in
 #                the cache path: delete bin/registry to rebuild it after a bump)
+#   kube-router/go.mod  github.com/cloudnativelabs/kube-router/v2 (the same: delete
+#                bin/kube-router after a bump)
 # Binaries go to ${DPSERVE_CACHE:-$HOME/.cache/dpserve}/k8s/<k8s>-etcd<etcd>/bin,
-# outside the repo. When all seven exist the script only prints that path. Only the
+# outside the repo. When all eight exist the script only prints that path. Only the
 # missing ones are built: a cache made before the node's two were added keeps its
 # control plane, whose cold build is the slow part. A build happens in a temporary
 # directory beside the destination; each binary is renamed into place when all
@@ -33,7 +36,9 @@ declare -A K8S_PACKAGES=(
     [kube-proxy]=k8s.io/kubernetes/cmd/kube-proxy
 )
 # registry (distribution's, its own module too) carries built images to the test node.
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd kubelet kube-proxy registry)
+# kube-router (its own module) enforces NetworkPolicy on that node (tests/cluster/policy.py).
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd kubelet kube-proxy registry
+    kube-router)
 
 # Versions straight from go.mod (no `go` invocation: keeps the warm path fast).
 K8S_VERSION=$(sed -nE 's/^[[:space:]]*(require[[:space:]]+)?k8s\.io\/kubernetes[[:space:]]+(v[0-9][^[:space:]]*).*/\2/p' \
@@ -101,7 +106,7 @@ ETCD_LDFLAGS="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=$ETCD_VERSION"
 start=$SECONDS
 names=() pkgs=()
 for b in "${TODO[@]}"; do
-    [[ $b == etcd || $b == registry ]] || { names+=("$b"); pkgs+=("${K8S_PACKAGES[$b]}"); }
+    if [[ -n ${K8S_PACKAGES[$b]:-} ]]; then names+=("$b"); pkgs+=("${K8S_PACKAGES[$b]}"); fi
 done
 if [[ ${#pkgs[@]} -gt 0 ]]; then
     echo "build.sh: building Kubernetes $K8S_VERSION ${names[*]} (slow when cold) ..." >&2
@@ -115,6 +120,14 @@ if [[ " ${TODO[*]} " == *" registry "* ]]; then
     echo "build.sh: building the image registry ..." >&2
     (cd "$HERE/registry" && "${GOBUILD[@]}" -ldflags "-s -w" -o "$TMP/bin/registry" \
         github.com/distribution/distribution/v3/cmd/registry)
+fi
+if [[ " ${TODO[*]} " == *" kube-router "* ]]; then
+    echo "build.sh: building the NetworkPolicy engine (kube-router) ..." >&2
+    KR_VERSION=$(sed -nE 's/^[[:space:]]*(require[[:space:]]+)?github\.com\/cloudnativelabs\/kube-router\/v2[[:space:]]+(v[0-9][^[:space:]]*).*/\2/p' \
+        "$HERE/kube-router/go.mod" | head -n1)
+    (cd "$HERE/kube-router" && "${GOBUILD[@]}" \
+        -ldflags "-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KR_VERSION" \
+        -o "$TMP/bin/kube-router" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router)
 fi
 for b in "${TODO[@]}"; do
     [[ -x "$TMP/bin/$b" ]] || { echo "build.sh: the build produced no $b" >&2; exit 1; }

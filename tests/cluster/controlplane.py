@@ -28,6 +28,7 @@ from dpserve.plumbing.ports import free_ports
 
 HERE = Path(__file__).resolve().parent
 KUBECTL = os.environ.get("KUBECTL", shutil.which("kubectl") or "/usr/bin/kubectl")
+SERVICE_CIDR = "10.96.0.0/24"  # the Services' cluster IPs
 
 
 def build_binaries() -> Path:
@@ -222,7 +223,7 @@ class ControlPlane:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={p / 'sa.pub'}",
                 f"--service-account-signing-key-file={p / 'sa.key'}",
-                "--service-cluster-ip-range=10.96.0.0/24",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
                 f"--endpoint-reconciler-type={self.endpoint_reconciler}",
                 "--allow-privileged=true",
                 *kubelet_args,

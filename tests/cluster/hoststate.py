@@ -2,8 +2,9 @@
 
 Mounts (pod volumes, network namespaces, container root file systems), cgroups
 (the kubelet's ``kubepods`` tree, cgroupfs driver), iptables (the node's FORWARD
-rules for its bridge, and the ``KUBE-*`` chains of the kubelet and kube-proxy),
-and the ``ip_forward`` switch. Each undo is idempotent, so the same calls clean up
+rules for its bridge, and the ``KUBE-*`` chains of the kubelet, kube-proxy and the
+policy engine), ipsets (the policy engine's ``KUBE-*`` sets) and the ``ip_forward``
+switch. Each undo is idempotent, so the same calls clean up
 after a run that was killed before it could stop.
 """
 
@@ -134,6 +135,28 @@ def remove_node_rules() -> None:
             _iptables(binary, "-t", table, "-F", chain)
         for table, chain in chains:
             _iptables(binary, "-t", table, "-X", chain)
+
+
+# ---------------------------------------------------------------------- ipsets
+
+# The policy engine's (kube-router's) sets; "inet6:" prefixes its IPv6 twins.
+IPSET_PREFIXES = ("KUBE-", "inet6:KUBE-")
+
+
+def node_ipsets() -> list[str]:
+    """The node's ipsets still present (none where the ipset tool is absent)."""
+    try:
+        proc = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True)
+    except FileNotFoundError:
+        return []
+    return [name for name in proc.stdout.split() if name.startswith(IPSET_PREFIXES)]
+
+
+def remove_node_ipsets() -> None:
+    """Destroy the node's ipsets; after ``remove_node_rules``: a set in use by a rule
+    cannot be destroyed."""
+    for name in node_ipsets():
+        subprocess.run(["ipset", "destroy", name], capture_output=True, check=False)
 
 
 # ---------------------------------------------------------------------- sysctl

@@ -40,7 +40,7 @@ def clean_leftovers(run_dir: Path, containerd: Containerd, bin: Path) -> None:
     if not run_dir.exists():
         clean_host(run_dir, bin)
         return
-    for name in ("kube-proxy", "kubelet", "containerd"):
+    for name in ("kube-router", "kube-proxy", "kubelet", "containerd"):
         kill_recorded(run_dir / f"{name}.pid")
     if containerd.state.exists():
         with contextlib.suppress(RuntimeError, TimeoutError, OSError):
@@ -81,6 +81,7 @@ def clean_host(run_dir: Path, bin: Path) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             subprocess.run([str(bin / "kube-proxy"), "--cleanup"], capture_output=True, timeout=60)
     hoststate.remove_node_rules()
+    hoststate.remove_node_ipsets()  # the policy engine's, free once no rule uses them
     if CONTAINER_LOGS.is_dir():
         for link in CONTAINER_LOGS.iterdir():
             if link.is_symlink() and str(os.readlink(link)).startswith(str(run_dir)):

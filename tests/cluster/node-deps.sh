@@ -2,8 +2,8 @@
 # Install what a real test node needs from Debian's packages, when missing:
 # containerd (its CRI plugin runs the node's pods), runc, the CNI plugins (bridge,
 # host-local, loopback, portmap), iptables and conntrack (kube-proxy programs and
-# flushes them), busybox-static (the test image's whole root fs) and gcc (the
-# pause program is compiled here, statically).
+# flushes them), ipset (the policy engine's address sets), busybox-static (the test
+# image's whole root fs) and gcc (the pause program is compiled here, statically).
 #
 #   tests/cluster/node-deps.sh        # a no-op when everything is present
 #
@@ -19,6 +19,7 @@ declare -A PROVIDES=(
     [runc]=/usr/sbin/runc
     [containernetworking-plugins]=/usr/lib/cni/bridge
     [iptables]=/usr/sbin/iptables
+    [ipset]=/usr/sbin/ipset
     [conntrack]=/usr/sbin/conntrack
     [busybox-static]=/usr/share/doc/busybox-static
     [gcc]=/usr/bin/gcc

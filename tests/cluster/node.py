@@ -1,4 +1,5 @@
-"""A real Kubernetes node on this machine: kubelet, containerd + runc + CNI, kube-proxy.
+"""A real Kubernetes node on this machine: kubelet, containerd + runc + CNI, kube-proxy,
+and a NetworkPolicy engine (``policy.py``: kube-router's firewall).
 
 The kubelet and kube-proxy are the real ones, built by ``build.sh`` from the same
 ``k8s.io/kubernetes`` module as the control plane. Pods run through the node's own
@@ -43,11 +44,12 @@ from typing import IO, Any
 from dpserve.plumbing.ports import free_ports
 from tests.cluster import cni, hoststate
 from tests.cluster.containerd import Containerd
-from tests.cluster.controlplane import ControlPlane
+from tests.cluster.controlplane import SERVICE_CIDR, ControlPlane
 from tests.cluster.daemon import Daemon
 from tests.cluster.images import PAUSE_REF, pause_image
 from tests.cluster.leftovers import clean_host, clean_leftovers, cni_teardown
 from tests.cluster.nodeconfig import kube_proxy_config, kubelet_config
+from tests.cluster.policy import PolicyEngine
 
 RUN_DIR = Path(os.environ.get("DPSERVE_NODE_DIR", "/var/lib/dpserve-node"))
 CACHE = Path(os.environ.get("DPSERVE_CACHE", Path.home() / ".cache" / "dpserve")) / "node"
@@ -70,6 +72,7 @@ class RealNode:
     run_dir: Path = RUN_DIR
     cache: Path = CACHE
     containerd: Containerd | None = None
+    policy: PolicyEngine | None = None
     daemons: dict[str, Daemon] = field(default_factory=dict)
     _lock_fd: int | None = field(default=None, repr=False)
     _forward_was_off: bool = field(default=False, repr=False)
@@ -93,6 +96,10 @@ class RealNode:
             self._wait_node_ready(timeout_s)
             self._advertise_gpus()
             self._start_kube_proxy(timeout_s)
+            self.policy = PolicyEngine(
+                self.plane, self.bin / "kube-router", self.run_dir, self.name, SERVICE_CIDR
+            )
+            self.policy.start(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -104,6 +111,9 @@ class RealNode:
         The kubelet goes first, so it starts and restarts nothing more; its pods are
         then removed through containerd (no grace: the cluster is going away)."""
         try:
+            if self.policy is not None:
+                self.policy.stop()
+                self.policy = None
             for name in ("kube-proxy", "kubelet"):
                 if name in self.daemons:
                     self.daemons.pop(name).stop()

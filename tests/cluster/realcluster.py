@@ -144,7 +144,7 @@ def leftovers(run_dir: Path = RUN_DIR) -> list[str]:
             continue
         exe = os.path.basename(argv[0].decode(errors="replace"))
         joined = b" ".join(argv).decode(errors="replace")
-        ours = (exe in ("kubelet", "kube-proxy") and "dpserve" in joined) or (
+        ours = (exe in ("kubelet", "kube-proxy", "kube-router") and "dpserve" in joined) or (
             exe.startswith("containerd") and str(run_dir) in joined  # containerd and shims
         )
         if ours:
@@ -153,6 +153,7 @@ def leftovers(run_dir: Path = RUN_DIR) -> list[str]:
     found += [f"cgroup {g}" for g in hoststate.kubepods_cgroups()]
     found += [f"mount {m}" for m in hoststate.mounts_under(run_dir)]
     found += [f"iptables {r}" for r in hoststate.node_rules()]
+    found += [f"ipset {s}" for s in hoststate.node_ipsets()]
     if Path(f"/sys/class/net/{PREFIX}br0").exists():
         found.append(f"bridge {PREFIX}br0")
     if run_dir.exists():

@@ -28,8 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
+from dpserve.plumbing.curve import WireKey
 from dpserve.router.sessions import session_owner
-from tests.e2e.backends import Backend
+from tests.e2e.backends import Backend, NodeBackend
 from tests.e2e.operator_install import OPERATOR_NS, operator_installed
 from tests.polling import eventually
 from tests.realtime_client import RealtimeSocket
@@ -40,6 +41,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(2400)]
 REPO = Path(__file__).resolve().parents[2]
 NS = "journey"
 REQUEST = {"prompt": "a red kite", "size": "64x64", "num_inference_steps": 2, "seed": 9}
+WIRE_PROBE = Path(__file__).with_name("wire_probe.py")
 LORA = "/models/loras/tiny"  # baked into the worker image (Dockerfile)
 API_KEY, ADMIN_KEY = "journey-inference-key", "journey-admin-key"
 
@@ -169,8 +171,9 @@ def test_journey(k8s: Backend) -> None:
     header = k8s.kubectl("-n", NS, "get", "dsvc").stdout.splitlines()[0].split()
     assert header == ["NAME", "READY", "REPLICAS", "PARALLEL", "MODEL", "AGE"]
 
-    # 2b. locked down: the wire key Secret and the NetworkPolicy exist (this network does
-    # not enforce policies: docs/kubernetes.md); replica pods hold no API token.
+    # 2b. locked down: the wire key Secret and the NetworkPolicy exist (enforced on the
+    # real node only: test_the_replicas_admit_the_router_alone); replica pods hold no
+    # API token.
     assert set(k8s.get(NS, "secret", "tiny-wire")["data"]) == {"wire.key"}
     policy = k8s.get(NS, "networkpolicy", "tiny-replicas")["spec"]
     admitted = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
@@ -310,6 +313,86 @@ def test_journey(k8s: Backend) -> None:
     lora = {"lora_nickname": "style", "lora_path": LORA}
     assert post("/v1/set_lora", API_KEY, lora) == 403  # an inference key on a control route
     assert post("/v1/set_lora", ADMIN_KEY, lora) == 200
+
+
+def _probe_pod(router: dict[str, Any], name: str, labels: dict[str, str], *args: str) -> Any:
+    """A one-shot pod of the router's image (and its restricted-standard security
+    context) that runs tests/e2e/wire_probe.py; never Ready, so a copy of the router's
+    labels never makes it an endpoint of the router's Service."""
+    container = router["spec"]["containers"][0]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": router["spec"].get("securityContext", {}),
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": container["image"],
+                    "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
+                    "securityContext": container.get("securityContext", {}),
+                    "command": ["python", "-c", WIRE_PROBE.read_text(), *args],
+                    "readinessProbe": {"exec": {"command": ["false"]}},
+                }
+            ],
+        },
+    }
+
+
+def _run_probe(k8s: Backend, pod: dict[str, Any]) -> tuple[str, str]:
+    """The probe's output and its pod IP, once it has run."""
+    name = pod["metadata"]["name"]
+    k8s.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(pod))
+
+    def finished() -> dict[str, Any]:
+        got: dict[str, Any] = k8s.get(NS, "pod", name)
+        return got if got["status"].get("phase") in ("Succeeded", "Failed") else {}
+
+    done = eventually(finished, 120, f"probe {name} ran")
+    logs = k8s.kubectl("-n", NS, "logs", name).stdout
+    k8s.kubectl("-n", NS, "delete", "pod", name, "--wait=false")
+    assert done["status"]["phase"] == "Succeeded", logs
+    return logs, done["status"]["podIP"]
+
+
+def test_the_replicas_admit_the_router_alone(k8s: Backend) -> None:
+    """The NetworkPolicy enforced (kube-router on the real node, tests/cluster/policy.py):
+    a pod without the router's labels cannot open a replica's ZMQ port; one that copies
+    them can (labels are self-asserted), and the wire key stops it there; the router
+    still serves. Runs on the state test_journey leaves (tiny, with API keys)."""
+    if not isinstance(k8s, NodeBackend):
+        pytest.skip("NetworkPolicy is enforced only on --cluster node (docs/test-cluster.md)")
+    policy = k8s.get(NS, "networkpolicy", "tiny-replicas")["spec"]
+    router_labels = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    port = str(policy["ingress"][0]["ports"][0]["port"])
+    # A replica on the node whose engine enforces (the first: one engine per host).
+    enforced_on = k8s.cluster.node.name
+    (replica, *_) = [p for p in replica_pods(k8s).values() if p["spec"]["nodeName"] == enforced_on]
+    ip = replica["status"]["podIP"]
+    routers = k8s.get(NS, "pods", "-l", ",".join(f"{k}={v}" for k, v in router_labels.items()))
+    router = routers["items"][0]
+    secret = base64.b64decode(k8s.get(NS, "secret", "tiny-wire")["data"]["wire.key"]).strip()
+    public = WireKey.from_secret(secret).public.decode()
+
+    stranger = _probe_pod(router, "stranger", {"test": "netpol"}, ip, port, public)
+    logs, _ = _run_probe(k8s, stranger)
+    assert logs.startswith("tcp: ") and "tcp: open" not in logs, logs
+
+    copycat = _probe_pod(router, "copycat", {**router_labels, "test": "netpol"}, ip, port, public)
+    logs, copycat_ip = _run_probe(k8s, copycat)
+    assert logs.splitlines() == ["tcp: open", "generate: no reply"], logs
+    # The replica's gatekeeper saw it and said so (dpserve.plumbing.curve.Gatekeeper).
+    denied = f"denied a CURVE peer from {copycat_ip}"
+    logs_of = ("-n", NS, "logs", replica["metadata"]["name"])
+    eventually(lambda: denied in k8s.kubectl(*logs_of).stdout, 30, "the replica logs the peer")
+
+    url = k8s.router_url(NS, "tiny")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    served = httpx.post(f"{url}/v1/images/generations", json=REQUEST, headers=headers, timeout=120)
+    assert served.status_code == 200, served.text
 
 
 def test_crd_refuses_invalid_specs(k8s: Backend) -> None:
