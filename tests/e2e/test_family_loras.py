@@ -126,9 +126,9 @@ def _wan_moe_videos(
         videos["set_lora"] = _frames(served)
         _control(served, "/v1/set_lora", lora_nickname="svc", strength=0.0)
         assert np.array_equal(_frames(served), videos["base"])
-        before = served.http.get("/get_weights_checksum").json()["result"]
+        before = served.http.get("/get_weights_checksum").json()["result"]["checksums"]
         _control(served, "/update_weights_from_disk", model_path=str(other))
-        after = served.http.get("/get_weights_checksum").json()["result"]
+        after = served.http.get("/get_weights_checksum").json()["result"]["checksums"]
         videos["updated"] = _frames(served)
     for expert in ("transformer", "transformer_2"):
         assert before[expert] != after[expert], (expert, before, after)

@@ -90,7 +90,7 @@ def test_update_weights_swaps_the_transformer_and_back(
     original_sums = client.control("get_weights_checksum")["checksums"]
     original_png = _png(client)
     done = client.control("update_weights_from_disk", model_path=str(tiny_model_b))
-    assert done["modules"] == ["transformer"]
+    assert done["modules"] == ["transformer", "transformer_2"]  # the denoisers it has: one
     swapped = client.control("get_weights_checksum")["checksums"]
     assert swapped["transformer"] != original_sums["transformer"]
     assert swapped["vae"] == original_sums["vae"]

@@ -47,7 +47,10 @@ def test_lora_ops_build_the_adapter_state() -> None:
 def test_a_weight_update_drops_adapters_and_asking_again_is_a_new_state() -> None:
     with_lora = _after(("set_lora", LORA))
     once = reduce(with_lora, "update_weights_from_disk", {"model_path": "/m"}, 7)
-    assert once == ControlState(weights={"transformer": WeightSource("/m", 7)})
+    # Every denoiser by default (Wan 2.2's second expert too; a replica without one
+    # has none to reload).
+    source = WeightSource("/m", 7)
+    assert once == ControlState(weights={"transformer": source, "transformer_2": source})
     # The same folder again (its files rewritten): a different state, so it reloads.
     again = reduce(once, "update_weights_from_disk", {"model_path": "/m"}, 8)
     assert again != once and again.digest() != once.digest()
