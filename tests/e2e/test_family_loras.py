@@ -2,7 +2,7 @@
 them: ``dpserve serve`` (real HTTP, the router, one gang replica) with each family's tiny
 model. Qwen-Image (ulysses2), FLUX.2 (tp2) and SD3 (cfg2): a request's ``lora`` on
 ``/v1/images/generations`` is the service's ``set_lora`` at the same strength, byte for
-byte, and stays with its request. Wan 2.2 (two experts, tp2): ``set_lora``, a video
+byte, and stays with its request. Wan 2.2 (two experts; tp2, ulysses2): ``set_lora``, a video
 job's own ``lora`` and ``update_weights_from_disk`` of both experts make the frames a
 one-rank replica makes (the images' ZMQ-level checks against one rank: the families'
 tests in tests/integration)."""
@@ -113,11 +113,12 @@ def _frames(served: ServeProcess, **fields: Any) -> np.ndarray:
     return np.stack(frames).astype(np.int16)
 
 
-def _wan_moe_videos(
+def _wan_videos(
     model: Path, other: Path, lora: Path, layout: tuple[str, ...], allow: tuple[str, str]
 ) -> dict[str, np.ndarray]:
     """The videos of one replica: plain, a job's own adapter, the service's adapter,
-    and after a weight update of both experts; its checksums before and after it."""
+    and after a weight update that names no modules (every denoiser: both of Wan 2.2's
+    experts); checks its checksums before and after it."""
     videos: dict[str, np.ndarray] = {}
     with ServeProcess(model, 1, *layout, *allow, timeout_s=300) as served:
         videos["base"] = _frames(served)
@@ -130,27 +131,55 @@ def _wan_moe_videos(
         _control(served, "/update_weights_from_disk", model_path=str(other))
         after = served.http.get("/get_weights_checksum").json()["result"]["checksums"]
         videos["updated"] = _frames(served)
-    for expert in ("transformer", "transformer_2"):
-        assert before[expert] != after[expert], (expert, before, after)
+    experts = [e for e in ("transformer", "transformer_2") if e in before]
+    assert all(before[e] != after[e] for e in experts), (before, after)
+    assert before["vae"] == after["vae"]
     return videos
 
 
-def test_wan_moe_adapters_and_updates_on_a_tp2_replica_match_one_rank(
-    tiny_wan_moe_model: Path, allow_tmp: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+# variant: (its model fixture, the splits tested)
+WAN = {
+    "wan-moe": ("tiny_wan_moe_model", ("tp2", "ulysses2")),
+    "video": ("tiny_video_model", ("tp2",)),
+}
+SPLITS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2")}
+
+
+@pytest.fixture(scope="module")
+def wan_one_rank() -> dict[str, dict[str, np.ndarray]]:
+    """Each variant's one-rank videos, made once."""
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("variant", "split"), [(v, s) for v, (_, splits) in WAN.items() for s in splits]
+)
+def test_wan_adapters_and_updates_on_a_split_replica_match_one_rank(
+    variant: str,
+    split: str,
+    request: pytest.FixtureRequest,
+    wan_one_rank: dict[str, dict[str, np.ndarray]],
+    allow_tmp: tuple[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     from dpserve.worker.tiny_model import build_tiny_lora, build_tiny_pipeline
 
-    root = tmp_path_factory.mktemp("wan-moe")
-    other = build_tiny_pipeline(root / "wan-moe-b", "wan-moe", seed=1)
-    lora = build_tiny_lora(root / "lora", tiny_wan_moe_model, seed=3)
-    one = _wan_moe_videos(tiny_wan_moe_model, other, lora, (), allow_tmp)
-    tp2 = _wan_moe_videos(tiny_wan_moe_model, other, lora, ("--tp", "2"), allow_tmp)
+    model = request.getfixturevalue(WAN[variant][0])
+    root = tmp_path_factory.getbasetemp() / f"wan-inputs-{variant}"
+    other, lora = root / "b", root / "lora"  # built for the variant's first split
+    if not other.exists():
+        build_tiny_pipeline(other, variant, seed=1)
+        build_tiny_lora(lora, model, seed=3)  # adapts the (first) transformer
+    if variant not in wan_one_rank:
+        wan_one_rank[variant] = _wan_videos(model, other, lora, (), allow_tmp)
+    one = wan_one_rank[variant]
+    mine = _wan_videos(model, other, lora, SPLITS[split], allow_tmp)
     # A job's adapter and the service's at the same strength: the same video.
-    assert np.array_equal(tp2["asked"], tp2["set_lora"])
-    for name, frames in tp2.items():
+    assert np.array_equal(mine["asked"], mine["set_lora"])
+    for name, frames in mine.items():
         gap = np.abs(frames - one[name])
         # H.264 turns the split's last-bit differences into a few other codec
         # decisions (test_wan_tp_parallel.py measured a mean of 0.14 grey levels).
         assert gap.mean() < 0.5, (name, gap.mean())
         if name != "base":  # the adapter, and the new weights, changed it
-            assert np.abs(frames - tp2["base"]).mean() > 2, name
+            assert np.abs(frames - mine["base"]).mean() > 2, name

@@ -1,4 +1,4 @@
-"""Qwen-Image through the worker's ZMQ front: one rank, and split (tp2, ulysses2) against it:
+"""Qwen-Image through the worker's ZMQ front: one rank, and split (tp2, ulysses2, cfg2) against it:
 images, edits, previews, batches, LoRA (the service's and a request's own) and weight
 updates."""
 
@@ -56,7 +56,7 @@ def test_one_rank_serves_qwen_image(single: WorkerProcess) -> None:
     assert _pixels(a).shape == (64, 64, 3) and a != b
 
 
-LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2")}
+LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2"), "cfg2": ("--cfg", "2")}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

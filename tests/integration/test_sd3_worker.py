@@ -1,4 +1,4 @@
-"""SD3 through the worker's ZMQ front, split (tp2, ulysses2) against one rank: a
+"""SD3 through the worker's ZMQ front, split (tp2, ulysses2, cfg2) against one rank: a
 request's own LoRA, the service's (``set_lora``) and weight updates, and a batch of
 prompts, each within one grey level of one rank's (the images and memory of a
 tp2 x cfg2 gang: test_sd3_parallel.py)."""
@@ -27,7 +27,9 @@ REQUEST = dict(
     num_inference_steps=3,
     seed=[21],
 )
-LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2")}
+# cfg2: each CFG rank runs a batch of one where one rank runs a batch of two (SD3
+# batches its branches), so within a grey level, not bitwise (test_sd3_parallel.py).
+LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2"), "cfg2": ("--cfg", "2")}
 
 
 def _pixels(png: bytes) -> np.ndarray:
