@@ -166,6 +166,14 @@ def _resident(state: ControlState) -> None:
 
 def _target(args: Mapping[str, Any]) -> None:
     target = args.get("target", "all")
+    if target == DENOISERS[1]:
+        raise bad(
+            "target",
+            "Wan 2.2's second expert (transformer_2) takes no adapters here: adapters adapt "
+            "the first expert, transformer (diffusers' default; its load_into_transformer_2 "
+            "is not offered); merge a low-noise adapter into that expert's weights and load "
+            "them with update_weights_from_disk (modules: [transformer_2]) instead",
+        )
     if target not in LORA_TARGETS:
         raise bad("target", f"must be one of {', '.join(LORA_TARGETS)}, got {target!r}")
 

@@ -2,10 +2,11 @@
 them: ``dpserve serve`` (real HTTP, the router, one gang replica) with each family's tiny
 model. Qwen-Image (ulysses2), FLUX.2 (tp2) and SD3 (cfg2): a request's ``lora`` on
 ``/v1/images/generations`` is the service's ``set_lora`` at the same strength, byte for
-byte, and stays with its request. Wan 2.2 (two experts; tp2, ulysses2): ``set_lora``, a video
-job's own ``lora`` and ``update_weights_from_disk`` of both experts make the frames a
-one-rank replica makes (the images' ZMQ-level checks against one rank: the families'
-tests in tests/integration)."""
+byte, and stays with its request. Wan and Wan 2.2 (two experts) on tp2, ulysses2 and
+cfg2 replicas: ``set_lora``, a video job's own ``lora`` and ``update_weights_from_disk``
+(both experts) make the frames a one-rank replica makes; an adapter for the second
+expert is refused. The images' checks against one rank over ZMQ: the families' tests
+in tests/integration."""
 
 from __future__ import annotations
 
@@ -89,8 +90,7 @@ VIDEO: dict[str, Any] = {
     "seconds": "1",
     "seed": 7,
     "num_inference_steps": 3,  # two steps on the high-noise expert, one on the low-noise
-    "fps": 8,
-    "guidance_scale": 1.0,
+    "fps": 8,  # and guidance CFG at the model's default (5.0): a cfg2 rank runs a branch
 }
 
 
@@ -123,6 +123,9 @@ def _wan_videos(
     with ServeProcess(model, 1, *layout, *allow, timeout_s=300) as served:
         videos["base"] = _frames(served)
         videos["asked"] = _frames(served, lora={"name": "ink", "path": str(lora)})
+        second = {"lora_nickname": "low", "lora_path": str(lora), "target": "transformer_2"}
+        refused = served.http.post("/v1/set_lora", json=second)
+        assert refused.status_code == 400 and "second expert" in refused.text, refused.text
         _control(served, "/v1/set_lora", lora_nickname="svc", lora_path=str(lora))
         videos["set_lora"] = _frames(served)
         _control(served, "/v1/set_lora", lora_nickname="svc", strength=0.0)
@@ -137,12 +140,9 @@ def _wan_videos(
     return videos
 
 
-# variant: (its model fixture, the splits tested)
-WAN = {
-    "wan-moe": ("tiny_wan_moe_model", ("tp2", "ulysses2")),
-    "video": ("tiny_video_model", ("tp2",)),
-}
-SPLITS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2")}
+# variant: its model fixture
+WAN = {"wan-moe": "tiny_wan_moe_model", "video": "tiny_video_model"}
+SPLITS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2"), "cfg2": ("--cfg", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +151,7 @@ def wan_one_rank() -> dict[str, dict[str, np.ndarray]]:
     return {}
 
 
-@pytest.mark.parametrize(
-    ("variant", "split"), [(v, s) for v, (_, splits) in WAN.items() for s in splits]
-)
+@pytest.mark.parametrize(("variant", "split"), [(v, s) for v in WAN for s in SPLITS])
 def test_wan_adapters_and_updates_on_a_split_replica_match_one_rank(
     variant: str,
     split: str,
@@ -164,7 +162,7 @@ def test_wan_adapters_and_updates_on_a_split_replica_match_one_rank(
 ) -> None:
     from dpserve.worker.tiny_model import build_tiny_lora, build_tiny_pipeline
 
-    model = request.getfixturevalue(WAN[variant][0])
+    model = request.getfixturevalue(WAN[variant])
     root = tmp_path_factory.getbasetemp() / f"wan-inputs-{variant}"
     other, lora = root / "b", root / "lora"  # built for the variant's first split
     if not other.exists():

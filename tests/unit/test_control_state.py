@@ -84,6 +84,11 @@ def test_refusals_name_the_field(op: str, args: dict[str, object], field: str) -
     assert err.value.status == 400 and err.value.fields[0].field == field
 
 
+def test_an_adapter_for_wan_s_second_expert_is_refused_saying_what_to_do() -> None:
+    with pytest.raises(RequestError, match=r"update_weights_from_disk \(modules: \[transformer_2"):
+        reduce(ControlState(), "set_lora", {**LORA, "target": "transformer_2"}, 1)
+
+
 def test_merged_adapters_must_be_unmerged_before_they_change() -> None:
     merged = reduce(_after(("set_lora", LORA)), "merge_lora_weights", {}, 2)
     with pytest.raises(RequestError, match="unmerge first"):
