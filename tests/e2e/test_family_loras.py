@@ -65,10 +65,16 @@ def _control(served: ServeProcess, route: str, **body: Any) -> None:
 
 
 def test_a_request_s_lora_on_a_split_replica_is_set_lora_s_image(
-    family: tuple[ServeProcess, Path, dict[str, Any]],
+    family: tuple[ServeProcess, Path, dict[str, Any]], tiny_lora: Path
 ) -> None:
     served, lora, body = family
     base = _image(served, body)
+    # Another family's adapter (tiny Flux's) does not fit: refused by the whole gang,
+    # naming it, and nothing changes.
+    alien = {"name": "alien", "path": str(tiny_lora)}
+    refused = served.http.post("/v1/images/generations", json={**body, "lora": alien})
+    assert refused.status_code == 400 and "'alien'" in refused.text, refused.text
+    assert _image(served, body) == base
     ink = {"name": "ink", "path": str(lora), "scale": 0.7}
     asked = _image(served, body, lora=ink)
     assert asked != base
