@@ -195,16 +195,21 @@ def test_fused_lora_and_weight_updates_match_one_rank(
 
 
 def test_a_request_s_own_lora_matches_one_rank(
-    single: WorkerProcess, split: WorkerProcess, flux2_lora: Path
+    single: WorkerProcess, split: WorkerProcess, flux2_lora: Path, flux2_model: Path
 ) -> None:
     """A request's adapter on the fused single-block layers, cut like the weights (tp)
     and beside a stand-in text encoder: one rank's image, and nothing left on after."""
-    base = _png(split)
-    ink = {"name": "ink", "path": str(flux2_lora), "scale": 0.8}
-    asked = _png(split, lora=ink)
-    assert _gap(asked, base) > 1 and _gap(asked, _png(single, lora=ink)) <= 1
-    assert _png(split) == base
-    assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    try:
+        base = _png(split)
+        ink = {"name": "ink", "path": str(flux2_lora), "scale": 0.8}
+        asked = _png(split, lora=ink)
+        assert _gap(asked, base) > 1 and _gap(asked, _png(single, lora=ink)) <= 1
+        assert _png(split) == base
+        assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    finally:  # drop the cached adapter: later tests weigh the transformer's layers
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(flux2_model))
 
 
 BLOCKER = {**REQUEST, "width": 128, "num_inference_steps": 8, "seed": [1]}

@@ -118,16 +118,21 @@ def test_lora_and_weight_updates_match_one_rank(
 
 
 def test_a_request_s_own_lora_matches_one_rank(
-    single: WorkerProcess, split: WorkerProcess, tiny_qwen_lora: Path
+    single: WorkerProcess, split: WorkerProcess, tiny_qwen_lora: Path, tiny_qwen_model: Path
 ) -> None:
     """A request's adapter (``lora``), cut to each tp rank's pieces, draws one rank's
     image; the next request without it is the base image again."""
-    base = _png(split)
-    ink = {"name": "ink", "path": str(tiny_qwen_lora), "scale": 0.8}
-    asked = _png(split, lora=ink)
-    assert not _close(asked, base) and _close(asked, _png(single, lora=ink))
-    assert _png(split) == base
-    assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    try:
+        base = _png(split)
+        ink = {"name": "ink", "path": str(tiny_qwen_lora), "scale": 0.8}
+        asked = _png(split, lora=ink)
+        assert not _close(asked, base) and _close(asked, _png(single, lora=ink))
+        assert _png(split) == base
+        assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    finally:  # drop the cached adapter: later tests weigh the transformer's layers
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(tiny_qwen_model))
 
 
 # Prompts of different lengths (masked differently per row), one with two images.

@@ -60,14 +60,19 @@ def split(
 
 
 def test_a_request_s_own_lora_matches_one_rank(
-    single: WorkerProcess, split: WorkerProcess, tiny_sd3_lora: Path
+    single: WorkerProcess, split: WorkerProcess, tiny_sd3_lora: Path, tiny_sd3_model: Path
 ) -> None:
-    base = _png(split)
-    ink = {"name": "ink", "path": str(tiny_sd3_lora), "scale": 0.8}
-    asked = _png(split, lora=ink)
-    assert not _close(asked, base) and _close(asked, _png(single, lora=ink))
-    assert _png(split) == base  # nothing stays on
-    assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    try:
+        base = _png(split)
+        ink = {"name": "ink", "path": str(tiny_sd3_lora), "scale": 0.8}
+        asked = _png(split, lora=ink)
+        assert not _close(asked, base) and _close(asked, _png(single, lora=ink))
+        assert _png(split) == base  # nothing stays on
+        assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    finally:  # drop the cached adapter: later tests weigh the transformer's layers
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(tiny_sd3_model))
 
 
 def test_lora_and_weight_updates_match_one_rank(
