@@ -292,3 +292,18 @@ def tiny_qwen_lora(tiny_qwen_model: Path, tmp_path_factory: pytest.TempPathFacto
     from dpserve.worker.tiny_model import build_tiny_lora
 
     return build_tiny_lora(tmp_path_factory.mktemp("loras") / "qwen", tiny_qwen_model, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny SD3 architecture with other weights: what a weight update loads."""
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd3-b", "sd3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_lora(tiny_sd3_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dpserve.worker.tiny_model import build_tiny_lora
+
+    return build_tiny_lora(tmp_path_factory.mktemp("loras") / "sd3", tiny_sd3_model, seed=0)

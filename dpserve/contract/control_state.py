@@ -34,6 +34,10 @@ from dpserve.contract.protocol import (
 )
 
 LORA_TARGETS: Final = ("all", "transformer")
+# The denoisers: the transformer, and Wan 2.2's second expert (its low-noise one). A
+# weight update that names no modules reloads both, so the experts never come from two
+# checkpoints unasked; a replica whose model has one denoiser has no second to reload.
+DENOISERS: Final = ("transformer", "transformer_2")
 
 
 class WeightSource(msgspec.Struct, frozen=True):
@@ -162,6 +166,14 @@ def _resident(state: ControlState) -> None:
 
 def _target(args: Mapping[str, Any]) -> None:
     target = args.get("target", "all")
+    if target == DENOISERS[1]:
+        raise bad(
+            "target",
+            "Wan 2.2's second expert (transformer_2) takes no adapters here: adapters adapt "
+            "the first expert, transformer (diffusers' default; its load_into_transformer_2 "
+            "is not offered); merge a low-noise adapter into that expert's weights and load "
+            "them with update_weights_from_disk (modules: [transformer_2]) instead",
+        )
     if target not in LORA_TARGETS:
         raise bad("target", f"must be one of {', '.join(LORA_TARGETS)}, got {target!r}")
 
@@ -184,7 +196,7 @@ def reduce(state: ControlState, op: str, args: Mapping[str, Any], revision: int)
         path = _text(args, "model_path")
         if not path:
             raise bad("model_path", "is required")
-        modules = names(args.get("modules", ["transformer"]), "modules")
+        modules = names(args.get("modules", list(DENOISERS)), "modules")
         source = WeightSource(path, revision)
         # Adapters belonged to the old modules: a weight update drops them.
         return ControlState(weights={**state.weights, **{m: source for m in modules}})
@@ -234,7 +246,7 @@ def answer(op: str, args: Mapping[str, Any], state: ControlState) -> dict[str, A
     if op == "update_weights_from_disk":
         return {
             "model_path": args.get("model_path"),
-            "modules": names(args.get("modules", ["transformer"]), "modules"),
+            "modules": names(args.get("modules", list(DENOISERS)), "modules"),
         }
     if op == "set_lora":
         return {"active": [{"nickname": n, "strength": s} for n, s in state.active.items()]}

@@ -19,6 +19,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from dpserve.contract.control_state import DENOISERS
 from dpserve.router import fields
 
 Names = str | list[str]
@@ -181,7 +182,11 @@ def image_responses() -> dict[int | str, dict[str, Any]]:
 
 class UpdateWeightsRequest(BaseModel):
     model_path: str = Field(description="a diffusers folder (safetensors) under an allowed root")
-    modules: Names = Field(["transformer"], description="which pipeline modules to reload")
+    modules: Names = Field(
+        list(DENOISERS),
+        description="which pipeline modules to reload; by default the denoisers (transformer, "
+        "and transformer_2 where the model has a second expert, as Wan 2.2 does)",
+    )
 
 
 class SetLoraRequest(BaseModel):

@@ -80,8 +80,9 @@ class StateApplier:
             self.offload.resume(modules_of(self.pipe.components))
             actions.append("resumed")
         if now.weights != target.weights:
+            reloaded = sorted(self._to_load(now.weights, target.weights))
             effects["loras_cleared"] = self._reload(now.weights, target.weights)
-            actions.append("reloaded " + ", ".join(sorted(_changed(now.weights, target.weights))))
+            actions.append("reloaded " + ", ".join(reloaded))
         self._adapters(target, actions)
         if target.released and not self.offload.released:
             effects["bytes_moved"] = self.offload.release(modules_of(self.pipe.components))
@@ -95,7 +96,7 @@ class StateApplier:
 
     def _reload(self, now: dict[str, WeightSource], target: dict[str, WeightSource]) -> list[str]:
         """Load every changed module first, then swap them all in (nothing swaps on failure)."""
-        changed = _changed(now, target)
+        changed = self._to_load(now, target)
         by_path: dict[Path, list[str]] = {}
         for name in sorted(changed):
             source = target.get(name)
@@ -118,6 +119,17 @@ class StateApplier:
                 self.relay.attach(module, name)
         self.weights = dict(target)
         return cleared
+
+    def _to_load(self, now: dict[str, WeightSource], target: dict[str, WeightSource]) -> set[str]:
+        """The changed modules, less a second denoiser this model lacks that comes from
+        the first's source (an update that named no modules asks for every denoiser)."""
+        held = modules_of(self.pipe.components)
+        first = target.get(DENOISERS[0])
+        return {
+            name
+            for name in _changed(now, target)
+            if name in held or name not in DENOISERS[1:] or target.get(name) != first
+        }
 
     def _load_modules(self, path: Path, names: list[str]) -> dict[str, torch.nn.Module]:
         current = modules_of(self.pipe.components)

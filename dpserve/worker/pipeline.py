@@ -16,6 +16,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
+from dpserve.contract.control_state import DENOISERS
 from dpserve.contract.cost import cfg_branches
 from dpserve.contract.protocol import (
     INVALID_REQUEST,
@@ -35,9 +36,8 @@ log = logging.getLogger(__name__)
 Pipeline: TypeAlias = Any
 # (component folder, its class, dtype) -> the component, prepared; None: load it whole.
 ReadTransformer: TypeAlias = Callable[[Path, Any, torch.dtype], torch.nn.Module | None]
-# The components a gang splits: the denoiser, and Wan 2.2's second one (its low-noise
-# expert, which the pipeline calls below its boundary timestep).
-DENOISERS = ("transformer", "transformer_2")
+# The components a gang splits (DENOISERS): the denoiser, and Wan 2.2's second one (its
+# low-noise expert, which the pipeline calls below its boundary timestep).
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,

@@ -90,7 +90,13 @@ def test_update_weights_swaps_the_transformer_and_back(
     original_sums = client.control("get_weights_checksum")["checksums"]
     original_png = _png(client)
     done = client.control("update_weights_from_disk", model_path=str(tiny_model_b))
-    assert done["modules"] == ["transformer"]
+    # Every denoiser by default; this model has one, and says what it reloaded.
+    assert done["modules"] == ["transformer", "transformer_2"]
+    assert done["actions"] == ["reloaded transformer"], done
+    # A second expert named where there is none is refused, naming it.
+    err = _error(client, "update_weights_from_disk", model_path=str(tiny_model_b),
+                 modules=["transformer_2"])  # fmt: skip
+    assert err.fields[0].field == "modules" and "transformer_2" in str(err)
     swapped = client.control("get_weights_checksum")["checksums"]
     assert swapped["transformer"] != original_sums["transformer"]
     assert swapped["vae"] == original_sums["vae"]

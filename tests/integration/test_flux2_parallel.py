@@ -92,6 +92,7 @@ def test_tp_ranks_read_only_their_pieces(flux2_model: Path, reference: torch.Ten
 # ------------------------------------------------------------ through the ZMQ front
 
 TOKENS = ("--max-sequence-length", "32")
+BATCH = ("--max-batch", "4")
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -118,7 +119,7 @@ def _edited(worker: WorkerProcess) -> bytes:
 
 @pytest.fixture(scope="module")
 def single(flux2_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
-    with WorkerProcess(flux2_model, *TOKENS, *allow_tmp) as w:
+    with WorkerProcess(flux2_model, *TOKENS, *BATCH, *allow_tmp) as w:
         yield w
 
 
@@ -130,7 +131,7 @@ SPLITS = {"tp2": ("--tp", "2"), "cfg2xring2": ("--cfg", "2", "--sp", "2", "--rin
 def split(
     request: pytest.FixtureRequest, flux2_model: Path, allow_tmp: tuple[str, str]
 ) -> Iterator[WorkerProcess]:
-    with WorkerProcess(flux2_model, *SPLITS[request.param], *TOKENS, *allow_tmp) as w:
+    with WorkerProcess(flux2_model, *SPLITS[request.param], *TOKENS, *BATCH, *allow_tmp) as w:
         yield w
 
 
@@ -233,3 +234,40 @@ def test_fused_lora_and_weight_updates_match_one_rank(
             with worker.client() as c:
                 c.control("update_weights_from_disk", model_path=str(flux2_model))
     assert _png(split) == base
+
+
+def test_a_request_s_own_lora_matches_one_rank(
+    single: WorkerProcess, split: WorkerProcess, flux2_lora: Path, flux2_model: Path
+) -> None:
+    """A request's adapter on the fused single-block layers, cut like the weights (tp)
+    and beside a stand-in text encoder: one rank's image, and nothing left on after."""
+    try:
+        base = _png(split)
+        ink = {"name": "ink", "path": str(flux2_lora), "scale": 0.8}
+        asked = _png(split, lora=ink)
+        assert _gap(asked, base) > 1 and _gap(asked, _png(single, lora=ink)) <= 1
+        assert _png(split) == base
+        assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    finally:  # drop the cached adapter: later tests weigh the transformer's layers
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(flux2_model))
+
+
+BLOCKER = {**REQUEST, "width": 128, "num_inference_steps": 8, "seed": [1]}
+BATCHED = {
+    "fox": {**REQUEST, "seed": [7]},
+    "owls": {**REQUEST, "prompt": "two owls on a branch", "n": 2, "seed": [8, 9]},
+    "sea": {**REQUEST, "prompt": "the sea", "seed": [10]},
+}
+
+
+def test_a_batch_of_prompts_matches_one_rank_s_batch(
+    single: WorkerProcess, split: WorkerProcess
+) -> None:
+    from tests.batches import batched
+
+    mine, theirs = batched(split, BLOCKER, BATCHED), batched(single, BLOCKER, BATCHED)
+    for request_id, files in theirs.items():
+        assert len(mine[request_id]) == len(files)
+        assert all(_gap(a, b) <= 1 for a, b in zip(mine[request_id], files, strict=True))

@@ -27,7 +27,7 @@ from tests.workers import WorkerProcess
 
 pytestmark = pytest.mark.gang
 
-TOKENS = ("--max-sequence-length", "64")
+FLAGS = ("--max-sequence-length", "64", "--max-batch", "4")
 REQUEST = {**GANG_REQUEST, "seed": 21}  # the gang-math request, through a real driver
 LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2"), "ring2": ("--sp", "2", "--ring", "2")}
 
@@ -42,7 +42,7 @@ def _close(a: bytes, b: bytes) -> bool:
 
 @pytest.fixture(scope="module")
 def single(tiny_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_model, *TOKENS, *allow_tmp) as w:
+    with WorkerProcess(tiny_model, *FLAGS, *allow_tmp) as w:
         yield w
 
 
@@ -50,7 +50,7 @@ def single(tiny_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProce
 def split(
     request: pytest.FixtureRequest, tiny_model: Path, allow_tmp: tuple[str, str]
 ) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_model, *LAYOUTS[request.param], *TOKENS, *allow_tmp) as w:
+    with WorkerProcess(tiny_model, *LAYOUTS[request.param], *FLAGS, *allow_tmp) as w:
         yield w
 
 
@@ -117,6 +117,25 @@ def test_lora_and_weight_updates_match_one_rank(
     assert _png(split) == base
 
 
+BLOCKER = {**REQUEST, "width": 128, "num_inference_steps": 8, "seed": [1]}
+BATCHED = {
+    "fox": {**REQUEST, "seed": [7]},
+    "owls": {**REQUEST, "prompt": "two owls on a branch", "n": 2, "seed": [8, 9]},
+    "sea": {**REQUEST, "prompt": "the sea", "seed": [10]},
+}
+
+
+def test_a_batch_of_prompts_matches_one_rank_s_batch(
+    single: WorkerProcess, split: WorkerProcess
+) -> None:
+    from tests.batches import batched
+
+    mine, theirs = batched(split, BLOCKER, BATCHED), batched(single, BLOCKER, BATCHED)
+    for request_id, files in theirs.items():
+        assert len(mine[request_id]) == len(files)
+        assert all(map(_close, mine[request_id], files)), request_id
+
+
 def test_realtime_frames_match_one_rank(single: WorkerProcess, split: WorkerProcess) -> None:
     params = rt.SessionParams(
         prompt="a red fox", width=64, height=64, num_inference_steps=3, frame_steps=2, seed=4
@@ -158,7 +177,7 @@ def test_release_resume_and_checksums_keep_the_pieces(split: WorkerProcess) -> N
 def test_sizes_the_sp_ranks_cannot_split_are_refused_naming_sizes_that_work(
     tiny_model: Path,
 ) -> None:
-    with WorkerProcess(tiny_model, "--sp", "2", *TOKENS) as w, w.client() as c:
+    with WorkerProcess(tiny_model, "--sp", "2", *FLAGS) as w, w.client() as c:
         with pytest.raises(RequestError) as err:
             c.generate(**{**REQUEST, "width": 80, "height": 48})  # 5 x 3 = 15 tokens
         assert err.value.code == "invalid_request"

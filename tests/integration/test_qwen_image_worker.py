@@ -1,4 +1,6 @@
-"""Qwen-Image through the worker's ZMQ front: one rank, and split (tp2, ulysses2) against it."""
+"""Qwen-Image through the worker's ZMQ front: one rank, and split (tp2, ulysses2, cfg2) against it:
+images, edits, previews, batches, LoRA (the service's and a request's own) and weight
+updates."""
 
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ def _png(worker: WorkerProcess, **fields: object) -> bytes:
         return c.generate(**{**REQUEST, **fields})[1][0]
 
 
+BATCH = ("--max-batch", "4")
+
+
 @pytest.fixture(scope="module")
 def single(tiny_qwen_model: Path, allow_tmp: tuple[str, str]) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_qwen_model, *allow_tmp) as w:
+    with WorkerProcess(tiny_qwen_model, *BATCH, *allow_tmp) as w:
         yield w
 
 
@@ -51,14 +56,14 @@ def test_one_rank_serves_qwen_image(single: WorkerProcess) -> None:
     assert _pixels(a).shape == (64, 64, 3) and a != b
 
 
-LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2")}
+LAYOUTS = {"tp2": ("--tp", "2"), "ulysses2": ("--sp", "2"), "cfg2": ("--cfg", "2")}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def split(
     request: pytest.FixtureRequest, tiny_qwen_model: Path, allow_tmp: tuple[str, str]
 ) -> Iterator[WorkerProcess]:
-    with WorkerProcess(tiny_qwen_model, *LAYOUTS[request.param], *allow_tmp) as w:
+    with WorkerProcess(tiny_qwen_model, *LAYOUTS[request.param], *BATCH, *allow_tmp) as w:
         yield w
 
 
@@ -121,6 +126,44 @@ def test_lora_and_weight_updates_match_one_rank(
             with worker.client() as c:
                 c.control("update_weights_from_disk", model_path=str(tiny_qwen_model))
     assert _png(split) == base
+
+
+def test_a_request_s_own_lora_matches_one_rank(
+    single: WorkerProcess, split: WorkerProcess, tiny_qwen_lora: Path, tiny_qwen_model: Path
+) -> None:
+    """A request's adapter (``lora``), cut to each tp rank's pieces, draws one rank's
+    image; the next request without it is the base image again."""
+    try:
+        base = _png(split)
+        ink = {"name": "ink", "path": str(tiny_qwen_lora), "scale": 0.8}
+        asked = _png(split, lora=ink)
+        assert not _close(asked, base) and _close(asked, _png(single, lora=ink))
+        assert _png(split) == base
+        assert _png(split, lora={"name": "ink", "scale": 0.8}) == asked  # cached, by name
+    finally:  # drop the cached adapter: later tests weigh the transformer's layers
+        for worker in (single, split):
+            with worker.client() as c:
+                c.control("update_weights_from_disk", model_path=str(tiny_qwen_model))
+
+
+# Prompts of different lengths (masked differently per row), one with two images.
+BLOCKER = {**REQUEST, "width": 128, "num_inference_steps": 8, "seed": [1]}
+BATCHED = {
+    "fox": {**REQUEST, "seed": [7]},
+    "owls": {**REQUEST, "prompt": "two owls on a branch at night", "n": 2, "seed": [8, 9]},
+    "sea": {**REQUEST, "prompt": "sea", "seed": [10]},
+}
+
+
+def test_a_batch_of_prompts_matches_one_rank_s_batch(
+    single: WorkerProcess, split: WorkerProcess
+) -> None:
+    from tests.batches import batched
+
+    mine, theirs = batched(split, BLOCKER, BATCHED), batched(single, BLOCKER, BATCHED)
+    for request_id, files in theirs.items():
+        assert len(mine[request_id]) == len(files)
+        assert all(map(_close, mine[request_id], files)), request_id
 
 
 def _stream(client: ReplicaClient, rid: str, body: dict[str, object]) -> list[p.Message]:

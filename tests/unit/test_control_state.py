@@ -47,7 +47,10 @@ def test_lora_ops_build_the_adapter_state() -> None:
 def test_a_weight_update_drops_adapters_and_asking_again_is_a_new_state() -> None:
     with_lora = _after(("set_lora", LORA))
     once = reduce(with_lora, "update_weights_from_disk", {"model_path": "/m"}, 7)
-    assert once == ControlState(weights={"transformer": WeightSource("/m", 7)})
+    # Every denoiser by default (Wan 2.2's second expert too; a replica without one
+    # has none to reload).
+    source = WeightSource("/m", 7)
+    assert once == ControlState(weights={"transformer": source, "transformer_2": source})
     # The same folder again (its files rewritten): a different state, so it reloads.
     again = reduce(once, "update_weights_from_disk", {"model_path": "/m"}, 8)
     assert again != once and again.digest() != once.digest()
@@ -79,6 +82,11 @@ def test_refusals_name_the_field(op: str, args: dict[str, object], field: str) -
     with pytest.raises(RequestError) as err:
         reduce(ControlState(), op, args, 1)
     assert err.value.status == 400 and err.value.fields[0].field == field
+
+
+def test_an_adapter_for_wan_s_second_expert_is_refused_saying_what_to_do() -> None:
+    with pytest.raises(RequestError, match=r"update_weights_from_disk \(modules: \[transformer_2"):
+        reduce(ControlState(), "set_lora", {**LORA, "target": "transformer_2"}, 1)
 
 
 def test_merged_adapters_must_be_unmerged_before_they_change() -> None:
