@@ -97,12 +97,15 @@ def edit_support(pipe: Pipeline) -> EditSupport:
         edit_pipe = image_to_image(pipe)
     except RequestError:
         return EditSupport(edits=False, inpainting=False, max_images=0)
+    name = type(pipe).__name__ if edit_pipe is pipe else ""
     try:
         inpainting(pipe)
-        can_inpaint = True
+        # Qwen-Image-Edit's inpainting sibling renders at about 1024x1024 pixels whatever
+        # size is asked (diffusers 0.42): its replies and previews would not be the size
+        # the request was given, so masks are refused for those models.
+        can_inpaint = name not in _IMAGE_REQUIRED
     except RequestError:
         can_inpaint = False
-    name = type(pipe).__name__ if edit_pipe is pipe else ""
     return EditSupport(
         edits=True,
         inpainting=can_inpaint,
@@ -174,7 +177,7 @@ def check_edit(
         if edit.mask is not None and not support.inpainting:
             raise RequestError(
                 UNSUPPORTED,
-                "this model has no inpainting pipeline: send the edit without a mask",
+                "this model serves no inpainting: send the edit without a mask",
                 [FieldError("mask", "is not supported by this model")],
             )
         if len(edit.images) > support.max_images:
