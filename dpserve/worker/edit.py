@@ -119,8 +119,7 @@ def check_generation(support: EditSupport | None) -> None:
     if support is not None and support.needs_image:
         raise RequestError(
             UNSUPPORTED,
-            "this model only edits images: send the prompt with an image "
-            "(POST /v1/images/edits)",
+            "this model only edits images: send the prompt with an image (POST /v1/images/edits)",
             [FieldError("image", "is required by this model")],
         )
 

@@ -227,7 +227,9 @@ def qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
     )
 
 
-def build(variant: str, seed: int) -> QwenImagePipeline | QwenImageEditPipeline:
+def build(
+    variant: str, seed: int
+) -> QwenImagePipeline | QwenImageEditPipeline | QwenImageEditPlusPipeline:
     """The ``variant`` pipeline with weights seeded from ``seed`` (tiny_model.FAMILY_VARIANTS)."""
     v = QWEN_VARIANTS[variant]
     if sum(v.axes_dims_rope) != v.attention_head_dim:

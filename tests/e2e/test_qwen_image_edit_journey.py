@@ -2,7 +2,8 @@
 replica split over two ranks (ulysses2): ``POST /v1/images/edits`` as multipart, as the
 OpenAI client sends it. The image is the one a single rank makes (within one grey level,
 through its ZMQ front), at the upload's size; a request without an image is refused
-with the route to use, one with a mask as not served; discovery says the model edits and previews."""
+with the route to use, one with a mask as not served; discovery says the model edits
+and previews."""
 
 from __future__ import annotations
 
