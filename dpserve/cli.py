@@ -161,7 +161,7 @@ def _add_tiny(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     variants = (
         *("tiny", "tiny4", "small", "large", "video", "video-small", "video-i2v", "wan-moe"),
         *("flux2", "flux2-small", "sd3", "sd3-small", "qwen-image", "qwen-image-small"),
-        "qwen-image-large",
+        *("qwen-image-large", "qwen-image-edit", "qwen-image-edit-plus"),
     )
     t.add_argument(
         "--variant", choices=variants, default="tiny", help="docs/worker.md, Tiny models"

@@ -280,6 +280,27 @@ def tiny_qwen_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_edit_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen-Image-Edit's pipeline (QwenImageEditPipeline: the VL encoder reads the
+    reference image) over the tiny Qwen-Image shapes. Its processor needs torchvision."""
+    pytest.importorskip("torchvision", reason="Qwen2VLProcessor's video processor needs it")
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("models") / "qwen-edit"
+    return build_tiny_pipeline(folder, "qwen-image-edit", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_edit_plus_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen-Image-Edit-Plus's pipeline (several reference images) over the same shapes."""
+    pytest.importorskip("torchvision", reason="Qwen2VLProcessor's video processor needs it")
+    from dpserve.worker.tiny_model import build_tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("models") / "qwen-edit-plus"
+    return build_tiny_pipeline(folder, "qwen-image-edit-plus", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Qwen-Image architecture with other weights: what a weight update loads."""
     from dpserve.worker.tiny_model import build_tiny_pipeline

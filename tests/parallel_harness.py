@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from dpserve.contract.layout import ParallelConfig
 from dpserve.contract.protocol import (
+    EditInput,
     GenerateParams,
 )
 
@@ -68,6 +69,7 @@ def _rank(
     store: str,
     out: str,
     read: bool,
+    blobs: list[bytes],
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
@@ -75,6 +77,7 @@ def _rank(
 
     from dpserve.worker.comm import init_gang
     from dpserve.worker.denoiser import DenoiserPatch
+    from dpserve.worker.edit import edit_call
     from dpserve.worker.executor import denoisers_of
     from dpserve.worker.parallel import ModelParallel
     from dpserve.worker.pipeline import (
@@ -83,6 +86,7 @@ def _rank(
         guides_by_scale,
         load_pipeline,
         pipeline_kwargs,
+        size_factor,
     )
     from dpserve.worker.video_call import video_kwargs
 
@@ -100,10 +104,14 @@ def _rank(
         shares |= {"largest": report.largest(), "split": report.largest(report.split)}
     Path(out).with_name(f"read-{rank}.json").write_text(json.dumps(shares))
     parallel.check_loaded(pipe, TEXT_TOKENS)
-    params = GenerateParams(**request)
+    edit = EditInput(images=list(range(len(blobs)))) if blobs else None
+    params = GenerateParams(**request, edit=edit)
     defaults = call_defaults(pipe)
     make_kwargs = pipeline_kwargs if params.video is None else video_kwargs
     kwargs = {**make_kwargs(params, defaults, "latent"), "max_sequence_length": TEXT_TOKENS}
+    if edit is not None:  # the worker's edit path: its pipeline, images and size
+        pipe, extra = edit_call(pipe, params, blobs, size_factor(pipe))
+        kwargs.update(extra)
     patch = DenoiserPatch(comm.info.cfg_rank, comm.cfg_group, lambda: None, parallel.wrap)
     by_guidance = guides_by_scale(pipe)  # a video model's CFG is its guidance_scale
     split = patch.can_split(pipe.transformer) and cfg_requested(params, defaults, by_guidance)
@@ -118,18 +126,27 @@ def _rank(
 
 
 def final_latents(
-    model: Path, layout: dict[str, int], request: dict[str, Any], read: bool = True
+    model: Path,
+    layout: dict[str, int],
+    request: dict[str, Any],
+    read: bool = True,
+    images: tuple[bytes, ...] = (),
 ) -> torch.Tensor:
     """The final latents of ``request`` on a gang with ``layout`` (one process per rank).
 
     ``read``: tp ranks read only their pieces of the checkpoint, as a worker does;
-    False loads the transformer whole on every rank and cuts it after.
+    False loads the transformer whole on every rank and cuts it after. ``images``:
+    the request is an edit of these encoded files.
     """
-    return gang_run(model, layout, request, read)[0]
+    return gang_run(model, layout, request, read, images)[0]
 
 
 def gang_run(
-    model: Path, layout: dict[str, int], request: dict[str, Any], read: bool = True
+    model: Path,
+    layout: dict[str, int],
+    request: dict[str, Any],
+    read: bool = True,
+    images: tuple[bytes, ...] = (),
 ) -> tuple[torch.Tensor, list[dict[str, float | None]]]:
     """:func:`final_latents`, and what each rank read of its transformer's checkpoint:
     ``share`` of all its elements, the ``largest`` share of any one tensor and of any
@@ -137,7 +154,8 @@ def gang_run(
     size = ParallelConfig(**layout).gang_size
     with tempfile.TemporaryDirectory(prefix="dpserve-math-") as tmp:
         out = os.path.join(tmp, "latents.pt")
-        args = (str(model), layout, request, os.path.join(tmp, "store"), out, read)
+        store = os.path.join(tmp, "store")
+        args = (str(model), layout, request, store, out, read, list(images))
         start_ranks(_rank, args, size)
         reads = [json.loads(Path(tmp, f"read-{r}.json").read_text()) for r in range(size)]
         return torch.load(out), reads

@@ -222,8 +222,11 @@ def warmup(executor: Executor, cfg: WorkerConfig, startup: StartupLog | None = N
         else p.VideoSpec(num_frames=min(5, video.max_frames), fps=video.default_fps)
     )
     for width, height in sizes:
-        # An image-to-video model's warm-up animates a grey image.
-        needs_image = video is not None and not video.text_to_video
+        # An image-to-video model's warm-up animates a grey image, an edit-only
+        # model's (Qwen-Image-Edit) edits one.
+        needs_image = executor.features.edit.needs_image or (
+            video is not None and not video.text_to_video
+        )
         blobs = [warmup_reference(width, height)] if needs_image else []
         params = p.GenerateParams(
             prompt="warmup",

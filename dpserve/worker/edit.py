@@ -45,6 +45,9 @@ if TYPE_CHECKING:  # the driver's socket thread checks uploads without loading t
 # Edit models whose ``image`` argument takes several reference images (a list);
 # other edit models read a list as a batch, so they get one image.
 _MULTI_REFERENCE: Final = frozenset({"QwenImageEditPlusPipeline", "Flux2Pipeline"})
+# Edit models that cannot make an image from the prompt alone (their call reads the
+# reference image's size before anything else); Flux Kontext and FLUX.2 can.
+_IMAGE_REQUIRED: Final = frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"})
 _UNREADABLE: Final = (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError)
 
 
@@ -55,6 +58,7 @@ class EditSupport:
     edits: bool
     inpainting: bool
     max_images: int  # 0 without edits
+    needs_image: bool = False  # every request must be an edit (Qwen-Image-Edit)
 
 
 def _takes(pipe: Pipeline, arg: str) -> bool:
@@ -93,15 +97,31 @@ def edit_support(pipe: Pipeline) -> EditSupport:
         edit_pipe = image_to_image(pipe)
     except RequestError:
         return EditSupport(edits=False, inpainting=False, max_images=0)
+    name = type(pipe).__name__ if edit_pipe is pipe else ""
     try:
         inpainting(pipe)
-        can_inpaint = True
+        # Qwen-Image-Edit's inpainting sibling renders at about 1024x1024 pixels whatever
+        # size is asked (diffusers 0.42): its replies and previews would not be the size
+        # the request was given, so masks are refused for those models.
+        can_inpaint = name not in _IMAGE_REQUIRED
     except RequestError:
         can_inpaint = False
-    many = edit_pipe is pipe and type(pipe).__name__ in _MULTI_REFERENCE
     return EditSupport(
-        edits=True, inpainting=can_inpaint, max_images=MAX_EDIT_IMAGES if many else 1
+        edits=True,
+        inpainting=can_inpaint,
+        max_images=MAX_EDIT_IMAGES if name in _MULTI_REFERENCE else 1,
+        needs_image=name in _IMAGE_REQUIRED,
     )
+
+
+def check_generation(support: EditSupport | None) -> None:
+    """Refuse a request without images for a model that only edits."""
+    if support is not None and support.needs_image:
+        raise RequestError(
+            UNSUPPORTED,
+            "this model only edits images: send the prompt with an image (POST /v1/images/edits)",
+            [FieldError("image", "is required by this model")],
+        )
 
 
 # ---------------------------------------------------------------- uploads
@@ -156,7 +176,7 @@ def check_edit(
         if edit.mask is not None and not support.inpainting:
             raise RequestError(
                 UNSUPPORTED,
-                "this model has no inpainting pipeline: send the edit without a mask",
+                "this model serves no inpainting: send the edit without a mask",
                 [FieldError("mask", "is not supported by this model")],
             )
         if len(edit.images) > support.max_images:

@@ -501,6 +501,8 @@ FAMILY_VARIANTS: Mapping[str, str] = MappingProxyType(
         "qwen-image": "dpserve.worker.tiny_qwen_image:build",
         "qwen-image-small": "dpserve.worker.tiny_qwen_image:build",
         "qwen-image-large": "dpserve.worker.tiny_qwen_image:build",
+        "qwen-image-edit": "dpserve.worker.tiny_qwen_image:build",
+        "qwen-image-edit-plus": "dpserve.worker.tiny_qwen_image:build",
     }
 )
 

@@ -1,10 +1,18 @@
-"""Seeded, offline-built Qwen-Image pipelines (``QwenImagePipeline``) for tests and benchmarks.
+"""Seeded, offline-built Qwen-Image pipelines (``QwenImagePipeline``, and Qwen-Image-Edit's
+``QwenImageEditPipeline`` and ``QwenImageEditPlusPipeline``) for tests and benchmarks.
 
 A tiny ``Qwen2_5_VLForConditionalGeneration`` text encoder (its vision tower too, one small
 block: the class always has one), a byte-level BPE ``Qwen2Tokenizer`` built from code with
 the chat template's special tokens, ``AutoencoderKLQwenImage``, the flow-matching scheduler
 and ``QwenImageTransformer2DModel``; nothing is downloaded. ``tiny_model.build_tiny_pipeline``
 saves them like the other variants.
+
+The edit variants add a ``Qwen2VLProcessor`` (the same tokenizer, and an image processor
+whose pixel budget keeps a reference image to a few vision tokens): their pipelines encode
+the prompt with the reference image through the vision tower. The edit template's system
+words are not whole tokens here, so the 64 tokens the pipeline drops end inside the system
+text (with Qwen's vocabulary they end before the image): the rest of it stays in the
+prompt's embeddings, which changes their length, not how the model is split.
 """
 
 from __future__ import annotations
@@ -18,10 +26,19 @@ import torch
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import QwenImageEditPlusPipeline
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
     FlowMatchEulerDiscreteScheduler,
 )
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+)
 
 from dpserve.worker.tiny_model import _WORDS, _bytes_to_unicode, _perturb, _seeded
 
@@ -36,6 +53,9 @@ class TinyQwenVariant:
     text_dim: int = 32
     text_layers: int = 2
     text_heads: int = 4
+    # "text" (QwenImagePipeline), "edit" (QwenImageEditPipeline: one reference image)
+    # or "edit-plus" (QwenImageEditPlusPipeline: several).
+    pipeline: str = "text"
 
 
 QWEN_VARIANTS: Mapping[str, TinyQwenVariant] = MappingProxyType(
@@ -58,6 +78,21 @@ QWEN_VARIANTS: Mapping[str, TinyQwenVariant] = MappingProxyType(
             attention_head_dim=128,
             num_attention_heads=24,
             axes_dims_rope=(16, 56, 56),
+        ),
+        # Qwen-Image-Edit's pipelines over the tiny model's shapes.
+        "qwen-image-edit": TinyQwenVariant(
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            axes_dims_rope=(4, 6, 6),
+            pipeline="edit",
+        ),
+        "qwen-image-edit-plus": TinyQwenVariant(
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            axes_dims_rope=(4, 6, 6),
+            pipeline="edit-plus",
         ),
     }
 )
@@ -151,7 +186,9 @@ def _text_encoder(v: TinyQwenVariant, tokenizer: Qwen2Tokenizer) -> Any:
             "hidden_size": 16,
             "intermediate_size": 32,
             "num_heads": 2,
-            "patch_size": 14,
+            "patch_size": _VISION_PATCH,
+            "spatial_merge_size": _VISION_MERGE,
+            "temporal_patch_size": 2,
             "window_size": 112,
             "out_hidden_size": v.text_dim,
             "fullatt_block_indexes": [0],
@@ -164,7 +201,35 @@ def _text_encoder(v: TinyQwenVariant, tokenizer: Qwen2Tokenizer) -> Any:
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def build(variant: str, seed: int) -> QwenImagePipeline:
+# The vision tower's patching (Qwen2.5-VL's): 14-pixel patches, 2 frames, 2x2 merged.
+_VISION_PATCH, _VISION_MERGE = 14, 2
+# A reference image's pixel budget in the VL encoder: 4x4 merged tokens at most (Qwen's
+# own allows 1280), so an edit's prompt stays a few dozen tokens long.
+_VISION_MAX_PIXELS = (4 * _VISION_MERGE * _VISION_PATCH) ** 2
+
+
+def qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
+    """What the edit pipelines encode a prompt and its reference images with. The processor
+    class takes a video processor too (transformers' needs torchvision: so does loading
+    a real Qwen-Image-Edit); the pipelines never give it a video."""
+    unit = _VISION_MERGE * _VISION_PATCH
+    sizes: dict[str, Any] = dict(
+        min_pixels=unit * unit,
+        max_pixels=_VISION_MAX_PIXELS,
+        patch_size=_VISION_PATCH,
+        temporal_patch_size=2,
+        merge_size=_VISION_MERGE,
+    )
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**sizes),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**sizes),
+    )
+
+
+def build(
+    variant: str, seed: int
+) -> QwenImagePipeline | QwenImageEditPipeline | QwenImageEditPlusPipeline:
     """The ``variant`` pipeline with weights seeded from ``seed`` (tiny_model.FAMILY_VARIANTS)."""
     v = QWEN_VARIANTS[variant]
     if sum(v.axes_dims_rope) != v.attention_head_dim:
@@ -218,10 +283,14 @@ def build(variant: str, seed: int) -> QwenImagePipeline:
         _perturb(mod, _seeded(seed, name + ":perturb"), scale)
         mod.eval()
 
-    return QwenImagePipeline(
+    modules: dict[str, Any] = dict(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=transformer,
     )
+    if v.pipeline == "text":
+        return QwenImagePipeline(**modules)
+    edit = QwenImageEditPlusPipeline if v.pipeline == "edit-plus" else QwenImageEditPipeline
+    return edit(processor=qwen_processor(tokenizer), **modules)

@@ -109,3 +109,13 @@ def test_output_compression_sets_jpeg_and_webp_quality() -> None:
         assert len(low) < len(high) <= len(default)
         assert Image.open(io.BytesIO(low)).format == fmt.upper()
     assert Image.open(io.BytesIO(encode_image(noise, "png"))).format == "PNG"
+
+
+def test_a_generation_without_images_is_refused_only_by_an_edit_only_model() -> None:
+    from dpserve.worker.edit import check_generation
+
+    check_generation(None)
+    check_generation(EditSupport(True, True, 1))
+    with pytest.raises(p.RequestError, match="only edits images") as refused:
+        check_generation(EditSupport(True, False, 1, needs_image=True))
+    assert refused.value.code == p.UNSUPPORTED

@@ -23,7 +23,7 @@ from dpserve.contract import video as v
 from dpserve.worker.commands import GangCommand, GangStatus, Generation
 from dpserve.worker.driver.outbox import Client
 from dpserve.worker.driver.work_queue import Work
-from dpserve.worker.edit import check_edit, fitted_size
+from dpserve.worker.edit import check_edit, check_generation, fitted_size
 
 if TYPE_CHECKING:
     from dpserve.worker.driver.read_ahead import ReadAhead
@@ -164,6 +164,7 @@ class Admission:
             features.step_caches.check(params.step_cache)
             features.settings.check(params)
         if params.edit is None:
+            check_generation(features.edit if features is not None else None)
             return params
         size = check_edit(params.edit, blobs, features.edit if features is not None else None)
         if params.width is None and params.height is None:

@@ -41,8 +41,10 @@ def encoder_names(model_index: dict[str, Any]) -> list[str]:
 
 
 # A decoder-style text encoder's KV cache (``cache`` in transformers 5's newer
-# outputs, Qwen2.5-VL's): no pipeline reads it after encoding.
-_NOT_RELAYED = frozenset({"past_key_values", "cache"})
+# outputs, Qwen2.5-VL's): no pipeline reads it after encoding. Nor the vision tower's
+# own outputs (Qwen2.5-VL given pixels, as Qwen-Image-Edit's prompts are): the image
+# features already sit in the hidden states the pipelines read.
+_NOT_RELAYED = frozenset({"past_key_values", "cache", "image_outputs", "video_outputs"})
 _TENSORS, _FAILED = b"T", b"E"  # the first byte of every relayed message
 
 

@@ -15,6 +15,12 @@ split across a gang.
   attends its own text and image tokens (no rank redoes another's) through
   ``parallel_attention``, its keys' mask travelling with them. Padded tokens' outputs are
   never read: the transformer returns the image stream only.
+
+  Qwen-Image-Edit appends the reference images' latents to the output's (``img_shapes``
+  holds one grid per image, and the rotary table runs over all of them in that order), so
+  the cut narrows output and reference tokens as one sequence, angles alike; a rank's
+  share may hold both. The reference's grid comes from the pipeline (about 1024x1024
+  pixels at the image's aspect, even sides), so its token count divides by 4.
 """
 
 from __future__ import annotations
@@ -147,8 +153,11 @@ class QwenCut:
     def lengths(self, module: Any, call: inspect.BoundArguments) -> list[tuple[str, int]]:
         if call.arguments.get("controlnet_block_samples") is not None:
             raise RequestError(INVALID_REQUEST, "sequence parallel does not take ControlNet inputs")
-        # The text is padded to fit (run); the image tokens must divide.
-        return [("image", call.arguments["hidden_states"].shape[1])]
+        # The text is padded to fit (run); the image tokens must divide. An edit's are
+        # the output's and then each reference image's (one grid each in img_shapes).
+        shapes = call.arguments.get("img_shapes") or [[]]
+        what = "image" if len(shapes[0]) < 2 else "output and reference image"
+        return [(what, call.arguments["hidden_states"].shape[1])]
 
     def run(self, module: Any, forward: Forward, call: inspect.BoundArguments, piece: Piece) -> Any:
         degree = piece.degree
