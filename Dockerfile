@@ -133,6 +133,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 # PyTorch wheel index, the CPU one by default (PyPI's torch is a larger CUDA build);
 # https://download.pytorch.org/whl/cu128 (etc.) for CUDA; empty for pip's configured
 # index. The worker's other requirements then find torch satisfied and keep it.
+# torchvision comes from the same index in the same step: its compiled ops are built
+# against one torch build (a PyPI torchvision beside a CPU-index torch would not load).
 FROM worker-runtime AS worker-torch
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # A pip requirement, e.g. "torch==2.9.1" to pin the version.
@@ -143,7 +145,7 @@ RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \
     python3 -m venv /opt/venv \
     && sh /run/pip-run.sh /opt/venv/bin/pip install --upgrade pip \
     && sh /run/pip-run.sh /opt/venv/bin/pip install \
-       ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+       ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC" torchvision
 
 FROM worker-torch AS worker-deps
 RUN --mount=type=secret,id=pip-conf --mount=type=secret,id=pip-cert \

@@ -14,8 +14,11 @@ CFG pair splits instead. Times are the replica's own pipeline time of the job
 used more than MAX_FOREIGN cores are dropped; each figure is a median.
 
 ``<layout>=<x>`` is ``t_single / t_layout`` (above 1: faster than one rank).
-Last line: ``cfg2=<x> ulysses2=<y> ring2=<z> tp2=<v> cfg2_plain=<w>`` (after
-``family=wan`` when ``bench/parallel_modes.py --family wan`` runs it).
+``tp2_weights`` is the largest per-rank transformer weight bytes of the tp2 gang over
+one rank's (each serve's ``/server_info`` ``rank_weights``; with Wan 2.2's two experts,
+the first expert's, which tensor parallel splits the same way).
+Last line: ``cfg2=<x> ulysses2=<y> ring2=<z> tp2=<v> cfg2_plain=<w> tp2_weights=<r>``
+(after ``family=wan`` when ``bench/parallel_modes.py --family wan`` runs it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cached_model, median, timed_round
 from bench.dp_pair import Serve
+from bench.parallel_modes import weight_ratios
 from bench.video import run_job
 
 MAX_FOREIGN = 0.15
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None, family: str | None = None) -> None:
                     dropped += 1
                     continue
                 times[name].append(done["inference_time_s"])
+        infos = {name: serve.http.get("/server_info").json() for name, serve in serves.items()}
     finally:
         for serve in serves.values():
             serve.close()
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None, family: str | None = None) -> None:
         ("" if family is None else f"family={family} ")
         + f"cfg2={t['single'] / t['cfg2']:.2f} ulysses2={t['single'] / t['ulysses2']:.2f} "
         f"ring2={t['single'] / t['ring2']:.2f} tp2={t['single'] / t['tp2']:.2f} "
-        f"cfg2_plain={t['single_plain'] / t['cfg2_plain']:.2f}"
+        f"cfg2_plain={t['single_plain'] / t['cfg2_plain']:.2f} "
+        f"tp2_weights={weight_ratios(infos)['tp2']:.2f}"
     )
 
 
