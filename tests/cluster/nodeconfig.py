@@ -19,8 +19,12 @@ def kubelet_config(
     ca_file: Path,
     runtime_socket: Path,
     pod_logs: Path,
+    cgroup_root: str | None = None,
 ) -> dict[str, Any]:
     """The KubeletConfiguration of the test node; each setting says why it is there."""
+    # A second kubelet on this host needs its own pod cgroup tree: each removes the
+    # pod cgroups under its root that it does not know as orphans (nodelayout.py).
+    root = {"cgroupRoot": cgroup_root} if cgroup_root else {}
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -45,6 +49,7 @@ def kubelet_config(
         # said explicitly so a changed default fails here first.
         "cgroupDriver": "cgroupfs",
         "failCgroupV1": False,
+        **root,
         "failSwapOn": False,  # a developer machine may have swap; pods do not use it
         "podLogsDir": str(pod_logs),  # out of /var/log/pods, with the run directory
         # Any evictionHard entry zeroes the defaults not listed (mergeDefault...=false):
