@@ -46,7 +46,7 @@ def test_pod_ranges_are_disjoint_in_the_subnet_and_miss_every_node_ip() -> None:
     subnet = ipaddress.ip_network(SUBNET)
     spans: list[set[int]] = []
     for layout in layouts():
-        first, last = (ipaddress.ip_address(a) for a in layout.ip_range)
+        first, last = (ipaddress.IPv4Address(a) for a in layout.ip_range)
         assert first in subnet and last in subnet and first < last
         spans.append(set(range(int(first), int(last) + 1)))
     assert all(not (x & y) for i, x in enumerate(spans) for y in spans[i + 1 :])
