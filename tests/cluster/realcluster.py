@@ -129,6 +129,13 @@ class RealCluster(OnPlane):
         self._nodes.append(node.start())
         return node
 
+    def ensure_nodes(self, count: int) -> list[RealNode]:
+        """At least ``count`` nodes: the missing ones are added (a session's one-node
+        cluster grows when a test needs two, and keeps them until it stops)."""
+        while len(self._nodes) < count:
+            self.add_node()
+        return self.nodes
+
     def _node_for(self, layout: NodeLayout) -> RealNode:
         assert self.plane is not None and self.bin is not None, "the cluster is not running"
         return RealNode(
