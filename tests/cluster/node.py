@@ -206,8 +206,9 @@ class RealNode:
                 indent=2,
             )
         )
+        # Named by node: each kubelet has its own identity (and files) on the plane.
         kubeconfig = self.plane.client_kubeconfig(
-            "kubelet", f"/O=system:nodes/CN=system:node:{self.name}"
+            f"kubelet-{self.name}", f"/O=system:nodes/CN=system:node:{self.name}"
         )
         self._spawn(
             "kubelet",
