@@ -56,7 +56,7 @@ def clean_leftovers(
     clean_host(run_dir, bin, cgroup_top, host)
 
 
-def _kill_shims(state: Path) -> None:
+def kill_shims(state: Path) -> None:
     """Shims that no containerd could reach, by their pid files (their containers'
     processes go with the pod cgroups). A pid counts only while it is still a shim
     of that container: pids are reused."""
@@ -82,7 +82,7 @@ def clean_host(
 ) -> None:
     """Shims and pod processes, cgroups, mounts, the run dir; with ``host`` (the node
     that owns the host-wide state, nodelayout.py) iptables and the fixed paths too."""
-    _kill_shims(run_dir / "containerd")
+    kill_shims(run_dir / "containerd")
     hoststate.remove_kubepods(cgroup_top)
     hoststate.unmount_under(run_dir)
     if CONTAINER_LOGS.is_dir():

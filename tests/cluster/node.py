@@ -30,9 +30,11 @@ br_netfilter, iptables (nf_tables backend) and veths all work as on a server.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -46,7 +48,7 @@ from tests.cluster.containerd import Containerd
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.daemon import Daemon
 from tests.cluster.images import PAUSE_REF, pause_image
-from tests.cluster.leftovers import clean_host, clean_leftovers, cni_teardown
+from tests.cluster.leftovers import clean_host, clean_leftovers, cni_teardown, kill_shims
 from tests.cluster.nodeconfig import kube_proxy_config, kubelet_config
 from tests.cluster.nodelayout import cgroup_top
 
@@ -133,6 +135,20 @@ class RealNode:
                     self._forward_was_off = False
             finally:
                 self._unlock()
+
+    def lose(self) -> None:
+        """The node lost, as in a power cut: its kubelet, containerd, shims and pods are
+        killed at once and nothing is told or cleaned (``stop()`` cleans up later). The
+        first node's kube-proxy stays: it serves this host's one network namespace, as
+        the other nodes' kube-proxies would in a cluster of machines."""
+        runtime = self.containerd.daemon if self.containerd is not None else None
+        for daemon in (self.daemons.get("kubelet"), runtime):
+            if daemon is not None:
+                daemon.kill()
+        kill_shims(self.run_dir / "containerd")
+        for pid in hoststate.kubepods_processes(self._cgroup_top):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def clean_leftovers(self) -> None:
         """What a killed run left of this node, for a node this run does not start."""
