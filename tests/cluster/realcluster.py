@@ -33,6 +33,11 @@ from tests.cluster.nodelayout import MAX_NODES, NodeLayout, node_layout
 HERE = Path(__file__).resolve().parent
 POD_CIDR = "10.245.0.0/24"
 PREFIX = "dpn"  # the bridge is dpnbr0
+# A lost node is NotReady this long after its last heartbeat (Kubernetes' default is
+# 40 s, the node-loss journey's figure scales with it). Its kubelets renew their
+# Lease every 2 s (nodeconfig.py), so only a kubelet stalled 10 renewals in a row
+# on these 2 busy cores would be taken for lost.
+NODE_MONITOR_GRACE_S = 20
 # The control plane's pid files and root, for a start after a killed run: the
 # plane has no fixed paths of its own (a fresh temp root each time).
 PLANE_RECORDS = RUN_DIR.with_name(RUN_DIR.name + "-plane")
@@ -92,6 +97,7 @@ class RealCluster(OnPlane):
                 api_host=cluster.network.gateway,
                 endpoint_reconciler="lease",
                 kubelet_client=True,
+                node_monitor_grace_s=NODE_MONITOR_GRACE_S,
             )
             PLANE_RECORDS.mkdir(parents=True)
             (PLANE_RECORDS / "root").write_text(str(cluster.plane.root))
