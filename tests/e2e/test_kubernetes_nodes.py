@@ -169,7 +169,7 @@ def test_a_lost_node_replica_comes_back_on_the_other_node(k8s: NodeBackend) -> N
 
     def node_ready() -> str:
         got = k8s.get("default", "node", victim)
-        return next(c["status"] for c in got["status"]["conditions"] if c["type"] == "Ready")
+        return str(next(c["status"] for c in got["status"]["conditions"] if c["type"] == "Ready"))
 
     try:
         with Load(lambda: k8s.router_url(NS, "tiny")) as load:
