@@ -33,8 +33,8 @@ from tests.cluster.nodelayout import MAX_NODES, NodeLayout, node_layout
 HERE = Path(__file__).resolve().parent
 POD_CIDR = "10.245.0.0/24"
 PREFIX = "dpn"  # the bridge is dpnbr0
-# A lost node is NotReady this long after its last heartbeat (Kubernetes' default is
-# 40 s, the node-loss journey's figure scales with it). Its kubelets renew their
+# A lost node is NotReady this long after its last heartbeat (Kubernetes 1.33's default
+# is 50 s; the node-loss journey's figure scales with it). Its kubelets renew their
 # Lease every 2 s (nodeconfig.py), so only a kubelet stalled 10 renewals in a row
 # on these 2 busy cores would be taken for lost.
 NODE_MONITOR_GRACE_S = 20
