@@ -142,7 +142,8 @@ class RealNode:
         first node's kube-proxy stays: it serves this host's one network namespace, as
         the other nodes' kube-proxies would in a cluster of machines."""
         runtime = self.containerd.daemon if self.containerd is not None else None
-        for daemon in (self.daemons.get("kubelet"), runtime):
+        # Out of `daemons`: what waits on this node (wait_routed) waits on what still runs.
+        for daemon in (self.daemons.pop("kubelet", None), runtime):
             if daemon is not None:
                 daemon.kill()
         kill_shims(self.run_dir / "containerd")
