@@ -21,7 +21,16 @@ CNI_BIN = Path("/usr/lib/cni")
 NETWORK = "dpserve-node"
 
 
-def conflist(bridge: str, subnet: str, gateway: str, ipam_dir: Path) -> dict[str, Any]:
+def conflist(
+    bridge: str,
+    subnet: str,
+    gateway: str,
+    ipam_dir: Path,
+    ip_range: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """``ip_range`` (first, last): this node's slice of the shared subnet, so that two
+    nodes' host-local allocators (each with its own leases) never hand out one address."""
+    span = {"rangeStart": ip_range[0], "rangeEnd": ip_range[1]} if ip_range else {}
     return {
         "cniVersion": "0.4.0",
         "name": NETWORK,
@@ -34,7 +43,7 @@ def conflist(bridge: str, subnet: str, gateway: str, ipam_dir: Path) -> dict[str
                 "hairpinMode": True,  # a pod reaches itself through its own Service
                 "ipam": {
                     "type": "host-local",
-                    "ranges": [[{"subnet": subnet, "gateway": gateway}]],
+                    "ranges": [[{"subnet": subnet, "gateway": gateway, **span}]],
                     "routes": [{"dst": "0.0.0.0/0"}],
                     # Out of /var/lib/cni: leases go with the node's run directory.
                     "dataDir": str(ipam_dir),

@@ -163,6 +163,9 @@ class ControlPlane:
     # A client cert for the apiserver's calls to kubelets (logs, exec, port-forward),
     # which real kubelets check; they are reached at their InternalIP.
     kubelet_client: bool = False
+    # Seconds without a node's heartbeat before the node lifecycle controller marks
+    # it NotReady (None: Kubernetes' default); a node-loss test waits on it.
+    node_monitor_grace_s: int | None = None
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dpserve-k8s-")))
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -252,6 +255,7 @@ class ControlPlane:
                     # an HPA waits on, three loops at least: a short one is the same
                     # controller, sooner.
                     "--horizontal-pod-autoscaler-sync-period=2s",
+                    *self._node_monitor_args(),
                 ],
             )
             self._wait(f"https://127.0.0.1:{kcm_port}/healthz", tls=False, verify=False)
@@ -259,6 +263,14 @@ class ControlPlane:
             self._spawn("kube-scheduler", [*common, f"--secure-port={sched_port}"])
             self._wait(f"https://127.0.0.1:{sched_port}/healthz", tls=False, verify=False)
         return self
+
+    def _node_monitor_args(self) -> list[str]:
+        if self.node_monitor_grace_s is None:
+            return []
+        return [
+            f"--node-monitor-grace-period={self.node_monitor_grace_s}s",
+            "--node-monitor-period=1s",  # how often it looks (5 s by default)
+        ]
 
     @property
     def server(self) -> str:

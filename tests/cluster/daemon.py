@@ -101,6 +101,12 @@ class Daemon:
                 self.proc.wait()
         self.pidfile.unlink(missing_ok=True)
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it: nothing of its own shutdown runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             text = self.log.read_text(errors="replace")

@@ -49,33 +49,48 @@ def unmount_under(path: Path) -> None:
 # ---------------------------------------------------------------------- cgroups
 
 
-def kubepods_cgroups() -> list[Path]:
-    """Every cgroup of the kubepods tree in every hierarchy, deepest first."""
-    found: list[Path] = []
+def make_cgroup_root(top: str) -> None:
+    """Cgroup ``/<top>`` in every hierarchy, for a kubelet's ``cgroupRoot`` (it refuses
+    to start unless the root exists in each). cpuset gets its parent's CPUs and memory
+    nodes: v1 leaves them empty, and no process could join a cgroup below it."""
+    for hierarchy in _hierarchies():
+        group = hierarchy / top
+        group.mkdir(exist_ok=True)
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            if (hierarchy / name).exists() and not (group / name).read_text().strip():
+                (group / name).write_text((hierarchy / name).read_text())
+
+
+def _hierarchies() -> list[Path]:
     if not CGROUP_ROOT.is_dir():
-        return found
-    for hierarchy in CGROUP_ROOT.iterdir():
-        top = hierarchy / KUBEPODS
-        if top.is_dir():
-            found += [Path(d) for d, _, _ in os.walk(top)]
+        return []
+    return [h for h in CGROUP_ROOT.iterdir() if h.is_dir() and not h.is_symlink()]
+
+
+def kubepods_cgroups(top: str = KUBEPODS) -> list[Path]:
+    """Every cgroup of the tree ``/<top>`` (a node's pods) in every hierarchy, deepest first."""
+    found: list[Path] = []
+    for hierarchy in _hierarchies():
+        if (hierarchy / top).is_dir():
+            found += [Path(d) for d, _, _ in os.walk(hierarchy / top)]
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
-def kubepods_processes() -> set[int]:
+def kubepods_processes(top: str = KUBEPODS) -> set[int]:
     pids: set[int] = set()
-    for group in kubepods_cgroups():
+    for group in kubepods_cgroups(top):
         with contextlib.suppress(OSError):
             pids |= {int(p) for p in (group / "cgroup.procs").read_text().split()}
     return pids
 
 
-def remove_kubepods() -> None:
+def remove_kubepods(top: str = KUBEPODS) -> None:
     """Kill what still runs in pod cgroups (container processes whose runtime is gone),
-    then remove the cgroups, leaves first."""
-    for pid in kubepods_processes():
+    then remove the cgroups, leaves first (``top`` itself too)."""
+    for pid in kubepods_processes(top):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    for group in kubepods_cgroups():
+    for group in kubepods_cgroups(top):
         for _ in range(50):  # a killed process leaves its cgroup a moment later
             try:
                 group.rmdir()

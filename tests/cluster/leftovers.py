@@ -34,11 +34,17 @@ def cni_teardown(run_dir: Path, sandbox_id: str, netns: str | None) -> None:
         cached.unlink(missing_ok=True)
 
 
-def clean_leftovers(run_dir: Path, containerd: Containerd, bin: Path) -> None:
+def clean_leftovers(
+    run_dir: Path,
+    containerd: Containerd,
+    bin: Path,
+    cgroup_top: str = hoststate.KUBEPODS,
+    host: bool = True,
+) -> None:
     """Undo what a killed run left: its daemons (by pid file), its containers (through
     a containerd on the same state, which finds the surviving shims), then the host."""
     if not run_dir.exists():
-        clean_host(run_dir, bin)
+        clean_host(run_dir, bin, cgroup_top, host)
         return
     for name in ("kube-router", "kube-proxy", "kubelet", "containerd"):
         kill_recorded(run_dir / f"{name}.pid")
@@ -47,10 +53,10 @@ def clean_leftovers(run_dir: Path, containerd: Containerd, bin: Path) -> None:
             containerd.start()
             containerd.remove_all_containers(lambda sid, ns: cni_teardown(run_dir, sid, ns))
         containerd.stop()
-    clean_host(run_dir, bin)
+    clean_host(run_dir, bin, cgroup_top, host)
 
 
-def _kill_shims(state: Path) -> None:
+def kill_shims(state: Path) -> None:
     """Shims that no containerd could reach, by their pid files (their containers'
     processes go with the pod cgroups). A pid counts only while it is still a shim
     of that container: pids are reused."""
@@ -71,21 +77,32 @@ def _kill_shims(state: Path) -> None:
                 os.kill(int(proc.name), signal.SIGKILL)
 
 
-def clean_host(run_dir: Path, bin: Path) -> None:
-    """Shims and pod processes, cgroups, mounts, iptables, the fixed paths, the run dir."""
-    _kill_shims(run_dir / "containerd")
-    hoststate.remove_kubepods()
+def clean_host(
+    run_dir: Path, bin: Path, cgroup_top: str = hoststate.KUBEPODS, host: bool = True
+) -> None:
+    """Shims and pod processes, cgroups, mounts, the run dir; with ``host`` (the node
+    that owns the host-wide state, nodelayout.py) iptables and the fixed paths too."""
+    kill_shims(run_dir / "containerd")
+    hoststate.remove_kubepods(cgroup_top)
     hoststate.unmount_under(run_dir)
+    if CONTAINER_LOGS.is_dir():
+        for link in CONTAINER_LOGS.iterdir():
+            if link.is_symlink() and str(os.readlink(link)).startswith(f"{run_dir}/"):
+                link.unlink()
+    if host:
+        _clean_shared(bin)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _clean_shared(bin: Path) -> None:
+    """What every kubelet on this host shares: iptables, the device-plugin directory
+    (a fixed path, whatever the root dir), libcni's cache, the empty fixed dirs."""
     # kube-proxy's own cleanup first (iptables, ipvs, nftables), then whatever is left.
     if (bin / "kube-proxy").exists():
         with contextlib.suppress(subprocess.TimeoutExpired):
             subprocess.run([str(bin / "kube-proxy"), "--cleanup"], capture_output=True, timeout=60)
     hoststate.remove_node_rules()
     hoststate.remove_node_ipsets()  # the policy engine's, free once no rule uses them
-    if CONTAINER_LOGS.is_dir():
-        for link in CONTAINER_LOGS.iterdir():
-            if link.is_symlink() and str(os.readlink(link)).startswith(str(run_dir)):
-                link.unlink()
     for path in (DEVICE_PLUGINS / "kubelet.sock", DEVICE_PLUGINS / "kubelet_internal_checkpoint"):
         path.unlink(missing_ok=True)
     for cached in CNI_CACHE.glob(f"{cni.NETWORK}-*-eth0"):  # sandboxes of this network
@@ -95,7 +112,6 @@ def clean_host(run_dir: Path, bin: Path) -> None:
     for d in (DEVICE_PLUGINS, DEVICE_PLUGINS.parent, CONTAINER_LOGS, CNI_CACHE, CNI_CACHE.parent):
         with contextlib.suppress(OSError):  # only where empty: anything else is not ours
             d.rmdir()
-    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def fixed_path_leftovers(run_dir: Path) -> list[str]:
@@ -106,6 +122,6 @@ def fixed_path_leftovers(run_dir: Path) -> list[str]:
         found += [
             str(link)
             for link in CONTAINER_LOGS.iterdir()
-            if link.is_symlink() and str(os.readlink(link)).startswith(str(run_dir))
+            if link.is_symlink() and str(os.readlink(link)).startswith(f"{run_dir}/")
         ]
     return found

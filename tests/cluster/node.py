@@ -31,9 +31,11 @@ br_netfilter, iptables (nf_tables backend) and veths all work as on a server.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -47,8 +49,9 @@ from tests.cluster.containerd import Containerd
 from tests.cluster.controlplane import SERVICE_CIDR, ControlPlane
 from tests.cluster.daemon import Daemon
 from tests.cluster.images import PAUSE_REF, pause_image
-from tests.cluster.leftovers import clean_host, clean_leftovers, cni_teardown
+from tests.cluster.leftovers import clean_host, clean_leftovers, cni_teardown, kill_shims
 from tests.cluster.nodeconfig import kube_proxy_config, kubelet_config
+from tests.cluster.nodelayout import cgroup_top
 from tests.cluster.policy import PolicyEngine
 
 RUN_DIR = Path(os.environ.get("DPSERVE_NODE_DIR", "/var/lib/dpserve-node"))
@@ -65,12 +68,18 @@ class RealNode:
     plane: ControlPlane
     bin: Path
     bridge: str
-    node_ip: str  # the bridge's gateway address
+    node_ip: str  # the bridge's gateway address (the first node's), or another on the bridge
     pod_cidr: str
     name: str = "node-1"
     gpus: int = 4
     run_dir: Path = RUN_DIR
     cache: Path = CACHE
+    # A node beside the first (nodelayout.py): its own pod cgroup root and pod
+    # addresses; host_owner False leaves kube-proxy and host-wide state to the first.
+    cgroup_root: str | None = None
+    ip_range: tuple[str, str] | None = None
+    host_owner: bool = True
+    gateway: str | None = None  # the pods' default route; node_ip when None
     containerd: Containerd | None = None
     policy: PolicyEngine | None = None
     daemons: dict[str, Daemon] = field(default_factory=dict)
@@ -82,10 +91,13 @@ class RealNode:
     def start(self, timeout_s: float = 120) -> RealNode:
         self._lock()
         try:
-            clean_leftovers(self.run_dir, self._containerd(), self.bin)
+            self._clean_leftovers()
             self.run_dir.mkdir(parents=True)
-            self._forward_was_off = hoststate.enable_ip_forward()
-            hoststate.allow_forwarding(self.bridge)
+            if self.host_owner:
+                self._forward_was_off = hoststate.enable_ip_forward()
+                hoststate.allow_forwarding(self.bridge)
+            if self.cgroup_root is not None:
+                hoststate.make_cgroup_root(self._cgroup_top)
             self._write_cni()
             self.containerd = self._containerd().start()
             with tempfile.TemporaryFile() as archive:
@@ -95,11 +107,14 @@ class RealNode:
             self._start_kubelet()
             self._wait_node_ready(timeout_s)
             self._advertise_gpus()
-            self._start_kube_proxy(timeout_s)
-            self.policy = PolicyEngine(
-                self.plane, self.bin / "kube-router", self.run_dir, self.name, SERVICE_CIDR
-            )
-            self.policy.start(timeout_s)
+            # The others share its network namespace: one kube-proxy, and one policy
+            # engine (two would remove each other's pod chains), both on this node.
+            if self.host_owner:
+                self._start_kube_proxy(timeout_s)
+                self.policy = PolicyEngine(
+                    self.plane, self.bin / "kube-router", self.run_dir, self.name, SERVICE_CIDR
+                )
+                self.policy.start(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -125,24 +140,58 @@ class RealNode:
                     self.containerd.stop()
         finally:
             try:
-                clean_host(self.run_dir, self.bin)  # also what a failed step above left
+                # Also what a failed step above left.
+                clean_host(self.run_dir, self.bin, self._cgroup_top, self.host_owner)
                 if self._forward_was_off:
                     hoststate.disable_ip_forward()
                     self._forward_was_off = False
             finally:
                 self._unlock()
 
+    def lose(self) -> None:
+        """The node lost, as in a power cut: its kubelet, containerd, shims and pods are
+        killed at once and nothing is told or cleaned (``stop()`` cleans up later). The
+        first node's kube-proxy stays: it serves this host's one network namespace, as
+        the other nodes' kube-proxies would in a cluster of machines."""
+        runtime = self.containerd.daemon if self.containerd is not None else None
+        # Out of `daemons`: what waits on this node (wait_routed) waits on what still runs.
+        for daemon in (self.daemons.pop("kubelet", None), runtime):
+            if daemon is not None:
+                daemon.kill()
+        kill_shims(self.run_dir / "containerd")
+        for pid in hoststate.kubepods_processes(self._cgroup_top):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def clean_leftovers(self) -> None:
+        """What a killed run left of this node, for a node this run does not start."""
+        self._lock()
+        try:
+            self._clean_leftovers()
+        finally:
+            self._unlock()
+
+    def _clean_leftovers(self) -> None:
+        clean_leftovers(
+            self.run_dir, self._containerd(), self.bin, self._cgroup_top, self.host_owner
+        )
+
+    @property
+    def _cgroup_top(self) -> str:
+        return cgroup_top(self.cgroup_root)
+
     def _containerd(self) -> Containerd:
         return Containerd(self.run_dir, self.cache / "containerd", sandbox_image=PAUSE_REF)
 
     def _lock(self) -> None:
         lock_dir = Path("/run/lock") if os.access("/run/lock", os.W_OK) else Path("/tmp")
-        fd = os.open(lock_dir / "dpserve-node.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # One lock per run directory: node-2 beside node-1 is fine, two node-1s are not.
+        fd = os.open(lock_dir / f"{self.run_dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise NodeError("another real test node is running on this machine") from None
+            raise NodeError(f"another real test node uses {self.run_dir} on this machine") from None
         self._lock_fd = fd
 
     def _unlock(self) -> None:
@@ -157,7 +206,11 @@ class RealNode:
         conf_dir = self._containerd().cni_conf_dir
         conf_dir.mkdir(parents=True)
         config = cni.conflist(
-            self.bridge, self.pod_cidr, self.node_ip, self.run_dir / "cni" / "ipam"
+            self.bridge,
+            self.pod_cidr,
+            self.gateway or self.node_ip,
+            self.run_dir / "cni" / "ipam",
+            self.ip_range,
         )
         (conf_dir / "10-dpserve.conflist").write_text(json.dumps(config, indent=2))
 
@@ -177,12 +230,14 @@ class RealNode:
                     ca_file=self.plane.pki / "ca.crt",
                     runtime_socket=self.containerd.socket,
                     pod_logs=self.run_dir / "pod-logs",
+                    cgroup_root=self.cgroup_root,
                 ),
                 indent=2,
             )
         )
+        # Named by node: each kubelet has its own identity (and files) on the plane.
         kubeconfig = self.plane.client_kubeconfig(
-            "kubelet", f"/O=system:nodes/CN=system:node:{self.name}"
+            f"kubelet-{self.name}", f"/O=system:nodes/CN=system:node:{self.name}"
         )
         self._spawn(
             "kubelet",

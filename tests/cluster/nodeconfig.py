@@ -19,8 +19,12 @@ def kubelet_config(
     ca_file: Path,
     runtime_socket: Path,
     pod_logs: Path,
+    cgroup_root: str | None = None,
 ) -> dict[str, Any]:
     """The KubeletConfiguration of the test node; each setting says why it is there."""
+    # A second kubelet on this host needs its own pod cgroup tree: each removes the
+    # pod cgroups under its root that it does not know as orphans (nodelayout.py).
+    root = {"cgroupRoot": cgroup_root} if cgroup_root else {}
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -45,6 +49,7 @@ def kubelet_config(
         # said explicitly so a changed default fails here first.
         "cgroupDriver": "cgroupfs",
         "failCgroupV1": False,
+        **root,
         "failSwapOn": False,  # a developer machine may have swap; pods do not use it
         "podLogsDir": str(pod_logs),  # out of /var/log/pods, with the run directory
         # Any evictionHard entry zeroes the defaults not listed (mergeDefault...=false):
@@ -67,6 +72,10 @@ def kubelet_config(
         # Status every 4 s (10 s by default): readiness and capacity show sooner.
         "nodeStatusUpdateFrequency": "4s",
         "nodeStatusReportFrequency": "1m",
+        # The Lease is the heartbeat the node lifecycle controller reads: renewed every
+        # quarter of this (2 s; 10 s by default), well inside the harness's shortened
+        # grace before a node counts as lost (realcluster.NODE_MONITOR_GRACE_S).
+        "nodeLeaseDurationSeconds": 8,
         "registerNode": True,
         "rotateCertificates": False,  # the test CA outlives the test
         "serverTLSBootstrap": False,  # a self-signed serving cert: the apiserver

@@ -1,11 +1,16 @@
-"""A one-node Kubernetes cluster of real parts: control plane, kubelet, containerd, kube-proxy.
+"""A Kubernetes cluster of real parts: control plane, kubelets, containerds, kube-proxy.
 
 Composed as ``localcluster.py`` composes the test kubelet's cluster: the bridge
 comes first so the apiserver can bind its gateway address; pods reach it there
 (through the ``kubernetes`` Service, whose endpoint the apiserver publishes) and the
 host does too. Its own subnet and bridge (``10.245.0.0/24`` on ``dpnbr0``), so a
 ``LocalCluster`` (``10.244.0.0/24``) can run in the same session. Torn down in
-reverse: node (pods, runtime, host state), control plane, bridge.
+reverse: nodes (pods, runtime, host state), control plane, bridge.
+
+One node by default; a second (``start(nodes=2)``, or ``add_node()`` on a running
+cluster, which is how a test that needs it asks) shares this host's network
+namespace and bridge, with its own kubelet, containerd, cgroup root and slice of
+the pod addresses (``nodelayout.py``). One kube-proxy, the first node's, serves both.
 """
 
 from __future__ import annotations
@@ -22,11 +27,17 @@ from tests.cluster.daemon import kill_recorded, record
 from tests.cluster.leftovers import fixed_path_leftovers
 from tests.cluster.network import TestNetwork
 from tests.cluster.network import available as network_available
-from tests.cluster.node import RUN_DIR, RealNode
+from tests.cluster.node import CACHE, RUN_DIR, RealNode
+from tests.cluster.nodelayout import MAX_NODES, NodeLayout, node_layout
 
 HERE = Path(__file__).resolve().parent
 POD_CIDR = "10.245.0.0/24"
 PREFIX = "dpn"  # the bridge is dpnbr0
+# A lost node is NotReady this long after its last heartbeat (Kubernetes 1.33's default
+# is 50 s; the node-loss journey's figure scales with it). Its kubelets renew their
+# Lease every 2 s (nodeconfig.py), so only a kubelet stalled 10 renewals in a row
+# on these 2 busy cores would be taken for lost.
+NODE_MONITOR_GRACE_S = 20
 # The control plane's pid files and root, for a start after a killed run: the
 # plane has no fixed paths of its own (a fresh temp root each time).
 PLANE_RECORDS = RUN_DIR.with_name(RUN_DIR.name + "-plane")
@@ -61,18 +72,24 @@ def install_node_deps() -> None:
     subprocess.run(["bash", str(HERE / "node-deps.sh")], check=True)
 
 
+def layouts(count: int = MAX_NODES) -> list[NodeLayout]:
+    """The first ``count`` nodes' share of this machine (all that may exist by default)."""
+    return [node_layout(i, POD_CIDR, RUN_DIR, CACHE) for i in range(count)]
+
+
 @dataclass
 class RealCluster(OnPlane):
     network: TestNetwork
     plane: ControlPlane | None = None
-    _node: RealNode | None = field(default=None, repr=False)
+    bin: Path | None = None
+    _nodes: list[RealNode] = field(default_factory=list, repr=False)
 
     @classmethod
-    def start(cls, node_name: str = "node-1") -> RealCluster:
+    def start(cls, nodes: int = 1) -> RealCluster:
         install_node_deps()
         cluster = cls(network=TestNetwork(POD_CIDR, prefix=PREFIX))
         try:
-            bin = build_binaries()
+            bin = cluster.bin = build_binaries()
             cluster.network.start()  # its lock makes this the only real cluster now
             _end_recorded_plane()
             cluster.plane = ControlPlane(
@@ -80,6 +97,7 @@ class RealCluster(OnPlane):
                 api_host=cluster.network.gateway,
                 endpoint_reconciler="lease",
                 kubelet_client=True,
+                node_monitor_grace_s=NODE_MONITOR_GRACE_S,
             )
             PLANE_RECORDS.mkdir(parents=True)
             (PLANE_RECORDS / "root").write_text(str(cluster.plane.root))
@@ -88,14 +106,12 @@ class RealCluster(OnPlane):
             finally:
                 for i, (name, proc) in enumerate(cluster.plane.procs.items()):
                     record(PLANE_RECORDS / f"{i}-{name}.pid", proc.pid)
-            cluster._node = RealNode(
-                cluster.plane,
-                bin,
-                bridge=cluster.network.bridge,
-                node_ip=cluster.network.gateway,
-                pod_cidr=POD_CIDR,
-                name=node_name,
-            ).start()
+            # Nodes a killed run left beyond those this one starts (each node
+            # started cleans up after its own predecessor).
+            for layout in layouts()[nodes:]:
+                cluster._node_for(layout).clean_leftovers()
+            for _ in range(nodes):
+                cluster.add_node()
         except BaseException:
             cluster.stop()
             raise
@@ -103,13 +119,49 @@ class RealCluster(OnPlane):
 
     @property
     def node(self) -> RealNode:
-        assert self._node is not None, "the cluster is not running"
-        return self._node
+        """The first node (the one of a one-node cluster)."""
+        assert self._nodes, "the cluster is not running"
+        return self._nodes[0]
+
+    @property
+    def nodes(self) -> list[RealNode]:
+        return list(self._nodes)
+
+    def add_node(self) -> RealNode:
+        """One more node, Ready, with the next layout (nodelayout.py)."""
+        node = self._node_for(node_layout(len(self._nodes), POD_CIDR, RUN_DIR, CACHE))
+        if not node.host_owner:
+            self.network.add_address(node.node_ip)
+        self._nodes.append(node.start())
+        return node
+
+    def ensure_nodes(self, count: int) -> list[RealNode]:
+        """At least ``count`` nodes: the missing ones are added (a session's one-node
+        cluster grows when a test needs two, and keeps them until it stops)."""
+        while len(self._nodes) < count:
+            self.add_node()
+        return self.nodes
+
+    def _node_for(self, layout: NodeLayout) -> RealNode:
+        assert self.plane is not None and self.bin is not None, "the cluster is not running"
+        return RealNode(
+            self.plane,
+            self.bin,
+            bridge=self.network.bridge,
+            node_ip=layout.node_ip,
+            pod_cidr=POD_CIDR,
+            name=layout.name,
+            run_dir=layout.run_dir,
+            cache=layout.cache,
+            cgroup_root=layout.cgroup_root,
+            ip_range=layout.ip_range,
+            host_owner=layout.host_owner,
+            gateway=self.network.gateway,
+        )
 
     def stop(self) -> None:
         try:
-            if self._node is not None:
-                self._node.stop()
+            self._stop_nodes()
         finally:
             try:
                 if self.plane is not None:
@@ -117,6 +169,18 @@ class RealCluster(OnPlane):
                     shutil.rmtree(PLANE_RECORDS, ignore_errors=True)
             finally:
                 self.network.stop()
+
+    def _stop_nodes(self) -> None:
+        """Newest first: the first node, owner of the host-wide state, goes last. Every
+        node is stopped even when one fails to stop; the first failure is raised."""
+        failure: BaseException | None = None
+        while self._nodes:
+            try:
+                self._nodes.pop().stop()
+            except BaseException as exc:  # raised below, once every node is stopped
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def _end_recorded_plane() -> None:
@@ -132,8 +196,10 @@ def _end_recorded_plane() -> None:
     shutil.rmtree(PLANE_RECORDS)
 
 
-def leftovers(run_dir: Path = RUN_DIR) -> list[str]:
-    """What a stopped real cluster would have left on this machine (empty when clean)."""
+def leftovers() -> list[str]:
+    """What a stopped real cluster would have left on this machine (empty when clean):
+    of every node that may exist (nodelayout.py), whether this run started it or not."""
+    nodes = layouts()
     found: list[str] = []
     for pid_dir in Path("/proc").iterdir():
         if not pid_dir.name.isdigit():
@@ -145,20 +211,23 @@ def leftovers(run_dir: Path = RUN_DIR) -> list[str]:
         exe = os.path.basename(argv[0].decode(errors="replace"))
         joined = b" ".join(argv).decode(errors="replace")
         ours = (exe in ("kubelet", "kube-proxy", "kube-router") and "dpserve" in joined) or (
-            exe.startswith("containerd") and str(run_dir) in joined  # containerd and shims
+            exe.startswith("containerd")  # containerd and shims
+            and any(str(n.run_dir) in joined for n in nodes)
         )
         if ours:
             found.append(f"process {pid_dir.name}: {joined}")
-    found += [f"process {pid} in a pod cgroup" for pid in sorted(hoststate.kubepods_processes())]
-    found += [f"cgroup {g}" for g in hoststate.kubepods_cgroups()]
-    found += [f"mount {m}" for m in hoststate.mounts_under(run_dir)]
+    for node in nodes:
+        top = node.cgroup_top
+        found += [f"process {p} in a pod cgroup" for p in sorted(hoststate.kubepods_processes(top))]
+        found += [f"cgroup {g}" for g in hoststate.kubepods_cgroups(top)]
+        found += [f"mount {m}" for m in hoststate.mounts_under(node.run_dir)]
+        if node.run_dir.exists():
+            found.append(f"directory {node.run_dir}")
+        found += [f"file {f}" for f in fixed_path_leftovers(node.run_dir)]
     found += [f"iptables {r}" for r in hoststate.node_rules()]
     found += [f"ipset {s}" for s in hoststate.node_ipsets()]
     if Path(f"/sys/class/net/{PREFIX}br0").exists():
         found.append(f"bridge {PREFIX}br0")
-    if run_dir.exists():
-        found.append(f"directory {run_dir}")
-    found += [f"file {f}" for f in fixed_path_leftovers(run_dir)]
     if PLANE_RECORDS.exists():
         found.append(f"directory {PLANE_RECORDS}")
-    return found
+    return list(dict.fromkeys(found))  # the shared fixed paths show once, not per node

@@ -138,6 +138,14 @@ class NodeBackend(_Common):
         self.images = dict(images)
         deliver(self.images, cluster.node, Registry(build_binaries() / "registry"))
 
+    def ensure_nodes(self, count: int) -> list[Any]:
+        """At least ``count`` real nodes (the session's cluster keeps the ones added),
+        each holding the images."""
+        nodes = self.cluster.ensure_nodes(count)
+        for node in nodes:
+            deliver(self.images, node, Registry(build_binaries() / "registry"))
+        return list(nodes)
+
     def helm_values(self) -> list[str]:
         return image_values(self.images)
 
