@@ -33,7 +33,10 @@ from dpserve.contract.protocol import (
     RequestError,
 )
 
-LORA_TARGETS: Final = ("all", "transformer")
+# What an adapter reaches: "all", its transformer part and (where it has one) its text
+# encoder part, diffusers' load_lora_weights. SGLang's "transformer" (the transformer
+# part alone) is refused until a replica can load a part of an adapter (_target).
+LORA_TARGETS: Final = ("all",)
 # The denoisers: the transformer, and Wan 2.2's second expert (its low-noise one). A
 # weight update that names no modules reloads both, so the experts never come from two
 # checkpoints unasked; a replica whose model has one denoiser has no second to reload.
@@ -173,6 +176,13 @@ def _target(args: Mapping[str, Any]) -> None:
             "the first expert, transformer (diffusers' default; its load_into_transformer_2 "
             "is not offered); merge a low-noise adapter into that expert's weights and load "
             "them with update_weights_from_disk (modules: [transformer_2]) instead",
+        )
+    if target == "transformer":
+        raise bad(
+            "target",
+            "'transformer' (an adapter's transformer part alone) is not offered: adapters "
+            "load whole, their transformer part and, where they have one, their text encoder "
+            "part; send target 'all' (the default), or an adapter without a text encoder part",
         )
     if target not in LORA_TARGETS:
         raise bad("target", f"must be one of {', '.join(LORA_TARGETS)}, got {target!r}")

@@ -23,7 +23,7 @@ from dpserve.contract.control_state import DENOISERS
 from dpserve.router import fields
 
 Names = str | list[str]
-Target = Literal["all", "transformer"]  # dpserve.contract.control_state.LORA_TARGETS
+Target = Literal["all"]  # dpserve.contract.control_state.LORA_TARGETS
 
 
 def request_model(name: str, doc: str, route: str) -> type[BaseModel]:

@@ -72,6 +72,7 @@ def test_memory_ops_are_idempotent_and_released_refuses_weight_changes() -> None
         ("set_lora", {"lora_nickname": []}, "lora_nickname"),
         ("set_lora", {**LORA, "strength": [1, 2]}, "strength"),
         ("set_lora", {**LORA, "target": "vae"}, "target"),
+        ("set_lora", {**LORA, "target": "transformer"}, "target"),
         ("merge_lora_weights", {}, "lora_nickname"),
         ("unmerge_lora_weights", {}, "lora_nickname"),
         ("update_weights_from_disk", {"model_path": 3}, "model_path"),

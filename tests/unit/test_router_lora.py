@@ -178,6 +178,23 @@ def test_a_request_with_lora_while_the_service_adapters_are_merged_is_a_409() ->
     run_in_context(scenario)
 
 
+def test_set_lora_refuses_targets_it_cannot_honour_over_http() -> None:
+    """Adapters load whole: SGLang's "transformer" (the transformer part alone) and Wan's
+    second expert are 400s that say what to send instead; nothing reaches a replica."""
+
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        async with _fleet(ctx, _cache()) as (http, [stub], _):
+            lora = {"lora_nickname": "svc", "lora_path": "/loras/svc"}
+            for target, hint in (("transformer", "target 'all'"), ("transformer_2", "modules")):
+                answer = await http.post("/v1/set_lora", json={**lora, "target": target})
+                assert answer.status_code == 400 and hint in answer.text, answer.text
+            assert "set_lora" not in stub.calls
+            assert (await http.post("/v1/set_lora", json={**lora, "target": "all"})).is_success
+            assert "set_lora" in stub.calls
+
+    run_in_context(scenario)
+
+
 def test_edits_and_variations_take_lora_as_json_or_a_bare_name() -> None:
     async def scenario(ctx: zmq.asyncio.Context) -> None:
         async with _fleet(ctx, _cache()) as (http, [stub], _):
