@@ -47,12 +47,16 @@ class ServeProcess:
             raise
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Until every replica is in rotation. ``/health`` alone is not that: it answers 200
+        once every replica answers pings, and the router puts a replica in rotation only
+        after its model_info, read after that first ping (a busy machine answers it late,
+        and a request in between is a 503)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited with {self.proc.returncode}")
             try:
-                if self.http.get("/health").status_code == 200:
+                if self.http.get("/health").status_code == 200 and _all_serving(self.http):
                     return
             except httpx.TransportError:
                 pass
@@ -159,3 +163,10 @@ class RouterProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _all_serving(http: httpx.Client) -> bool:
+    """``/ready`` counts every replica as serving (it is open, like ``/health``)."""
+    ready = http.get("/ready")
+    shown = ready.json() if ready.status_code == 200 else {}
+    return bool(shown.get("replicas")) and shown.get("serving") == shown.get("replicas")

@@ -137,10 +137,22 @@ class RealCluster(OnPlane):
 
     def ensure_nodes(self, count: int) -> list[RealNode]:
         """At least ``count`` nodes: the missing ones are added (a session's one-node
-        cluster grows when a test needs two, and keeps them until it stops)."""
+        cluster grows when a test needs two; ``shrink_to`` takes it back)."""
         while len(self._nodes) < count:
             self.add_node()
         return self.nodes
+
+    def shrink_to(self, count: int) -> None:
+        """Back to ``count`` nodes (at least the first): the newest stop and their Node
+        objects leave the API, so the tests after one that needed more nodes see the
+        cluster they were written for (one node's GPUs; the policy engine's node). A
+        stopped node keeps its image cache: adding it again is seconds."""
+        while len(self._nodes) > max(1, count):
+            node = self._nodes.pop()
+            try:
+                node.stop()
+            finally:
+                self.kubectl("delete", "node", node.name, "--ignore-not-found", "--wait=false")
 
     def _node_for(self, layout: NodeLayout) -> RealNode:
         assert self.plane is not None and self.bin is not None, "the cluster is not running"

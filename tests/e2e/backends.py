@@ -146,6 +146,10 @@ class NodeBackend(_Common):
             deliver(self.images, node, Registry(build_binaries() / "registry"))
         return list(nodes)
 
+    def shrink_to(self, count: int) -> None:
+        """Back to ``count`` real nodes (RealCluster.shrink_to)."""
+        self.cluster.shrink_to(count)
+
     def helm_values(self) -> list[str]:
         return image_values(self.images)
 

@@ -45,6 +45,7 @@ def k8s(backend: Backend) -> Iterator[NodeBackend]:
         eventually(lambda: serving(backend) == ["0", "1"], 120, "router sees both replicas")
         yield backend
         backend.kubectl("-n", NS, "delete", "dsvc", "tiny", "--wait=true", "--timeout=120s")
+    backend.shrink_to(1)  # the modules after this one were written for one node
 
 
 def serving(k8s: Backend) -> list[str]:
@@ -79,8 +80,22 @@ def spread(k8s: Backend) -> dict[str, str]:
         eventually(lambda: serving(k8s) == ["0", "1"] and ready_replicas(k8s) == 2, 240,
                    "the replaced replica serving")  # fmt: skip
         placed = {name: p["spec"]["nodeName"] for name, p in replica_pods(k8s).items()}
-    assert sorted(placed.values()) == ["node-1", "node-2"], placed
+    assert sorted(placed.values()) == ["node-1", "node-2"], (placed, _nodes_shown(k8s))
     return placed
+
+
+def _nodes_shown(k8s: Backend) -> list[dict[str, Any]]:
+    """What the scheduler weighs of each node, for a placement that went wrong."""
+    return [
+        {
+            "name": n["metadata"]["name"],
+            "unschedulable": n["spec"].get("unschedulable", False),
+            "taints": n["spec"].get("taints", []),
+            "ready": [c["status"] for c in n["status"]["conditions"] if c["type"] == "Ready"],
+            "allocatable": n["status"].get("allocatable", {}),
+        }
+        for n in k8s.get("default", "nodes")["items"]
+    ]
 
 
 def victim_of(k8s: Backend, placed: dict[str, str]) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.polling import eventually
 from tests.servers import ServeProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.rest_lane]
@@ -68,6 +69,8 @@ def test_aware_routing_loads_each_adapter_once_in_the_fleet(
 ) -> None:
     where = _placements(aware, loras)
     assert all(len(replicas) == 1 for replicas in where.values()), where
+    # The counts come with the replicas' pings: the last load shows at the next one.
+    assert eventually(lambda: _loads(aware) >= len(loras), 30, "every load reported")
     assert _loads(aware) == len(loras)
     shown = aware.http.get("/v1/models").json()["data"][0]["adapters"]
     resident = {a["name"]: a["resident"] for a in shown}
@@ -81,4 +84,4 @@ def test_blind_routing_loads_adapters_everywhere(
     with _serve(tiny_model, allow_tmp, "blind") as blind:
         where = _placements(blind, loras)
         assert any(len(replicas) == 2 for replicas in where.values()), where
-        assert _loads(blind) > len(loras)
+        assert eventually(lambda: _loads(blind) > len(loras), 30, "the loads reported")
