@@ -27,6 +27,10 @@ OUT_OF_SYNC_KEY: Final = "replicas"
 EVENT_SOURCE: Final = "dpserve-operator"
 # Seconds a worker gets, beyond the longest request, to drain after SIGTERM.
 DRAIN_MARGIN_S: Final = 30
+# Seconds a stopping router pod keeps serving before its SIGTERM (its preStop pause):
+# the endpoints controller and every node's kube-proxy drop it from the Service in that
+# time, so no new connection lands on a socket about to close.
+ROUTER_PAUSE_S: Final = 5
 # The images' user (Dockerfile: USER 10001:10001), spelled out in the pods so the
 # restricted Pod Security Standard's runAsNonRoot holds whatever image is named.
 IMAGE_UID: Final = 10001
@@ -495,6 +499,37 @@ def build_pod_disruption_budget(svc: Svc) -> dict[str, Any]:
     }
 
 
+def router_topology_spread(svc: Svc) -> list[dict[str, Any]]:
+    """The router pods' spread: over nodes as a preference (``ScheduleAnyway``, as the
+    replicas' default), so with two routers a drained or lost node leaves one serving."""
+    match = {"matchLabels": selector(svc, "router")}
+    return [c.model_dump(exclude_none=True) | {"labelSelector": match} for c in s.DEFAULT_SPREAD]
+
+
+def build_router_disruption_budget(svc: Svc) -> dict[str, Any]:
+    """Evictions take one router pod at a time. Made at every router count: with one
+    router ``maxUnavailable: 1`` still lets a drain evict it (a budget of 0 would hang
+    the drain), with two or more one router always serves; no budget to add or prune
+    when ``spec.router.replicas`` changes."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_meta(svc, router_name(svc), "router"),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector(svc, "router")},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def router_grace_seconds(spec: s.DiffusionServiceSpec) -> int:
+    """The router pod's grace period: its preStop pause, then its longest request (uvicorn
+    finishes in-flight requests on SIGTERM), then the lifespan's close (the video leases
+    handed over) within the worker's margin."""
+    return ROUTER_PAUSE_S + spec.router.requestTimeoutSeconds + DRAIN_MARGIN_S
+
+
 def build_replica_pod(svc: Svc, index: int, images: Images) -> dict[str, Any]:
     spec = svc.spec
     volumes, mounts = _volumes(spec)
@@ -712,6 +747,9 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
         "env": scratch_env(),
         "volumeMounts": mounts,
         "securityContext": container_security(),
+        # Kept serving while it leaves the Service's endpoints, then SIGTERM. The kubelet
+        # sleeps (no binary in the image needed; Kubernetes 1.30+, beta on by default).
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PAUSE_S}}},
     }
     if r.outputStore and r.outputStore.credentials:
         # The output store's Secret as the environment boto3 reads (AWS_*), as a model
@@ -722,6 +760,8 @@ def build_router_deployment(svc: Svc, images: Images) -> dict[str, Any]:
         "spec": {
             "serviceAccountName": router_name(svc),  # it reads EndpointSlices: a token
             "containers": [container],
+            "terminationGracePeriodSeconds": router_grace_seconds(svc.spec),
+            "topologySpreadConstraints": router_topology_spread(svc),
             "volumes": volumes,
             "securityContext": pod_security(),
             "enableServiceLinks": False,
@@ -796,6 +836,7 @@ def build_children(svc: Svc, images: Images) -> list[dict[str, Any]]:
         build_pod_disruption_budget(svc),
         build_control_state(svc),
         *build_router_rbac(svc),
+        build_router_disruption_budget(svc),
         build_router_deployment(svc, images),
         build_router_service(svc),
     ]

@@ -1,8 +1,9 @@
 """Placement and disruption against a real kube-apiserver and scheduler (no kubelet).
 
 The CRD refuses bad placement fields at apply time; the operator keeps a
-PodDisruptionBudget per service and puts the spread, anti-affinity and priority class
-on the replica pods; a priorityClassName with no PriorityClass makes the apiserver
+PodDisruptionBudget per service for its replicas and one for its routers (the routers'
+pause and spread as the apiserver took them), and puts the spread, anti-affinity and
+priority class on the replica pods; a priorityClassName with no PriorityClass makes the apiserver
 refuse the pod (Priority admission), which status reports with the apiserver's words
 while the operator keeps running; and the scheduler's refusal of a second replica on
 the only node (onePerNode) shows in status. The nodes here are Node objects with no
@@ -117,6 +118,18 @@ def test_budget_pod_fields_and_a_refused_priority_class_in_status(
     assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     selector = budget["spec"]["selector"]["matchLabels"]
     assert selector["app.kubernetes.io/component"] == "replica"
+    # The routers' own budget, and their pause and spread, as the apiserver took them.
+    routers = eventually(lambda: get(cluster, "pdb", "placed-router"), what="the routers' budget")
+    assert routers["spec"]["maxUnavailable"] == 1
+    router_selector = routers["spec"]["selector"]["matchLabels"]
+    assert router_selector["app.kubernetes.io/component"] == "router"
+    template = get(cluster, "deployment", "placed-router")["spec"]["template"]
+    assert router_selector.items() <= template["metadata"]["labels"].items()
+    (container,) = template["spec"]["containers"]
+    assert container["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
+    assert template["spec"]["topologySpreadConstraints"][0]["labelSelector"] == {
+        "matchLabels": router_selector
+    }
     made = eventually(lambda: len(pods(cluster, "placed")) == 2 and pods(cluster, "placed"))
     for pod in made.values():
         assert selector.items() <= pod["metadata"]["labels"].items()

@@ -325,6 +325,7 @@ def test_every_child_is_owned_and_labelled() -> None:
             "Service",
             "NetworkPolicy",
             "PodDisruptionBudget",
+            "PodDisruptionBudget",
             "Secret",
             "ConfigMap",
             "ServiceAccount",
@@ -626,6 +627,54 @@ def test_the_disruption_budget_follows_max_unavailable_and_never_blocks_a_drain(
     assert b.build_pod_disruption_budget(svc(replicas=1))["spec"]["maxUnavailable"] == 1
     # Scale and the budget do not roll the replicas.
     assert b.spec_hash(svc(updateStrategy={"maxUnavailable": 3}).spec) == b.spec_hash(svc().spec)
+
+
+def test_the_routers_have_a_budget_of_one_and_spread_over_nodes() -> None:
+    router_selector = REPLICA_SELECTOR | {"app.kubernetes.io/component": "router"}
+    for count in (0, 1, 2, 5):  # one budget whatever the count: nothing to add or prune
+        pdb = b.build_router_disruption_budget(svc(router={"replicas": count}))
+        assert pdb == {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {
+                "name": "qwen-router",
+                "namespace": "ml",
+                "labels": labels("router"),
+                "ownerReferences": [OWNER],
+            },
+            "spec": {
+                "maxUnavailable": 1,
+                "selector": {"matchLabels": router_selector},
+                "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            },
+        }
+    deployment = b.build_router_deployment(svc(router={"replicas": 2}), IMAGES)
+    assert deployment["spec"]["replicas"] == 2
+    # The budget's and the spread's selectors are the Deployment's pods, routers only.
+    assert deployment["spec"]["selector"]["matchLabels"] == router_selector
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["topologySpreadConstraints"] == [
+        {
+            "topologyKey": "kubernetes.io/hostname",
+            "maxSkew": 1,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": router_selector},
+        }
+    ]
+    # The replicas' spread counts replicas only: routers do not skew it.
+    replica = b.build_replica_pod(svc(), 0, IMAGES)["spec"]["topologySpreadConstraints"]
+    assert replica[0]["labelSelector"]["matchLabels"] == REPLICA_SELECTOR
+
+
+def test_a_stopping_router_pauses_then_has_its_longest_request_to_finish() -> None:
+    pod = b.build_router_deployment(svc(router={"requestTimeoutSeconds": 120}), IMAGES)
+    spec = pod["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": b.ROUTER_PAUSE_S}}}
+    # The pause, then uvicorn finishes what is in flight, then the lifespan closes.
+    assert spec["terminationGracePeriodSeconds"] == b.ROUTER_PAUSE_S + 120 + b.DRAIN_MARGIN_S
+    # The router's fields never roll the replicas.
+    assert b.spec_hash(svc(router={"replicas": 3}).spec) == b.spec_hash(svc().spec)
 
 
 def test_spread_is_configurable_and_can_be_turned_off() -> None:

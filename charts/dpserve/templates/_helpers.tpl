@@ -84,7 +84,8 @@ Namespaced resources: bound cluster-wide, or in a Role per watched namespace.
 - services, serviceaccounts, deployments, roles, rolebindings, networkpolicies,
   poddisruptionbudgets: the
   headless and router Services, the router's Deployment, ServiceAccount and
-  Role(Binding), the replicas' NetworkPolicy and PodDisruptionBudget, by server-side
+  Role(Binding), the replicas' NetworkPolicy and PodDisruptionBudget, the routers'
+  PodDisruptionBudget, by server-side
   apply (patch; an apply that creates the object is authorized as create too).
 - secrets create only: the service's wire key, made once (409: it exists). No get,
   list or watch: the operator cannot read any Secret, its own included.
