@@ -117,23 +117,12 @@ def test_lora_and_weight_updates_match_one_rank(
     assert _png(split) == base
 
 
-BLOCKER = {**REQUEST, "width": 128, "num_inference_steps": 8, "seed": [1]}
-BATCHED = {
-    "fox": {**REQUEST, "seed": [7]},
-    "owls": {**REQUEST, "prompt": "two owls on a branch", "n": 2, "seed": [8, 9]},
-    "sea": {**REQUEST, "prompt": "the sea", "seed": [10]},
-}
-
-
 def test_a_batch_of_prompts_matches_one_rank_s_batch(
     single: WorkerProcess, split: WorkerProcess
 ) -> None:
-    from tests.batches import batched
+    from tests.batches import assert_batches_match
 
-    mine, theirs = batched(split, BLOCKER, BATCHED), batched(single, BLOCKER, BATCHED)
-    for request_id, files in theirs.items():
-        assert len(mine[request_id]) == len(files)
-        assert all(map(_close, mine[request_id], files)), request_id
+    assert_batches_match(single, split, REQUEST, _close)
 
 
 def test_realtime_frames_match_one_rank(single: WorkerProcess, split: WorkerProcess) -> None:

@@ -147,23 +147,12 @@ def test_a_request_s_own_lora_matches_one_rank(
 
 
 # Prompts of different lengths (masked differently per row), one with two images.
-BLOCKER = {**REQUEST, "width": 128, "num_inference_steps": 8, "seed": [1]}
-BATCHED = {
-    "fox": {**REQUEST, "seed": [7]},
-    "owls": {**REQUEST, "prompt": "two owls on a branch at night", "n": 2, "seed": [8, 9]},
-    "sea": {**REQUEST, "prompt": "sea", "seed": [10]},
-}
-
-
 def test_a_batch_of_prompts_matches_one_rank_s_batch(
     single: WorkerProcess, split: WorkerProcess
 ) -> None:
-    from tests.batches import batched
+    from tests.batches import assert_batches_match
 
-    mine, theirs = batched(split, BLOCKER, BATCHED), batched(single, BLOCKER, BATCHED)
-    for request_id, files in theirs.items():
-        assert len(mine[request_id]) == len(files)
-        assert all(map(_close, mine[request_id], files)), request_id
+    assert_batches_match(single, split, REQUEST, _close, owls="two owls on a branch at night")
 
 
 def _stream(client: ReplicaClient, rid: str, body: dict[str, object]) -> list[p.Message]:
