@@ -1,10 +1,12 @@
-"""Two real nodes: a DiffusionService drained off one node, then a node lost, under load.
+"""Two real nodes: a DiffusionService guarded on both, drained off one node, then a node
+lost, under load.
 
 On the real node backend only (``--cluster node``, the default): the session's cluster
 grows a second node (tests/cluster/nodelayout.py), both holding the built images. The
 example service's two replicas spread over the nodes by the operator's default
-topology spread. Kept lean: one service for both tests, two clients of load.
+topology spread. Kept lean: one service for every test, two clients of load.
 
+- Policy: the replicas' NetworkPolicy keeps a stranger out on either node.
 - Drain: ``kubectl drain`` (the real one: cordon, then the Eviction API for each pod,
   which the PodDisruptionBudget governs) empties the node of one replica.
 - Loss: a node killed whole (``RealNode.lose()``); the node lifecycle controller marks
@@ -25,7 +27,7 @@ import pytest
 
 from tests.e2e.backends import Backend, NodeBackend
 from tests.e2e.operator_install import operator_installed
-from tests.e2e.test_kubernetes_journey import Load
+from tests.e2e.test_kubernetes_journey import Load, replica_door, run_probe
 from tests.polling import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -108,20 +110,27 @@ def victim_of(k8s: Backend, placed: dict[str, str]) -> tuple[str, str]:
 
 
 class Watch:
-    """The service's status sampled in a loop: the lowest readyReplicas seen."""
+    """The service's status sampled in a loop: the lowest readyReplicas seen, and every
+    Available condition that was not True."""
 
     def __init__(self, k8s: Backend) -> None:
         self.k8s = k8s
         self.lowest_ready: int | None = None
+        self.unavailable: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            ready = ready_replicas(self.k8s)
+            status = self.k8s.get(NS, "dsvc", "tiny").get("status") or {}
+            ready = int(status.get("readyReplicas") or 0)
             self.lowest_ready = (
                 ready if self.lowest_ready is None else min(ready, self.lowest_ready)
             )
+            conditions = {c["type"]: c for c in status.get("conditions", [])}
+            available = conditions.get("Available", {"status": "missing"})
+            if available["status"] != "True":
+                self.unavailable.append(available)
 
     def __enter__(self) -> Watch:
         self._thread.start()
@@ -147,6 +156,20 @@ def whole_again(k8s: Backend, pod: str, old_uid: str, left: str) -> Callable[[],
     return check
 
 
+def test_the_replicas_on_either_node_admit_the_router_alone(k8s: NodeBackend) -> None:
+    """The one policy engine (with the first node) guards both nodes' replicas: a pod
+    without the router's labels, on the other node, cannot open either replica's ZMQ
+    port (the copycat and the wire key: test_kubernetes_journey.py)."""
+    placed = spread(k8s)
+    door = replica_door(k8s, NS)
+    for pod, node in sorted(placed.items()):
+        ip = replica_pods(k8s)[pod]["status"]["podIP"]
+        stranger = door.stranger(f"stranger-{node}", ip)
+        (stranger["spec"]["nodeName"],) = set(placed.values()) - {node}
+        logs, _ = run_probe(k8s, stranger, NS)
+        assert logs.startswith("tcp: ") and "tcp: open" not in logs, (pod, node, logs)
+
+
 def test_a_drain_under_load_fails_nothing_and_moves_the_replica(k8s: NodeBackend) -> None:
     assert k8s.get(NS, "pdb", "tiny-replicas")["spec"]["maxUnavailable"] == 1
     victim, moved = victim_of(k8s, spread(k8s))
@@ -169,8 +192,10 @@ def test_a_drain_under_load_fails_nothing_and_moves_the_replica(k8s: NodeBackend
 
     print(f"drain of {victim}: kubectl drain {drain_s:.1f} s, service whole after {whole_s:.1f} s")
     assert load.failures == [], load.failures[:5]
-    # The budget held: a replica stayed Ready throughout (2 replicas, maxUnavailable 1).
+    # The budget held: a replica stayed Ready throughout (2 replicas, maxUnavailable 1),
+    # and the status said so: Available never went False (Ready did, for the moved one).
     assert watch.lowest_ready is not None and watch.lowest_ready >= 1
+    assert watch.unavailable == [], watch.unavailable[:3]
     # Drained, not killed: the evicted pod was gone well before its grace period's end
     # (request timeout + margin): the worker drains on SIGTERM, then exits.
     grace = replica_pods(k8s)[moved]["spec"]["terminationGracePeriodSeconds"]
