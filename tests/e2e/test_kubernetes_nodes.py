@@ -1,4 +1,4 @@
-"""Two real nodes: a DiffusionService guarded on both, drained off one node, then a node
+"""Two real nodes: a DiffusionService guarded on both, drained off a node, then a node
 lost, under load.
 
 On the real node backend only (``--cluster node``, the default): the session's cluster
@@ -12,10 +12,13 @@ topology spread. Kept lean: one service for every test, two clients of load.
 - Loss: a node killed whole (``RealNode.lose()``); the node lifecycle controller marks
   it NotReady, the out-of-service taint says it is gone for good, and the replica comes
   back on the other node. The node is restarted afterwards for the rest of the session.
+- A router's node drained: with two routers (one per node), the drain of a node that
+  holds a router and a replica fails nothing either.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -170,32 +173,39 @@ def test_the_replicas_on_either_node_admit_the_router_alone(k8s: NodeBackend) ->
         assert logs.startswith("tcp: ") and "tcp: open" not in logs, (pod, node, logs)
 
 
+def drain_under_load(k8s: NodeBackend, victim: str, whole: Callable[[], bool]) -> float:
+    """``kubectl drain`` of ``victim`` under load until ``whole()``, then uncordoned:
+    nothing failed, a replica stayed Ready throughout (2 replicas, maxUnavailable 1)
+    and the status said so (Available never went False; Ready did, for the moved
+    one). Prints the figures; returns how long the drain itself took."""
+    try:
+        with Load(lambda: k8s.router_url(NS, "tiny")) as load, Watch(k8s) as watch:
+            eventually(lambda: len(load.served) >= 2, 120, "load flowing")
+            started = time.monotonic()
+            drained = k8s.kubectl(
+                "drain", victim, "--ignore-daemonsets", "--delete-emptydir-data",
+                "--timeout=300s", check=False,
+            )  # fmt: skip
+            drain_s = time.monotonic() - started
+            assert drained.returncode == 0, drained.stderr
+            eventually(whole, 300, f"the service whole again after the drain of {victim}")
+            whole_s = time.monotonic() - started
+            served = len(load.served)
+            eventually(lambda: len(load.served) > served + 2, 60, "load after the drain")
+    finally:
+        k8s.kubectl("uncordon", victim)
+    print(f"drain of {victim}: kubectl drain {drain_s:.1f} s, service whole after {whole_s:.1f} s")
+    assert load.failures == [], load.failures[:5]
+    assert watch.lowest_ready is not None and watch.lowest_ready >= 1
+    assert watch.unavailable == [], watch.unavailable[:3]
+    return drain_s
+
+
 def test_a_drain_under_load_fails_nothing_and_moves_the_replica(k8s: NodeBackend) -> None:
     assert k8s.get(NS, "pdb", "tiny-replicas")["spec"]["maxUnavailable"] == 1
     victim, moved = victim_of(k8s, spread(k8s))
     old_uid = replica_pods(k8s)[moved]["metadata"]["uid"]
-
-    with Load(lambda: k8s.router_url(NS, "tiny")) as load, Watch(k8s) as watch:
-        eventually(lambda: len(load.served) >= 2, 120, "load flowing")
-        started = time.monotonic()
-        drained = k8s.kubectl(
-            "drain", victim, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s",
-            check=False,
-        )  # fmt: skip
-        drain_s = time.monotonic() - started
-        assert drained.returncode == 0, drained.stderr
-        eventually(whole_again(k8s, moved, old_uid, victim), 300, "the replica moved, serving")
-        whole_s = time.monotonic() - started
-        served = len(load.served)
-        eventually(lambda: len(load.served) > served + 2, 60, "load after the drain")
-    k8s.kubectl("uncordon", victim)
-
-    print(f"drain of {victim}: kubectl drain {drain_s:.1f} s, service whole after {whole_s:.1f} s")
-    assert load.failures == [], load.failures[:5]
-    # The budget held: a replica stayed Ready throughout (2 replicas, maxUnavailable 1),
-    # and the status said so: Available never went False (Ready did, for the moved one).
-    assert watch.lowest_ready is not None and watch.lowest_ready >= 1
-    assert watch.unavailable == [], watch.unavailable[:3]
+    drain_s = drain_under_load(k8s, victim, whole_again(k8s, moved, old_uid, victim))
     # Drained, not killed: the evicted pod was gone well before its grace period's end
     # (request timeout + margin): the worker drains on SIGTERM, then exits.
     grace = replica_pods(k8s)[moved]["spec"]["terminationGracePeriodSeconds"]
@@ -237,3 +247,35 @@ def test_a_lost_node_replica_comes_back_on_the_other_node(k8s: NodeBackend) -> N
         node.stop()
         node.start()
         k8s.kubectl("taint", "node", victim, f"{OUT_OF_SERVICE}-", check=False)
+
+
+def ready_routers(k8s: Backend) -> dict[str, str]:
+    """Router pod name → node, for the Ready routers not being deleted."""
+    selector = "app.kubernetes.io/instance=tiny,app.kubernetes.io/component=router"
+    return {
+        p["metadata"]["name"]: p["spec"].get("nodeName", "")
+        for p in k8s.get(NS, "pods", "-l", selector)["items"]
+        if not p["metadata"].get("deletionTimestamp")
+        and any(c["type"] == "Ready" and c["status"] == "True"
+                for c in p["status"].get("conditions", []))
+    }  # fmt: skip
+
+
+def test_a_drain_of_a_routers_node_fails_nothing_with_two_routers(k8s: NodeBackend) -> None:
+    """What docs/operator.md tells a cluster whose nodes are drained: two routers, spread
+    over the nodes, each budgeted (``tiny-router``, maxUnavailable 1). The drained node
+    holds a router and a replica; the other router serves while both come back."""
+    two = json.dumps({"spec": {"router": {"replicas": 2}}})
+    k8s.kubectl("-n", NS, "patch", "dsvc", "tiny", "--type=merge", "-p", two)
+    try:
+        eventually(lambda: sorted(ready_routers(k8s).values()) == ["node-1", "node-2"], 180,
+                   "a router Ready on each node (the routers' spread)")  # fmt: skip
+        assert k8s.get(NS, "pdb", "tiny-router")["spec"]["maxUnavailable"] == 1
+        placed = spread(k8s)
+        victim = "node-2"
+        (moved,) = [pod for pod, node in placed.items() if node == victim]
+        replica_back = whole_again(k8s, moved, replica_pods(k8s)[moved]["metadata"]["uid"], victim)
+        drain_under_load(k8s, victim, lambda: replica_back() and len(ready_routers(k8s)) == 2)
+    finally:
+        one = json.dumps({"spec": {"router": {"replicas": 1}}})
+        k8s.kubectl("-n", NS, "patch", "dsvc", "tiny", "--type=merge", "-p", one)
