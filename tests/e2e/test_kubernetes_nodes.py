@@ -49,7 +49,6 @@ def k8s(backend: Backend) -> Iterator[NodeBackend]:
         backend.kubectl("-n", NS, "wait", "--for=condition=Ready", "dsvc/tiny", "--timeout=300s")
         eventually(lambda: serving(backend) == ["0", "1"], 120, "router sees both replicas")
         yield backend
-        backend.kubectl("-n", NS, "delete", "dsvc", "tiny", "--wait=true", "--timeout=120s")
     backend.shrink_to(1)  # the modules after this one were written for one node
 
 
