@@ -215,6 +215,23 @@ def _conditions(
     return out
 
 
+def available_condition(
+    ready: int, budget: int, replicas: int, routed: bool, router_says: str
+) -> tuple[str, str, str]:
+    """The Available condition (status, reason, message), a Deployment's in meaning:
+    the service serves with no more replicas down than its disruption budget allows
+    (``budget``, the PodDisruptionBudget's maxUnavailable, which a drain or a roll may
+    take), at least one, and a router available. Ready asks for every replica, so it
+    goes False during a drain; Available stays True through one."""
+    needed = max(1, replicas - budget)
+    counted = f"{ready}/{replicas} replicas ready, {needed} needed"
+    if ready < needed:
+        return "False", "MinimumReplicasUnavailable", f"{counted}; {router_says}"
+    if not routed:
+        return "False", "RouterNotAvailable", f"{counted}; {router_says}"
+    return "True", "MinimumReplicasAvailable", f"{counted}; {router_says}"
+
+
 def compute_status(
     svc: b.Svc,
     pods: list[dict[str, Any]],
@@ -257,8 +274,11 @@ def compute_status(
         ready_condition = ("False", "RouterNotAvailable", f"{counted}; {router_says}")
     else:
         ready_condition = ("True", "AllReplicasReady", f"{counted}; {router_says}")
+    budget = b.pdb_max_unavailable(spec)
+    available = available_condition(ready, budget, spec.replicas, routed, router_says)
     wanted = [
         ("Ready", *ready_condition),
+        ("Available", *available),
         (
             "Progressing",
             "False" if settled else "True",

@@ -166,11 +166,6 @@ class TestNetwork:
 
     # ------------------------------------------------------------------ addresses
 
-    def add_address(self, ip: str) -> None:
-        """Another address of the subnet on the bridge (a second node's InternalIP).
-        It goes when the bridge goes."""
-        _ip("addr", "replace", f"{ip}/{self.prefixlen}", "dev", self.bridge)
-
     def allocate_ip(self) -> str:
         with self._lock:
             for step in range(len(self._hosts)):

@@ -68,7 +68,7 @@ class RealNode:
     plane: ControlPlane
     bin: Path
     bridge: str
-    node_ip: str  # the bridge's gateway address (the first node's), or another on the bridge
+    node_ip: str  # the bridge's gateway: the host's address, every node's (nodelayout.py)
     pod_cidr: str
     name: str = "node-1"
     gpus: int = 4
@@ -79,7 +79,6 @@ class RealNode:
     cgroup_root: str | None = None
     ip_range: tuple[str, str] | None = None
     host_owner: bool = True
-    gateway: str | None = None  # the pods' default route; node_ip when None
     containerd: Containerd | None = None
     policy: PolicyEngine | None = None
     daemons: dict[str, Daemon] = field(default_factory=dict)
@@ -108,7 +107,8 @@ class RealNode:
             self._wait_node_ready(timeout_s)
             self._advertise_gpus()
             # The others share its network namespace: one kube-proxy, and one policy
-            # engine (two would remove each other's pod chains), both on this node.
+            # engine (two would remove each other's pod chains), both on this node. The
+            # engine guards the pods whose hostIP is this node's address: every node's.
             if self.host_owner:
                 self._start_kube_proxy(timeout_s)
                 self.policy = PolicyEngine(
@@ -208,7 +208,7 @@ class RealNode:
         config = cni.conflist(
             self.bridge,
             self.pod_cidr,
-            self.gateway or self.node_ip,
+            self.node_ip,
             self.run_dir / "cni" / "ipam",
             self.ip_range,
         )

@@ -1,11 +1,11 @@
 """How several real test nodes share this one machine: a pure plan, one entry per node.
 
-Every node runs on the host's network namespace, on the harness's one bridge. What
+Every node runs on the host's network namespace, on the harness's one bridge, so every
+node has the host's address there: the bridge's gateway (the apiserver binds it too)
+is each node's InternalIP, and each kubelet serves its API on a port of its own. What
 would collide between two kubelets and two containerds is given to each its own:
 
-- a name (``node-1``, ``node-2``) and an InternalIP: the first node's is the bridge's
-  gateway (the apiserver binds it too), later nodes' are extra addresses on the
-  bridge taken from the top of the subnet;
+- a name (``node-1``, ``node-2``);
 - a run directory (kubelet root, containerd socket and state, pid files, CNI
   leases) and a containerd root in the cache (a containerd holds its metadata
   database locked, so two cannot share one);
@@ -16,9 +16,10 @@ would collide between two kubelets and two containerds is given to each its own:
   ``rangeEnd``): every pod stays on the one /24, on-link to every other pod, so pods
   of different nodes reach each other over the bridge with no route to add.
 
-Only the first node owns host-wide state (kube-proxy, the FORWARD rules,
-``ip_forward``, the ``KUBE-*`` chains): the others share its network namespace,
-where one kube-proxy serves every pod's Service traffic.
+Only the first node owns host-wide state (kube-proxy, the policy engine, the FORWARD
+rules, ``ip_forward``, the ``KUBE-*`` chains): the others share its network namespace,
+where one kube-proxy serves every pod's Service traffic and one policy engine guards
+every pod (it guards the pods whose hostIP is its node's address: all of them).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ MAX_NODES = 2
 class NodeLayout:
     index: int  # 0 for the first node
     name: str
-    node_ip: str
+    node_ip: str  # the host's address on the bridge, the same for every node
     ip_range: tuple[str, str]  # the first and last address host-local hands its pods
     run_dir: Path
     cache: Path
@@ -66,17 +67,14 @@ def node_layout(index: int, subnet: str, run_dir: Path, cache: Path) -> NodeLayo
     if not 0 <= index < MAX_NODES:
         raise ValueError(f"node index {index}: this harness runs 1 to {MAX_NODES} real nodes")
     hosts = list(ipaddress.ip_network(subnet).hosts())
-    gateway = hosts[0]
-    # Later nodes' IPs from the top of the subnet; the rest split evenly for pods.
-    node_ips = [gateway, *hosts[::-1][: MAX_NODES - 1]]
-    pod_ips = hosts[1 : len(hosts) - (MAX_NODES - 1)]
+    gateway, pod_ips = hosts[0], hosts[1:]
     share = len(pod_ips) // MAX_NODES
     suffix = "" if index == 0 else f"-{index + 1}"
     node_run_dir = run_dir.with_name(run_dir.name + suffix)
     return NodeLayout(
         index=index,
         name=f"node-{index + 1}",
-        node_ip=str(node_ips[index]),
+        node_ip=str(gateway),
         ip_range=(str(pod_ips[index * share]), str(pod_ips[(index + 1) * share - 1])),
         run_dir=node_run_dir,
         cache=cache.with_name(cache.name + suffix),

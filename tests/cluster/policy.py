@@ -16,8 +16,9 @@ node's leftover cleanup covers a killed run too.
 
 One engine per host network namespace: each instance removes the ``KUBE-POD-FW-*``
 chains of pods that are not its node's, so two nodes sharing this host's netfilter
-cannot run one each (a second node on this host needs a network namespace of its own
-for its engine to enforce there).
+cannot run one each. One is enough: it takes as its own the pods whose ``hostIP`` is
+its node's InternalIP, and every node on this host has the host's address
+(nodelayout.py), so it guards every node's pods.
 
 Identity: a client cert for ``system:dpserve:kube-router``, bound to a ClusterRole
 that reads what its controller watches (nothing more: it writes nothing to the API).

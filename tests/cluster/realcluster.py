@@ -130,8 +130,6 @@ class RealCluster(OnPlane):
     def add_node(self) -> RealNode:
         """One more node, Ready, with the next layout (nodelayout.py)."""
         node = self._node_for(node_layout(len(self._nodes), POD_CIDR, RUN_DIR, CACHE))
-        if not node.host_owner:
-            self.network.add_address(node.node_ip)
         self._nodes.append(node.start())
         return node
 
@@ -168,7 +166,6 @@ class RealCluster(OnPlane):
             cgroup_root=layout.cgroup_root,
             ip_range=layout.ip_range,
             host_owner=layout.host_owner,
-            gateway=self.network.gateway,
         )
 
     def stop(self) -> None:

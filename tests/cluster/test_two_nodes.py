@@ -20,6 +20,7 @@ import pytest
 from tests.cluster import hoststate
 from tests.cluster.images import BUSYBOX_REF, busybox_image
 from tests.cluster.test_node import _apply, _get, _pod, _ready, _wait
+from tests.polling import eventually
 
 if TYPE_CHECKING:
     from tests.cluster.realcluster import RealCluster
@@ -42,7 +43,9 @@ def two(real_cluster: RealCluster) -> Iterator[RealCluster]:
         node.import_image(archive)
         assert node.image_id(BUSYBOX_REF) == image_id
     yield real_cluster
-    real_cluster.kubectl("delete", "pods,services", "-l", "test=two-nodes", "--wait=true")
+    real_cluster.kubectl(
+        "delete", "pods,services,networkpolicies", "-l", "test=two-nodes", "--wait=true"
+    )
     real_cluster.shrink_to(1)  # the tests after this module were written for one node
 
 
@@ -73,21 +76,26 @@ def _fetch(cluster: RealCluster, pod: str, url: str) -> str:
     return got.stdout
 
 
-def test_both_nodes_are_ready_each_with_its_own_address(two: RealCluster) -> None:
+def test_both_nodes_are_ready_with_the_host_address_and_a_kubelet_port_each(
+    two: RealCluster,
+) -> None:
     nodes = {
         n["metadata"]["name"]: n
         for n in json.loads(two.kubectl("get", "nodes", "-o", "json").stdout)["items"]
     }
     assert sorted(nodes) == ["node-1", "node-2"]
-    addresses = set()
+    addresses, ports = set(), set()
     for node in nodes.values():
         status = node["status"]
         assert any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
         assert status["allocatable"]["nvidia.com/gpu"] == "4"
         (internal,) = [a["address"] for a in status["addresses"] if a["type"] == "InternalIP"]
         addresses.add(internal)
+        ports.add(status["daemonEndpoints"]["kubeletEndpoint"]["Port"])
         assert node["metadata"]["labels"]["kubernetes.io/hostname"] == node["metadata"]["name"]
-    assert addresses == {n.node_ip for n in two.nodes} and len(addresses) == 2
+    # One network namespace, one address (nodelayout.py); the apiserver tells the
+    # kubelets apart by port (kubectl exec reaches each below).
+    assert addresses == {two.network.gateway} and len(ports) == 2
 
 
 def test_pods_on_either_node_reach_each_other_services_and_the_apiserver(
@@ -124,3 +132,48 @@ def test_pods_on_either_node_reach_each_other_services_and_the_apiserver(
     """
     got = two.kubectl("exec", "web-2", "--", "sh", "-c", script, check=False)
     assert json.loads(got.stdout or "{}").get("gitVersion") == "v1.33.13", got.stderr
+
+
+def _gets(cluster: RealCluster, pod: str, ip: str) -> bool:
+    """Whether ``pod`` gets a web pod's page at ``ip`` (a rejected SYN fails at once,
+    a dropped one within the 3 s)."""
+    url = f"http://{ip}:8080/"
+    got = cluster.kubectl("exec", pod, "--", "timeout", "3", "wget", "-q", "-O-", url, check=False)
+    return got.returncode == 0
+
+
+def test_the_one_policy_engine_guards_the_pods_of_both_nodes(two: RealCluster) -> None:
+    """kube-router runs once, with the first node (tests/cluster/policy.py), and guards
+    the pods whose hostIP is its node's: on this host, every node's. A policy admitting
+    only friends stops strangers on either node from reaching pods on either node."""
+    friend = _pod("friend", "exec sleep 3600", nodeName="node-1")
+    stranger = _pod("stranger", "exec sleep 3600", nodeName="node-2")
+    for pod, role in ((friend, "friend"), (stranger, "stranger")):
+        pod["metadata"]["labels"].update(test="two-nodes", role=role)
+        pod["spec"]["terminationGracePeriodSeconds"] = 0
+    _apply(two, *_web("web-1", "node-1"), *_web("web-2", "node-2"), friend, stranger)
+    pods = {name: _wait(two, name, _ready, 90) for name in ("web-1", "web-2", "friend")}
+    _wait(two, "stranger", _ready, 90)
+    ip = {name: pod["status"]["podIP"] for name, pod in pods.items()}
+    # Without a policy every pod gets through: what follows is the policy's doing.
+    eventually(lambda: _gets(two, "stranger", ip["web-1"]), 30, "the stranger reaches web-1")
+    assert _gets(two, "stranger", ip["web-2"])
+
+    only_friends = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "only-friends", "labels": {"test": "two-nodes"}},
+        "spec": {
+            "podSelector": {"matchExpressions": [
+                {"key": "app", "operator": "In", "values": ["web-1", "web-2"]}]},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "friend"}}}],
+                         "ports": [{"protocol": "TCP", "port": 8080}]}],
+        },
+    }  # fmt: skip
+    _apply(two, only_friends)
+    eventually(lambda: not _gets(two, "stranger", ip["web-2"]), 30, "the policy applied")
+    assert not _gets(two, "stranger", ip["web-1"])  # node-2 to node-1
+    assert not _gets(two, "web-1", ip["web-2"])  # node-1 to node-2: web-1 is no friend
+    assert _gets(two, "friend", ip["web-2"])  # node-1 to node-2, admitted
+    assert _gets(two, "friend", ip["web-1"])  # on node-1, admitted

@@ -3,7 +3,8 @@ Pod Security Standard: where every Kubernetes journey starts (test_kubernetes_jo
 test_model_source_journey).
 
 Several modules of one run share the session's cluster, so the namespaces are applied
-(made, or found from an earlier module) and the release is uninstalled on leaving.
+(made, or found from an earlier module), and on leaving the module's services (and their
+pods) are deleted and the release uninstalled.
 """
 
 from __future__ import annotations
@@ -50,4 +51,18 @@ def operator_installed(backend: B, namespace: str, *values: str) -> Iterator[B]:
                    .returncode == 0, what="default service account")  # fmt: skip
         yield backend
     finally:
-        backend.helm("uninstall", "dpserve", "-n", OPERATOR_NS, check=False)
+        try:
+            remove_services(backend, namespace)
+        finally:
+            backend.helm("uninstall", "dpserve", "-n", OPERATOR_NS, check=False)
+
+
+def remove_services(backend: Backend, namespace: str) -> None:
+    """Every DiffusionService of ``namespace`` and what it owns, gone before the operator
+    goes (its finalizer needs it). Left behind, a module's replicas would hold the next
+    modules' nodes: a drain there would wait on their budget, which nothing restores
+    without an operator to recreate an evicted replica."""
+    backend.kubectl("-n", namespace, "delete", "dsvc", "--all", "--cascade=foreground",
+                    "--wait=true", "--timeout=300s", check=False)  # fmt: skip
+    ours = ("pods", "-l", "app.kubernetes.io/name=dpserve")
+    eventually(lambda: not backend.get(namespace, *ours)["items"], 300, f"{namespace}'s pods gone")

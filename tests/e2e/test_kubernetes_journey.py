@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -315,7 +316,7 @@ def test_journey(k8s: Backend) -> None:
     assert post("/v1/set_lora", ADMIN_KEY, lora) == 200
 
 
-def _probe_pod(router: dict[str, Any], name: str, labels: dict[str, str], *args: str) -> Any:
+def probe_pod(router: dict[str, Any], name: str, labels: dict[str, str], *args: str) -> Any:
     """A one-shot pod of the router's image (and its restricted-standard security
     context) that runs tests/e2e/wire_probe.py; never Ready, so a copy of the router's
     labels never makes it an endpoint of the router's Service."""
@@ -342,20 +343,49 @@ def _probe_pod(router: dict[str, Any], name: str, labels: dict[str, str], *args:
     }
 
 
-def _run_probe(k8s: Backend, pod: dict[str, Any]) -> tuple[str, str]:
+def run_probe(k8s: Backend, pod: dict[str, Any], ns: str = NS) -> tuple[str, str]:
     """The probe's output and its pod IP, once it has run."""
     name = pod["metadata"]["name"]
-    k8s.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(pod))
+    k8s.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod))
 
     def finished() -> dict[str, Any]:
-        got: dict[str, Any] = k8s.get(NS, "pod", name)
+        got: dict[str, Any] = k8s.get(ns, "pod", name)
         return got if got["status"].get("phase") in ("Succeeded", "Failed") else {}
 
     done = eventually(finished, 120, f"probe {name} ran")
-    logs = k8s.kubectl("-n", NS, "logs", name).stdout
-    k8s.kubectl("-n", NS, "delete", "pod", name, "--wait=false")
+    logs = k8s.kubectl("-n", ns, "logs", name).stdout
+    k8s.kubectl("-n", ns, "delete", "pod", name, "--wait=false")
     assert done["status"]["phase"] == "Succeeded", logs
     return logs, done["status"]["podIP"]
+
+
+@dataclass(frozen=True)
+class ReplicaDoor:
+    """What a probe of a service's replica ports needs: the router pod (its image and
+    security context), the labels the replicas' NetworkPolicy admits, the ZMQ port and
+    the service's public wire key."""
+
+    router: dict[str, Any]
+    router_labels: dict[str, str]
+    port: str
+    public: str
+
+    def stranger(self, name: str, ip: str) -> dict[str, Any]:
+        """A probe pod without the router's labels, aimed at the replica at ``ip``."""
+        return probe_pod(self.router, name, {"test": "netpol"}, ip, self.port, self.public)
+
+
+def replica_door(k8s: Backend, ns: str, service: str = "tiny") -> ReplicaDoor:
+    policy = k8s.get(ns, "networkpolicy", f"{service}-replicas")["spec"]
+    labels = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    routers = k8s.get(ns, "pods", "-l", ",".join(f"{k}={v}" for k, v in labels.items()))
+    secret = k8s.get(ns, "secret", f"{service}-wire")["data"]["wire.key"]
+    return ReplicaDoor(
+        router=routers["items"][0],
+        router_labels=labels,
+        port=str(policy["ingress"][0]["ports"][0]["port"]),
+        public=WireKey.from_secret(base64.b64decode(secret).strip()).public.decode(),
+    )
 
 
 def test_the_replicas_admit_the_router_alone(k8s: Backend) -> None:
@@ -365,24 +395,16 @@ def test_the_replicas_admit_the_router_alone(k8s: Backend) -> None:
     still serves. Runs on the state test_journey leaves (tiny, with API keys)."""
     if not isinstance(k8s, NodeBackend):
         pytest.skip("NetworkPolicy is enforced only on --cluster node (docs/test-cluster.md)")
-    policy = k8s.get(NS, "networkpolicy", "tiny-replicas")["spec"]
-    router_labels = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
-    port = str(policy["ingress"][0]["ports"][0]["port"])
-    # A replica on the node whose engine enforces (the first: one engine per host).
-    enforced_on = k8s.cluster.node.name
-    (replica, *_) = [p for p in replica_pods(k8s).values() if p["spec"]["nodeName"] == enforced_on]
+    door = replica_door(k8s, NS)
+    (replica, *_) = replica_pods(k8s).values()
     ip = replica["status"]["podIP"]
-    routers = k8s.get(NS, "pods", "-l", ",".join(f"{k}={v}" for k, v in router_labels.items()))
-    router = routers["items"][0]
-    secret = base64.b64decode(k8s.get(NS, "secret", "tiny-wire")["data"]["wire.key"]).strip()
-    public = WireKey.from_secret(secret).public.decode()
 
-    stranger = _probe_pod(router, "stranger", {"test": "netpol"}, ip, port, public)
-    logs, _ = _run_probe(k8s, stranger)
+    logs, _ = run_probe(k8s, door.stranger("stranger", ip))
     assert logs.startswith("tcp: ") and "tcp: open" not in logs, logs
 
-    copycat = _probe_pod(router, "copycat", {**router_labels, "test": "netpol"}, ip, port, public)
-    logs, copycat_ip = _run_probe(k8s, copycat)
+    copycat_labels = {**door.router_labels, "test": "netpol"}
+    copycat = probe_pod(door.router, "copycat", copycat_labels, ip, door.port, door.public)
+    logs, copycat_ip = run_probe(k8s, copycat)
     assert logs.splitlines() == ["tcp: open", "generate: no reply"], logs
     # The replica's gatekeeper saw it and said so (dpserve.plumbing.curve.Gatekeeper).
     denied = f"denied a CURVE peer from {copycat_ip}"

@@ -33,16 +33,18 @@ def test_the_first_node_is_the_one_node_harness_as_it_was() -> None:
     assert first.host_owner
 
 
-def test_the_second_node_has_its_own_name_address_paths_and_cgroup_root() -> None:
+def test_the_second_node_has_its_own_name_paths_and_cgroup_root_and_the_host_address() -> None:
     second = node_layout(1, SUBNET, RUN, CACHE)
-    assert (second.name, second.node_ip) == ("node-2", "10.245.0.254")
+    # The host's address: both nodes live in its network namespace, so the one policy
+    # engine, which guards the pods whose hostIP is its node's, guards both nodes' pods.
+    assert (second.name, second.node_ip) == ("node-2", node_layout(0, SUBNET, RUN, CACHE).node_ip)
     assert second.run_dir == Path("/var/lib/dpserve-node-2")
     assert second.cache == Path("/cache/node-2")
     assert (second.cgroup_root, second.cgroup_top) == ("/dpserve-node-2", "dpserve-node-2")
     assert not second.host_owner
 
 
-def test_pod_ranges_are_disjoint_in_the_subnet_and_miss_every_node_ip() -> None:
+def test_pod_ranges_are_disjoint_in_the_subnet_and_miss_the_node_ip() -> None:
     subnet = ipaddress.ip_network(SUBNET)
     spans: list[set[int]] = []
     for layout in layouts():
@@ -51,7 +53,7 @@ def test_pod_ranges_are_disjoint_in_the_subnet_and_miss_every_node_ip() -> None:
         spans.append(set(range(int(first), int(last) + 1)))
     assert all(not (x & y) for i, x in enumerate(spans) for y in spans[i + 1 :])
     node_ips = {int(ipaddress.ip_address(x.node_ip)) for x in layouts()}
-    assert len(node_ips) == MAX_NODES
+    assert len(node_ips) == 1
     assert not node_ips & set[int]().union(*spans)
 
 
@@ -78,7 +80,7 @@ def test_the_cni_range_is_the_node_slice_of_the_shared_subnet() -> None:
 def test_the_kubelet_gets_a_cgroup_root_only_when_asked() -> None:
     def config(cgroup_root: str | None) -> dict[str, Any]:
         return kubelet_config(
-            node_ip="10.245.0.254",
+            node_ip="10.245.0.1",
             port=1,
             healthz_port=2,
             ca_file=Path("/ca"),

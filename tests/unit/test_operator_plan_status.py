@@ -10,6 +10,7 @@ from dpserve.operator.plan import PodView, plan, why_create, why_delete
 from dpserve.operator.spec import DiffusionServiceSpec
 from dpserve.operator.status import (
     POD_REFUSED,
+    available_condition,
     compute_status,
     known_indices,
     parse_control_state,
@@ -238,6 +239,36 @@ def test_ready_needs_the_router_available_not_only_the_replicas() -> None:
     # Replicas not ready take precedence in the reason: they are what is missing most.
     status = compute_status(svc, [pods[0], _pod(1, svc, False)], {}, router=None)
     assert _conditions(status)["Ready"]["reason"] == "ReplicasNotReady"
+
+
+def test_available_holds_while_no_more_replicas_are_down_than_the_budget() -> None:
+    """A drain takes one replica of two (the budget, maxUnavailable 1): Ready goes False,
+    Available stays True; with none ready, or no router, it goes False too."""
+    svc = _svc()
+    one_down = compute_status(svc, [_pod(0, svc, True), _pod(1, svc, False)], {}, router=ROUTER_UP)
+    conditions = _conditions(one_down)
+    assert conditions["Ready"]["status"] == "False"
+    available = conditions["Available"]
+    assert (available["status"], available["reason"]) == ("True", "MinimumReplicasAvailable")
+    assert available["message"] == "1/2 replicas ready, 1 needed; router 1/1 available"
+
+    none_ready = [_pod(0, svc, False), _pod(1, svc, False)]
+    available = _conditions(compute_status(svc, none_ready, {}, router=ROUTER_UP))["Available"]
+    assert (available["status"], available["reason"]) == ("False", "MinimumReplicasUnavailable")
+    routerless = [_pod(0, svc, True), _pod(1, svc, True)]
+    available = _conditions(compute_status(svc, routerless, {}, router=None))["Available"]
+    assert (available["status"], available["reason"]) == ("False", "RouterNotAvailable")
+
+
+def test_the_replicas_available_needs_follow_the_disruption_budget() -> None:
+    # Four replicas with a roll of two at a time: the budget is 2, so 2 ready suffice.
+    assert available_condition(2, 2, 4, True, "router 1/1 available")[0] == "True"
+    assert available_condition(1, 2, 4, True, "router 1/1 available")[0] == "False"
+    # One replica: its budget of 1 would allow none; at least one must serve.
+    assert available_condition(0, 1, 1, True, "router 1/1 available")[0] == "False"
+    assert available_condition(1, 1, 1, True, "router 1/1 available")[0] == "True"
+    # Scaled to 0: nothing serves, so not available (as not Ready).
+    assert available_condition(0, 1, 0, True, "router 1/1 available")[0] == "False"
 
 
 def _control(replicas: Any) -> dict[str, Any]:
