@@ -152,9 +152,8 @@ def test_the_one_policy_engine_guards_the_pods_of_both_nodes(two: RealCluster) -
         pod["metadata"]["labels"].update(test="two-nodes", role=role)
         pod["spec"]["terminationGracePeriodSeconds"] = 0
     _apply(two, *_web("web-1", "node-1"), *_web("web-2", "node-2"), friend, stranger)
-    pods = {name: _wait(two, name, _ready, 90) for name in ("web-1", "web-2", "friend")}
-    _wait(two, "stranger", _ready, 90)
-    ip = {name: pod["status"]["podIP"] for name, pod in pods.items()}
+    names = ("web-1", "web-2", "friend", "stranger")
+    ip = {name: _wait(two, name, _ready, 90)["status"]["podIP"] for name in names}
     # Without a policy every pod gets through: what follows is the policy's doing.
     eventually(lambda: _gets(two, "stranger", ip["web-1"]), 30, "the stranger reaches web-1")
     assert _gets(two, "stranger", ip["web-2"])

@@ -69,9 +69,14 @@ def ready_replicas(k8s: Backend) -> int:
     return int((k8s.get(NS, "dsvc", "tiny").get("status") or {}).get("readyReplicas") or 0)
 
 
-def router_nodes(k8s: Backend) -> set[str]:
+def router_pods(k8s: Backend) -> list[dict[str, Any]]:
     selector = "app.kubernetes.io/instance=tiny,app.kubernetes.io/component=router"
-    return {p["spec"].get("nodeName", "") for p in k8s.get(NS, "pods", "-l", selector)["items"]}
+    items: list[dict[str, Any]] = k8s.get(NS, "pods", "-l", selector)["items"]
+    return items
+
+
+def router_nodes(k8s: Backend) -> set[str]:
+    return {p["spec"].get("nodeName", "") for p in router_pods(k8s)}
 
 
 def spread(k8s: Backend) -> dict[str, str]:
@@ -250,10 +255,9 @@ def test_a_lost_node_replica_comes_back_on_the_other_node(k8s: NodeBackend) -> N
 
 def ready_routers(k8s: Backend) -> dict[str, str]:
     """Router pod name → node, for the Ready routers not being deleted."""
-    selector = "app.kubernetes.io/instance=tiny,app.kubernetes.io/component=router"
     return {
         p["metadata"]["name"]: p["spec"].get("nodeName", "")
-        for p in k8s.get(NS, "pods", "-l", selector)["items"]
+        for p in router_pods(k8s)
         if not p["metadata"].get("deletionTimestamp")
         and any(c["type"] == "Ready" and c["status"] == "True"
                 for c in p["status"].get("conditions", []))

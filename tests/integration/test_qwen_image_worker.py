@@ -146,7 +146,7 @@ def test_a_request_s_own_lora_matches_one_rank(
                 c.control("update_weights_from_disk", model_path=str(tiny_qwen_model))
 
 
-# Prompts of different lengths (masked differently per row), one with two images.
+# A longer owls prompt than the other families': Qwen masks each row's text differently.
 def test_a_batch_of_prompts_matches_one_rank_s_batch(
     single: WorkerProcess, split: WorkerProcess
 ) -> None:
