@@ -185,7 +185,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--load", type=float, default=0.7, help="of capacity without adapters")
     parser.add_argument("--light", type=float, default=0.15, help="the light load's fraction")
     parser.add_argument("--rounds", type=int, default=6)

@@ -21,13 +21,18 @@ sim_p99_ratio=<blind/aware> sim_p50_ratio=<blind/aware>``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
+import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-TIE_FRAC = 0.25  # as LeastWork's
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dpserve.router.adapter_homes import AdapterHomes
+from dpserve.router.adapters import HOLDER_CAP_FACTOR, miss_seconds
+from dpserve.router.policies import Estimate, LeastWork
 
 
 @dataclass
@@ -75,41 +80,65 @@ def arrivals(n: int, rate: float, weights: Sequence[float], seed: int) -> list[t
     return out
 
 
-def home(adapter: int, keys: Sequence[int]) -> int:
-    return max(keys, key=lambda k: hashlib.sha256(f"{adapter}|{k}".encode()).digest())
+class Blind:
+    """Least work blind to adapters: idle replicas take turns."""
 
+    def __init__(self) -> None:
+        self._turns = iter(range(1 << 62))
 
-Pick = Callable[[list[Server], list[int], int, float], int]
+    def home(self, adapter: int) -> int | None:
+        return None
 
-
-def blind_with() -> Pick:
-    turns = iter(range(1 << 62))  # equal work: replicas take turns
-
-    def pick(servers: list[Server], ok: list[int], adapter: int, now: float) -> int:
+    def pick(self, servers: list[Server], ok: list[int], adapter: int, now: float) -> int:
         least = min(servers[i].work(now, 1.0) for i in ok)
         tied = [i for i in ok if servers[i].work(now, 1.0) <= least + 1e-9]
-        return tied[next(turns) % len(tied)]
-
-    return pick
+        return tied[next(self._turns) % len(tied)]
 
 
-def aware_with(load: float) -> Pick:
-    def pick(servers: list[Server], ok: list[int], adapter: int, now: float) -> int:
-        def cost(i: int) -> float:
-            s = servers[i]
-            return 0.0 if adapter in s.present() else load * (2 if s.full() else 1)
+class Aware:
+    """The router's own adapter-aware least work (dpserve/router/policies.py) over the
+    simulated replicas' estimates, with homes placed by the demand it saw
+    (adapter_homes.py) or, ``placed=False``, the rendezvous hash alone."""
 
-        finish = {i: servers[i].work(now, 1.0) + cost(i) + 1.0 for i in ok}
-        best = min(finish.values())
-        near = [i for i in ok if finish[i] <= best + TIE_FRAC * (1.0 + min(map(cost, ok)))]
-        holders = [i for i in near if cost(i) == 0.0]
-        return min(holders, key=finish.__getitem__) if holders else home(adapter, near)
+    def __init__(self, load: float, placed: bool) -> None:
+        self.load, self.placed = load, placed
+        self.policy = LeastWork()
+        self.homes = AdapterHomes()
+        self._home: int | None = None
+        self._slots: dict[str, int] = {}
 
-    return pick
+    def seen(self, adapter: int, servers: list[Server]) -> None:
+        self.homes.demand.seen(str(adapter))
+        self._slots = {str(i): s.capacity for i, s in enumerate(servers)}
+
+    def home(self, adapter: int) -> int | None:
+        if not self.placed:
+            return None
+        found = self.homes.home(str(adapter), self._slots)
+        return None if found is None else int(found)
+
+    def pick(self, servers: list[Server], ok: list[int], adapter: int, now: float) -> int:
+        def estimate(key: str) -> Estimate:
+            s = servers[int(key)]
+            lacks = adapter not in s.present()
+            return Estimate(
+                s.work(now, 1.0), 1.0, miss_seconds(self.load, lacks and s.full()) if lacks else 0.0
+            )
+
+        home = self.home(adapter)
+        keys = [str(i) for i in ok]
+        got = self.policy.pick(
+            keys, lambda k: True, estimate, str(adapter), None if home is None else str(home)
+        )
+        assert got is not None
+        return int(got)
+
+
+Policy = Blind | Aware
 
 
 def simulate(
-    stream: list[tuple[float, int]], pick: Pick, slots: int, stretch: bool, args: argparse.Namespace
+    stream: list[tuple[float, int]], policy: Policy, slots: int, args: argparse.Namespace
 ) -> tuple[float, float, float]:
     """Loads per request, p50 and p99 latency (in requests)."""
     servers = [Server(args.cache) for _ in range(2)]
@@ -135,20 +164,25 @@ def simulate(
                 if not ok:
                     break
                 waiting.pop(0)
-                servers[pick(servers, ok, adapter, t)].queue.append((at, adapter))
+                servers[policy.pick(servers, ok, adapter, t)].queue.append((at, adapter))
                 progressed = True
 
     for at, adapter in stream:
         advance(at)
+        if isinstance(policy, Aware):
+            policy.seen(adapter, servers)
         ok = [i for i, s in enumerate(servers) if s.in_flight(at) < slots] if not waiting else []
-        if stretch and not waiting:
+        if isinstance(policy, Aware) and not waiting:  # admission.py's stretch
+            home = policy.home(adapter)
             ok += [
                 i
                 for i, s in enumerate(servers)
-                if i not in ok and adapter in s.present() and s.in_flight(at) < 2 * slots
+                if i not in ok
+                and (adapter in s.present() or i == home)
+                and s.in_flight(at) < HOLDER_CAP_FACTOR * slots
             ]
         if ok:
-            servers[pick(servers, ok, adapter, at)].queue.append((at, adapter))
+            servers[policy.pick(servers, ok, adapter, at)].queue.append((at, adapter))
         else:
             waiting.append((at, adapter))
     advance(float("inf"))
@@ -191,14 +225,16 @@ def main() -> None:
     args = parser.parse_args()
     weights = zipf(args.adapters, args.zipf)
     stream = arrivals(args.requests, args.util * 2, weights, args.seed)
-    b = simulate(stream, blind_with(), args.slots, False, args)
-    a = simulate(stream, aware_with(args.load), args.slots, True, args)
+    b = simulate(stream, Blind(), args.slots, args)
+    h = simulate(stream, Aware(args.load, placed=False), args.slots, args)
+    a = simulate(stream, Aware(args.load, placed=True), args.slots, args)
     bound = bound_loads(stream, weights, args.cache)
-    for name, (loads, p50, p99) in (("blind", b), ("aware", a)):
+    for name, (loads, p50, p99) in (("blind", b), ("hashed", h), ("aware", a)):
         print(f"{name}: loads_per_100={100 * loads:.1f} p50={p50:.2f} p99={p99:.2f}")
     print(f"bound: loads_per_100={100 * bound:.1f}")
     print(
-        f"bound_loads_ratio={b[0] / bound:.2f} sim_loads_ratio={b[0] / a[0]:.2f} "
+        f"bound_loads_ratio={b[0] / bound:.2f} hashed_loads_ratio={b[0] / h[0]:.2f} "
+        f"hashed_p99_ratio={b[2] / h[2]:.2f} sim_loads_ratio={b[0] / a[0]:.2f} "
         f"sim_p99_ratio={b[2] / a[2]:.2f} sim_p50_ratio={b[1] / a[1]:.2f}"
     )
 

@@ -21,9 +21,10 @@ from dpserve.contract.protocol import AdapterReport, LoraRef
 # Seconds to load one adapter while no replica has measured a load: a diffusion LoRA's
 # safetensors (tens of MB) read and applied, on the order of the time of a few steps.
 DEFAULT_ADAPTER_LOAD_S: Final = 0.5
-# How far past its in-flight cap a replica holding a request's adapters may take it
-# (dpserve/router/admission.py): one more queued request per slot.
-HOLDER_CAP_FACTOR: Final = 2
+# How far past its in-flight cap a replica holding a request's adapters, or their
+# home, may take it (dpserve/router/admission.py): at twice, the hot adapters' home
+# filled up under load and they spilled into the churning cache (bench/lora_sim.py).
+HOLDER_CAP_FACTOR: Final = 4
 
 
 class AdapterTrail:
@@ -86,6 +87,15 @@ def evicts(report: AdapterReport | None) -> bool:
         return False
     average = report.used_bytes / len(report.resident)
     return report.capacity_bytes - report.used_bytes < average
+
+
+def cache_slots(report: AdapterReport | None) -> int | None:
+    """How many adapters the replica's cache holds, at the size of those it holds;
+    None until it holds one (or has no cache)."""
+    if report is None or not report.resident or report.capacity_bytes <= 0:
+        return None
+    average = report.used_bytes / len(report.resident)
+    return max(1, int(report.capacity_bytes // average)) if average > 0 else None
 
 
 def miss_seconds(load_s: float, evicting: bool) -> float:

@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dpserve.contract import protocol as p
-from dpserve.router.adapters import HOLDER_CAP_FACTOR, names_of
+from dpserve.router.adapter_homes import AdapterHomes
+from dpserve.router.adapters import HOLDER_CAP_FACTOR, cache_slots, names_of
 from dpserve.router.fair import FairClock, Tag, over_share
 from dpserve.router.load import Load
 from dpserve.router.membership import Membership
@@ -74,6 +75,7 @@ class Admission:
         self._waiters: list[_Waiter] = []  # in fair order
         self._arrivals = 0
         self._held: dict[str, int] = {}  # a tenant's requests in flight or waiting here
+        self._homes = AdapterHomes()  # where adapter sets live, by the demand seen here
 
     @property
     def queue_depth(self) -> int:
@@ -97,29 +99,49 @@ class Admission:
     def _serving(self) -> list[str]:
         return [r.endpoint for r in self.members.serving()]
 
+    def _home(self, affinity: str | None) -> str | None:
+        """The adapters' home by the demand seen here (adapter_homes.py); None without
+        adapters, or until every serving replica's cache size is known."""
+        if affinity is None:
+            return None
+        slots: dict[str, int] = {}
+        for replica in self.members.serving():
+            held = cache_slots(replica.adapters)
+            if held is None:
+                return None
+            slots[replica.endpoint] = held
+        return self._homes.home(affinity, slots)
+
     def _pick(self, avoid: set[str], params: p.GenerateParams) -> Replica | None:
         replicas = self.members.replicas
         there, affinity = self._there(params), self.load.affinity(params)
-        # **Decision** (docs/lora.md): a replica that holds the request's adapters may
-        # take it past its cap, up to HOLDER_CAP_FACTOR times, when least work finds
-        # it finishes there first. At the cap alone, a holder with one request queued
-        # is never a choice, and the adapter loads on the other replica, evicting one
+        home = self._home(affinity)
+        # **Decision** (docs/lora.md): a replica that holds the request's adapters, or
+        # is their home, may take it past its cap, up to HOLDER_CAP_FACTOR times, when
+        # least work picks it. At the cap alone, a holder with one request queued is
+        # never a choice, and the adapter loads on the other replica, evicting one
         # that is in demand there. Not while requests wait here: they go first.
         stretch = affinity is not None and not self._waiters
 
         def free(endpoint: str, allow_avoided: bool) -> bool:
             r = replicas[endpoint]
             cap = self.cap(r)
-            if stretch and r.inflight >= cap and there(endpoint).load_s == 0:
+            if stretch and r.inflight >= cap and (endpoint == home or there(endpoint).load_s == 0):
                 cap *= HOLDER_CAP_FACTOR
             ok = r.serving and r.inflight < cap
             return ok and (allow_avoided or endpoint not in avoid)
 
-        key = self._policy.pick(replicas, lambda e: free(e, False), there, affinity)
+        key = self._policy.pick(replicas, lambda e: free(e, False), there, affinity, home)
         # A retry prefers another replica, but takes the same one if it is the only one.
         if key is None and avoid and not any(e not in avoid for e in self._serving()):
-            key = self._policy.pick(replicas, lambda e: free(e, True), there, affinity)
+            key = self._policy.pick(replicas, lambda e: free(e, True), there, affinity, home)
         return replicas[key] if key is not None else None
+
+    def _seen(self, params: p.GenerateParams) -> None:
+        """Counts a new request's adapters into the demand homes are placed by."""
+        affinity = self.load.affinity(params)
+        if affinity is not None:
+            self._homes.demand.seen(affinity)
 
     def held(self, tenant: str) -> int:
         """``tenant``'s requests in flight or waiting at this router (video jobs aside)."""
@@ -137,6 +159,7 @@ class Admission:
         share of it. ``avoid`` non-empty: a retry, which the cap does not refuse."""
         if not avoid:
             self._check_cap(tenant)
+            self._seen(params)
         if self._waiters:
             self.wake()  # capacity no waiter has seen (a ping raised a batch size) is theirs
         replica = self._pick(avoid, params)
@@ -236,11 +259,14 @@ class Admission:
         it. Another replica than ``avoid`` when one serves; 503 when none does."""
         replicas = self.members.replicas
         there, affinity = self._there(params), self.load.affinity(params)
+        if not avoid:
+            self._seen(params)
+        home = self._home(affinity)
         serving = set(self._serving())
         fresh = serving - avoid
-        key = self._policy.pick(replicas, lambda e: e in fresh, there, affinity)
+        key = self._policy.pick(replicas, lambda e: e in fresh, there, affinity, home)
         if key is None:
-            key = self._policy.pick(replicas, lambda e: e in serving, there, affinity)
+            key = self._policy.pick(replicas, lambda e: e in serving, there, affinity, home)
         if key is None:
             raise p.RequestError(p.UNAVAILABLE, "no replica is serving yet; retry shortly")
         return self.take(replicas[key], params)

@@ -43,9 +43,11 @@ class Policy(Protocol):
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,
         affinity: str | None = None,
+        home: str | None = None,
     ) -> str | None:
         """An eligible key, or None; ``estimate``: the request's wait and own cost there;
-        ``affinity``: its adapters' key, where it names adapters and routing minds them."""
+        ``affinity``: its adapters' key, where it names adapters and routing minds them;
+        ``home``: where the fleet's placement puts those adapters (adapter_homes.py)."""
         ...
 
 
@@ -64,7 +66,8 @@ class RoundRobin:
         keys: Iterable[str],
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,  # not read: cost-blind
-        affinity: str | None = None,  # nor this
+        affinity: str | None = None,  # nor these
+        home: str | None = None,
     ) -> str | None:
         order = sorted(keys)
         if not order:
@@ -94,10 +97,13 @@ class LeastWork:
     holder beats an idle replica that must load, and a holder buried in work loses to
     an idle one that loads, so one adapter's requests gather without piling up. Those
     within ``tie_frac`` of the best's own cost (its load included) take turns; one
-    with more ahead is passed over. For a request with adapters (``affinity``), the
-    holders among those take turns, and where none holds them, the adapters' home
-    (rendezvous hash of ``affinity``) takes it: the same replica from every router, so
-    the fleet's caches split the adapters instead of each holding the same few.
+    with more ahead is passed over. For a request with adapters (``affinity``), its
+    adapters' ``home`` (the fleet's placement by demand, adapter_homes.py) takes it
+    when it finishes there within ``home_frac`` of a request of the best: a detour
+    that size costs less than the loads and evictions of spreading hot adapters over
+    every cache (bench/lora_sim.py). Else the holders among those within the tie take
+    turns, and where none holds them, a rendezvous hash of ``affinity`` picks one:
+    the same replica from every router.
 
     **Decision** (docs/router.md, "Routing policies"): only replicas with a free
     slot are eligible, so a request never waits in the router while a replica could
@@ -106,8 +112,8 @@ class LeastWork:
     do not: they all wait for the same replica while another idles.
     """
 
-    def __init__(self, tie_frac: float = 0.25, tie_s: float = 1e-3) -> None:
-        self.tie_frac, self.tie_s = tie_frac, tie_s
+    def __init__(self, tie_frac: float = 0.25, tie_s: float = 1e-3, home_frac: float = 1.5) -> None:
+        self.tie_frac, self.tie_s, self.home_frac = tie_frac, tie_s, home_frac
         self._turns = RoundRobin()
 
     def pick(
@@ -116,6 +122,7 @@ class LeastWork:
         eligible: Callable[[str], bool],
         estimate: Callable[[str], Estimate] | None = None,
         affinity: str | None = None,
+        home: str | None = None,
     ) -> str | None:
         candidates = [k for k in keys if eligible(k)]
         if not candidates or estimate is None:
@@ -125,12 +132,15 @@ class LeastWork:
         if ready:
             return self._turns.pick(candidates, lambda k: k in ready)
         best = min(estimates.values(), key=lambda e: e.finish_s)
+        if affinity is not None and home in estimates:
+            slack = self.home_frac * best.own_s
+            if estimates[home].finish_s <= best.finish_s + slack:
+                return home
         bound = best.finish_s + max(self.tie_s, self.tie_frac * (best.own_s + best.load_s))
         near = [k for k in candidates if estimates[k].finish_s <= bound]
         if affinity is not None:
             # Within the tie, adapters gather: holders take turns; where none holds
-            # them, their home (rendezvous hash) loads them, the same replica for
-            # every router, so a fleet's caches split the adapters between them.
+            # them, their home loads them, the same replica for every router.
             fewest = min(estimates[k].load_s for k in near)
             if fewest > self.tie_s:
                 return hrw_order(affinity, near)[0]

@@ -405,7 +405,7 @@ def test_metrics_and_health_replicas_show_each_replicas_adapter_cache() -> None:
 
 def test_a_holder_takes_its_adapters_request_past_its_cap_when_that_finishes_first() -> None:
     """At its in-flight cap, the holder of an adapter whose load costs more than a
-    request still takes that adapter's request (up to twice the cap); a request
+    request still takes that adapter's request (up to four times the cap); a request
     without adapters goes to the replica with room, as before."""
     ink = {**BODY, "lora": "ink"}
 
@@ -464,3 +464,36 @@ def test_a_load_into_a_full_cache_costs_twice_when_placing() -> None:
 
     run_in_context(lambda ctx: scenario(ctx, used=90, to=1))
     run_in_context(lambda ctx: scenario(ctx, used=40, to=0))
+
+
+def test_hot_adapters_gather_on_a_clean_replica_and_new_cold_ones_load_on_the_other() -> None:
+    """Homes by demand (docs/lora.md, "Homes by demand"): once more adapters are in
+    demand than the caches hold, the hottest share one replica's cache (the first
+    endpoint, "clean") and the tail churns on the other, so cold loads never evict a
+    hot adapter. A rendezvous hash alone would split both kinds between the two."""
+
+    def cache() -> p.AdapterReport:  # room for four adapters of the size it holds
+        return p.AdapterReport(resident=["seed"], capacity_bytes=400, used_bytes=100, load_s=0.05)
+
+    def lora(name: str) -> dict[str, Any]:
+        return {**BODY, "lora": {"name": name, "path": f"/loras/{name}"}}
+
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        async with _fleet(ctx, cache(), cache()) as (http, stubs, pool):
+            for replica in pool.members():  # the trail alone says where adapters went
+                pool.health.stop(replica.endpoint)
+            clean, churn = sorted(stubs, key=lambda s: s.endpoint)
+            hot = [f"hot-{i}" for i in range(4)]
+            for name in [f"tail-{i}" for i in range(12)] + hot * 6:
+                assert (await http.post(GEN, json=lora(name))).status_code == 200
+            new = [f"new-{i}" for i in range(8)]
+            for name in new:
+                assert (await http.post(GEN, json=lora(name))).status_code == 200
+
+            def names(stub: StubReplica) -> set[str]:
+                return {r[0].name for r in _sent(stub) if r}
+
+            assert set(hot) <= names(clean) and not set(hot) & names(churn)
+            assert set(new) <= names(churn) and not set(new) & names(clean)
+
+    run_in_context(scenario)
