@@ -1,21 +1,28 @@
-"""bench/lora_mix.py's fleet simulated: what adapter-aware routing can save at best.
+"""bench/lora_mix.py's fleet simulated: what adapter-aware routing saves on the same mix.
 
 Two replicas, each an LRU cache of ``--cache`` adapters, serve a Zipf mix of
 ``--adapters`` adapters arriving open loop at ``--util`` of their capacity. A request
 takes ``c = 1`` and a miss adds ``--load`` (in requests). The router sees each replica's
-exact work ahead and, as the real one, gives a replica at most ``--slots`` requests
-(a holder of the request's adapter up to twice that under the aware policy), and
-holds the rest in one FIFO. Simulated, on the same arrivals:
+exact work ahead and, as the real one, gives a replica at most ``--slots`` requests (a
+holder of the request's adapter, or its home, up to HOLDER_CAP_FACTOR times that under
+the aware policies), and holds the rest in one FIFO. Simulated, on the same arrivals:
 
 - ``blind``: least work (idle replicas take turns);
-- ``aware``: least work with the load counted where the adapter is missing, twice
-  into a full cache, holders (else the adapter's home) within the tie, holders past
-  the cap (dpserve/router/policies.py, admission.py, adapters.py);
-- ``bound``: no routing at all, the best a cache split can do: each replica holds a
-  fixed half of the adapters (balanced by demand), so no adapter is in both caches.
+- ``hashed``: the router's own adapter-aware least work (dpserve/router/policies.py:
+  a missing adapter's load counted, twice into a full cache; holders within the tie),
+  homes by a rendezvous hash alone;
+- ``aware``: the same with homes placed by the demand it saw, as the router does
+  (dpserve/router/adapter_homes.py);
+- ``hot_split``: the hottest ``--cache`` adapters on one replica, the rest on the
+  other, never balanced;
+- ``bound``: no routing at all: each replica holds a fixed half of the adapters,
+  balanced by demand, so no adapter is in both caches. Not a true bound: a split
+  unbalanced on purpose (one cache for the hottest only) makes fewer loads still.
 
-Last line: ``bound_loads_ratio=<blind/bound> sim_loads_ratio=<blind/aware>
-sim_p99_ratio=<blind/aware> sim_p50_ratio=<blind/aware>``.
+Last line: ``bound_loads_ratio=<blind/bound> hashed_loads_ratio=<blind/hashed>
+hashed_p99_ratio=<blind/hashed> sim_loads_ratio=<blind/aware>
+sim_p99_ratio=<blind/aware> sim_p50_ratio=<blind/aware>
+hot_split_loads_ratio=<blind/hot_split> hot_split_p99_ratio=<blind/hot_split>``.
 """
 
 from __future__ import annotations
@@ -134,7 +141,22 @@ class Aware:
         return int(got)
 
 
-Policy = Blind | Aware
+class HotSplit:
+    """No balancing: the ``cache`` hottest adapters always go to replica 0, the rest to
+    replica 1, however long the queue (run without a cap): the loads a split by demand
+    saves when nothing spills, and the p99 it costs."""
+
+    def __init__(self, cache: int) -> None:
+        self.cache = cache
+
+    def home(self, adapter: int) -> int | None:
+        return 0 if adapter < self.cache else 1  # adapters are numbered hottest first
+
+    def pick(self, servers: list[Server], ok: list[int], adapter: int, now: float) -> int:
+        return 0 if adapter < self.cache else 1
+
+
+Policy = Blind | Aware | HotSplit
 
 
 def simulate(
@@ -228,14 +250,16 @@ def main() -> None:
     b = simulate(stream, Blind(), args.slots, args)
     h = simulate(stream, Aware(args.load, placed=False), args.slots, args)
     a = simulate(stream, Aware(args.load, placed=True), args.slots, args)
+    hot = simulate(stream, HotSplit(args.cache), 1 << 30, args)
     bound = bound_loads(stream, weights, args.cache)
-    for name, (loads, p50, p99) in (("blind", b), ("hashed", h), ("aware", a)):
+    for name, (loads, p50, p99) in (("blind", b), ("hashed", h), ("aware", a), ("hot_split", hot)):
         print(f"{name}: loads_per_100={100 * loads:.1f} p50={p50:.2f} p99={p99:.2f}")
     print(f"bound: loads_per_100={100 * bound:.1f}")
     print(
         f"bound_loads_ratio={b[0] / bound:.2f} hashed_loads_ratio={b[0] / h[0]:.2f} "
         f"hashed_p99_ratio={b[2] / h[2]:.2f} sim_loads_ratio={b[0] / a[0]:.2f} "
-        f"sim_p99_ratio={b[2] / a[2]:.2f} sim_p50_ratio={b[1] / a[1]:.2f}"
+        f"sim_p99_ratio={b[2] / a[2]:.2f} sim_p50_ratio={b[1] / a[1]:.2f} "
+        f"hot_split_loads_ratio={b[0] / hot[0]:.2f} hot_split_p99_ratio={b[2] / hot[2]:.2f}"
     )
 
 
