@@ -20,8 +20,9 @@ from typing import Final
 # A clean replica takes up to this over N of the demand; the churn replica the rest.
 CLEAN_SHARE: Final = 1.4
 # Demand halves every this many adapter requests: a placement follows a shifting mix
-# within a few hundred requests and does not flap on a handful.
-HALF_LIFE_REQUESTS: Final = 200
+# within a few thousand requests, and the sets near the clean cache's edge do not flap
+# on a sample's noise (at 200, two routers sharing a mix often disagreed on them).
+HALF_LIFE_REQUESTS: Final = 1000
 # Homes are placed again after this many adapter requests, or when the fleet changes.
 REPLACE_EVERY: Final = 16
 _PRUNE_BELOW: Final = 1e-4  # of the newest request's weight: a set long out of demand

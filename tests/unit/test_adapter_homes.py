@@ -4,6 +4,7 @@ router with stub replicas: tests/unit/test_router_lora.py."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 from dpserve.router.adapter_homes import CLEAN_SHARE, AdapterDemand, AdapterHomes, place
@@ -101,3 +102,18 @@ def test_the_home_takes_a_request_within_its_detour_of_the_best() -> None:
     # An idle holder elsewhere is taken at once, home or not: no load, no wait.
     holder = {A: Estimate(1.0, 1.0), B: Estimate(0.0, 1.0)}
     assert _pick(holder, A) == B
+
+
+def test_two_routers_seeing_halves_of_one_mix_give_the_hot_sets_the_same_homes() -> None:
+    """Behind a load balancer each router sees a sample of the mix: they place the sets
+    that matter alike (docs/lora.md, "Several routers")."""
+    rng = random.Random(7)
+    demand = _zipf(16)
+    names, weights = list(demand), list(demand.values())
+    routers = (AdapterHomes(), AdapterHomes())
+    for _ in range(2000):
+        rng.choice(routers).demand.seen(rng.choices(names, weights=weights)[0])
+    slots = {A: 4, B: 4}
+    one, two = ({k: r.home(k, slots) for k in names} for r in routers)
+    assert all(one[k] == two[k] == A for k in names[:3])  # the hottest: the clean cache
+    assert sum(one[k] == two[k] for k in names) >= 14  # a set at its edge may differ
