@@ -22,7 +22,8 @@ the aware policies), and holds the rest in one FIFO. Simulated, on the same arri
 Last line: ``bound_loads_ratio=<blind/bound> hashed_loads_ratio=<blind/hashed>
 hashed_p99_ratio=<blind/hashed> sim_loads_ratio=<blind/aware>
 sim_p99_ratio=<blind/aware> sim_p50_ratio=<blind/aware>
-hot_split_loads_ratio=<blind/hot_split> hot_split_p99_ratio=<blind/hot_split>``.
+hot_split_loads_ratio=<blind/hot_split> hot_split_p99_ratio=<blind/hot_split>``
+(with ``--trials K``, each the median over K arrival streams).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -234,6 +236,32 @@ def bound_loads(stream: list[tuple[float, int]], weights: Sequence[float], cache
     return loads / len(stream)
 
 
+def figures(args: argparse.Namespace, seed: int, show: bool) -> dict[str, float]:
+    """One arrival stream under every policy: the last line's ratios."""
+    weights = zipf(args.adapters, args.zipf)
+    stream = arrivals(args.requests, args.util * 2, weights, seed)
+    b = simulate(stream, Blind(), args.slots, args)
+    h = simulate(stream, Aware(args.load, placed=False), args.slots, args)
+    a = simulate(stream, Aware(args.load, placed=True), args.slots, args)
+    hot = simulate(stream, HotSplit(args.cache), 1 << 30, args)
+    bound = bound_loads(stream, weights, args.cache)
+    if show:
+        named = (("blind", b), ("hashed", h), ("aware", a), ("hot_split", hot))
+        for name, (loads, p50, p99) in named:
+            print(f"{name}: loads_per_100={100 * loads:.1f} p50={p50:.2f} p99={p99:.2f}")
+        print(f"bound: loads_per_100={100 * bound:.1f}")
+    return {
+        "bound_loads_ratio": b[0] / bound,
+        "hashed_loads_ratio": b[0] / h[0],
+        "hashed_p99_ratio": b[2] / h[2],
+        "sim_loads_ratio": b[0] / a[0],
+        "sim_p99_ratio": b[2] / a[2],
+        "sim_p50_ratio": b[1] / a[1],
+        "hot_split_loads_ratio": b[0] / hot[0],
+        "hot_split_p99_ratio": b[2] / hot[2],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--adapters", type=int, default=16)
@@ -244,23 +272,22 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--requests", type=int, default=40000)
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    weights = zipf(args.adapters, args.zipf)
-    stream = arrivals(args.requests, args.util * 2, weights, args.seed)
-    b = simulate(stream, Blind(), args.slots, args)
-    h = simulate(stream, Aware(args.load, placed=False), args.slots, args)
-    a = simulate(stream, Aware(args.load, placed=True), args.slots, args)
-    hot = simulate(stream, HotSplit(args.cache), 1 << 30, args)
-    bound = bound_loads(stream, weights, args.cache)
-    for name, (loads, p50, p99) in (("blind", b), ("hashed", h), ("aware", a), ("hot_split", hot)):
-        print(f"{name}: loads_per_100={100 * loads:.1f} p50={p50:.2f} p99={p99:.2f}")
-    print(f"bound: loads_per_100={100 * bound:.1f}")
-    print(
-        f"bound_loads_ratio={b[0] / bound:.2f} hashed_loads_ratio={b[0] / h[0]:.2f} "
-        f"hashed_p99_ratio={b[2] / h[2]:.2f} sim_loads_ratio={b[0] / a[0]:.2f} "
-        f"sim_p99_ratio={b[2] / a[2]:.2f} sim_p50_ratio={b[1] / a[1]:.2f} "
-        f"hot_split_loads_ratio={b[0] / hot[0]:.2f} hot_split_p99_ratio={b[2] / hot[2]:.2f}"
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=1,
+        help="streams (seeds from --seed on): the figures are their medians, and the "
+        "spread of one run's figures (lora_mix.py's sampling noise at its --requests) "
+        "is printed before them",
     )
+    args = parser.parse_args()
+    runs = [figures(args, args.seed + t, show=args.trials == 1) for t in range(args.trials)]
+    if args.trials > 1:
+        for name in runs[0]:
+            got = sorted(r[name] for r in runs)
+            low, high = got[len(got) // 10], got[(9 * (len(got) - 1)) // 10]
+            print(f"{name}: p10={low:.2f} p90={high:.2f} min={got[0]:.2f} max={got[-1]:.2f}")
+    print(" ".join(f"{name}={median(r[name] for r in runs):.2f}" for name in runs[0]))
 
 
 if __name__ == "__main__":
