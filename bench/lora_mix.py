@@ -4,16 +4,18 @@ Three `dpserve serve --dp-size 2` services of the small tiny model, each replica
 adapter cache that holds 4 of the 16 tiny adapters, differ only in routing: least-work
 that knows where adapters are resident (the default), least-work blind to them, and
 round-robin. Each gets the same requests: adapters drawn with a Zipf mix (s = 1.1), sent
-**open loop** (seeded Poisson arrivals at ``--load`` of the fleet's measured capacity
-without adapters, and again at ``--light`` load for aware and blind), so the router has
-a choice to make: a closed loop with as many clients as the fleet has slots leaves
-every request exactly one free slot. Measured per
-service: the cache's hit rate and loads per 100 requests (from the router's /metrics,
-the replicas' own counts), p50 and p99 latency from arrival. The services run one at a
+**open loop** (seeded Poisson arrivals at ``--load`` of the fleet's capacity without
+adapters, measured as its throughput with both replicas busy, and again at ``--light``
+load for aware and blind), so the router has a choice to make: a closed loop with as
+many clients as the fleet has slots leaves every request exactly one free slot. Loads
+come on top: at 0.7 of the capacity and a load at 0.65 of a request, blind routing's
+~50 loads per 100 requests keep the fleet over 0.9 busy. Measured per service: the
+cache's hit rate and loads per 100 requests (from the router's /metrics, the replicas'
+own counts), p50 and p99 latency from arrival. The services run one at a
 time (the others idle) so they do not share the 2 cores.
 
 The adapters are rank 64 (10 MiB) and requests take one step: on this CPU a load then
-costs about 0.4 of a request, as a real diffusion LoRA's load (hundreds of MB, peft
+costs about 0.65 of a request, as a real diffusion LoRA's load (hundreds of MB, peft
 wrapping every layer: a second or more) does on a GPU next to a few-step generation;
 ``load_over_request`` prints the ratio measured.
 
@@ -167,6 +169,19 @@ def run_mix(
     }
 
 
+def capacity_of(serve: Serve, args: argparse.Namespace, paths: list[Path]) -> tuple[float, float]:
+    """One plain request's seconds alone (a median), and the fleet's requests per second
+    with both replicas busy (two clients, closed loop): the capacity the load is a
+    fraction of. Two replicas on two shared cores, with the router and this client on
+    them too, do less than twice one alone, so the first alone would overstate it."""
+    plain = body(args, paths, None, 0)
+    alone = statistics.median(serve.generate(plain) for _ in range(args.capacity_rounds))
+    with ThreadPoolExecutor(2) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda _: serve.generate(plain), range(2 * args.capacity_rounds)))
+        return alone, 2 * args.capacity_rounds / (time.perf_counter() - start)
+
+
 def per_request_vs_merged(serve: Serve, args: argparse.Namespace, path: Path) -> float:
     """Median time with the adapter per request (resident) over with it merged."""
     per_request = body(args, [path], 0, 1)
@@ -208,7 +223,7 @@ def main() -> None:
     }
     mix = zipf_sequence(ADAPTERS, args.requests, args.seed)
     results: dict[str, dict] = {}
-    plain_s = 0.0
+    plain_s = capacity = 0.0
     for name, (flags, load) in runs.items():
         serve = Serve(model, base + flags)
         try:
@@ -216,12 +231,8 @@ def main() -> None:
                 serve.generate(body(args, paths, None, 0))
                 serve.generate(body(args, paths, None, 0))
             if not plain_s:  # the capacity, measured once: the same arrivals for every service
-                # Many rounds: a median of six once read 1.4x slow on these shared cores,
-                # and the "0.7 of capacity" load was then nearer 0.5.
-                plain_s = statistics.median(
-                    serve.generate(body(args, paths, None, 0)) for _ in range(args.capacity_rounds)
-                )
-            at = arrivals(args.requests, load * 2 / plain_s, args.seed)
+                plain_s, capacity = capacity_of(serve, args, paths)
+            at = arrivals(args.requests, load * capacity, args.seed)
             results[name] = run_mix(serve, args, paths, mix, at)
             if name == "aware":
                 results[name]["merged"] = per_request_vs_merged(serve, args, paths[0])
@@ -232,9 +243,10 @@ def main() -> None:
     r = results
     print(
         f"model=small size={args.size} steps={args.steps} requests={args.requests} open loop "
-        f"at load={args.load} ({args.load * 2 / plain_s:.2f} req/s) and light={args.light} "
+        f"at load={args.load} ({args.load * capacity:.2f} req/s) and light={args.light} "
         f"adapters={ADAPTERS} rank={args.rank} cache={CACHED} per replica zipf_s={ZIPF_S} "
-        f"request_s={plain_s:.3f} load_over_request={r['aware']['load_s'] / plain_s:.2f}"
+        f"request_s={plain_s:.3f} capacity_over_two_alone={capacity * plain_s / 2:.2f} "
+        f"load_over_request={r['aware']['load_s'] / plain_s:.2f}"
     )
     for name, got in r.items():
         print(
