@@ -8,14 +8,14 @@ round-robin. Each gets the same requests: adapters drawn with a Zipf mix (s = 1.
 adapters, measured as its throughput with both replicas busy, and again at ``--light``
 load for aware and blind), so the router has a choice to make: a closed loop with as
 many clients as the fleet has slots leaves every request exactly one free slot. Loads
-come on top: at 0.7 of the capacity and a load at 0.65 of a request, blind routing's
-~50 loads per 100 requests keep the fleet over 0.9 busy. Measured per service: the
+come on top: at 0.7 of the capacity and a load at 0.45 of a request, blind routing's
+~49 loads per 100 requests keep the fleet about 0.85 busy. Measured per service: the
 cache's hit rate and loads per 100 requests (from the router's /metrics, the replicas'
 own counts), p50 and p99 latency from arrival. The services run one at a
 time (the others idle) so they do not share the 2 cores.
 
 The adapters are rank 64 (10 MiB) and requests take one step: on this CPU a load then
-costs about 0.65 of a request, as a real diffusion LoRA's load (hundreds of MB, peft
+costs about 0.45 of a request, as a real diffusion LoRA's load (hundreds of MB, peft
 wrapping every layer: a second or more) does on a GPU next to a few-step generation;
 ``load_over_request`` prints the ratio measured.
 
@@ -173,7 +173,7 @@ def capacity_of(serve: Serve, args: argparse.Namespace, paths: list[Path]) -> tu
     """One plain request's seconds alone (a median), and the fleet's requests per second
     with both replicas busy (two clients, closed loop): the capacity the load is a
     fraction of. Two replicas on two shared cores, with the router and this client on
-    them too, do less than twice one alone, so the first alone would overstate it."""
+    them too, may do less than twice one alone (measured: 0.93-0.99 of it)."""
     plain = body(args, paths, None, 0)
     alone = statistics.median(serve.generate(plain) for _ in range(args.capacity_rounds))
     with ThreadPoolExecutor(2) as pool:
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1)
     # 1,600: over 400, one run's p99 ratio spans 0.99-1.72x from sampling alone
-    # (bench/lora_sim.py --trials); the light runs, four times longer each, keep 400.
+    # (bench/lora_sim.py --trials); the light runs, at under a quarter of the rate, keep 400.
     parser.add_argument("--requests", type=int, default=1600)
     parser.add_argument("--load", type=float, default=0.7, help="of capacity without adapters")
     parser.add_argument("--light", type=float, default=0.15, help="the light load's fraction")

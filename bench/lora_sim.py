@@ -285,7 +285,7 @@ def main() -> None:
     if args.trials > 1:
         for name in runs[0]:
             got = sorted(r[name] for r in runs)
-            low, high = got[len(got) // 10], got[(9 * (len(got) - 1)) // 10]
+            low, high = (got[round(q * (len(got) - 1))] for q in (0.1, 0.9))
             print(f"{name}: p10={low:.2f} p90={high:.2f} min={got[0]:.2f} max={got[-1]:.2f}")
     print(" ".join(f"{name}={median(r[name] for r in runs):.2f}" for name in runs[0]))
 
