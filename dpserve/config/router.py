@@ -142,6 +142,18 @@ class LoraName:
         return f"{self.name}={self.path}"
 
 
+MAX_HOME_SLACK = 16.0  # requests: past it, the home takes whatever its cap allows
+
+
+def parse_home_slack(value: str) -> float:
+    slack = float(value)
+    if not 0.0 <= slack <= MAX_HOME_SLACK:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a number of requests in 0..{MAX_HOME_SLACK:g}, got {value}"
+        )
+    return slack
+
+
 def parse_lora_name(value: str) -> LoraName:
     """``NAME=PATH`` with a name of the shape a request's adapter has."""
     from dpserve.contract.validation import LORA_NAME_RE, MAX_LORA_PATH_CHARS
@@ -230,6 +242,17 @@ class RouterConfig:
             "least_work: aware counts the load of LoRA adapters a replica lacks, so one "
             "adapter's requests gather where it is resident; blind ignores it (for comparison)",
             choices=get_args(AdapterRouting),
+        ),
+    )
+    # How far least work detours a request to its adapters' home (docs/lora.md): loads
+    # saved against the latency of the deeper queue there.
+    adapter_home_slack: float = field(
+        default=1.5,
+        metadata=flag(
+            "least_work, aware: the home replica of a request's LoRA adapters takes it when "
+            "it finishes there within this many requests of the best replica; more saves "
+            "adapter loads, less keeps latency (0: no detour)",
+            parse_home_slack,
         ),
     )
     # Adapters requests may name alone (docs/lora.md, Names): the router sends the path.

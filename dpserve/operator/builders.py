@@ -689,6 +689,7 @@ def router_options(svc: Svc) -> dict[str, Any]:
         "max_inflight_per_replica": r.maxInflightPerReplica,
         "policy": r.policy,
         "adapter_routing": r.adapterRouting,
+        "adapter_home_slack": r.adapterHomeSlack,
         "lora": tuple(f"{name}={path}" for name, path in sorted(r.loras.items())),
         "max_waiting": r.maxWaiting,
         "served_model_name": r.servedModelName or svc.name,

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.config import JsonDict
 
-from dpserve.config.router import AdapterRouting, PolicyName
+from dpserve.config.router import MAX_HOME_SLACK, AdapterRouting, PolicyName
 from dpserve.config.router import default as router_default
 from dpserve.config.worker import StepCacheKind
 from dpserve.config.worker import default as worker_default
@@ -359,6 +359,14 @@ class RouterSpec(_Model):
         description="with policy least_work: aware counts the load of LoRA adapters a "
         "replica lacks, so one adapter's requests gather where it is resident; blind "
         "ignores it (for comparison; docs/lora.md)",
+    )
+    adapterHomeSlack: float = Field(
+        router_default("adapter_home_slack"),
+        ge=0,
+        le=MAX_HOME_SLACK,
+        description="with adapterRouting aware: the home replica of a request's LoRA "
+        "adapters takes it when it finishes there within this many requests of the best "
+        "replica; more saves adapter loads, less keeps latency (0: no detour; docs/lora.md)",
     )
     loras: dict[str, Annotated[str, Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)]] = Field(
         default_factory=dict,

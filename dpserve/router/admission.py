@@ -31,7 +31,7 @@ from dpserve.router.adapters import HOLDER_CAP_FACTOR, cache_slots, names_of
 from dpserve.router.fair import FairClock, Tag, over_share
 from dpserve.router.load import Load
 from dpserve.router.membership import Membership
-from dpserve.router.policies import Estimate, PolicyName, make_policy
+from dpserve.router.policies import HOME_SLACK, Estimate, PolicyName, make_policy
 from dpserve.router.replica import Replica, Slot
 from dpserve.router.tenants import KEYLESS
 from dpserve.router.waiting import wait_within
@@ -63,13 +63,14 @@ class Admission:
         max_queue: int,
         max_per_tenant: int = 0,
         weights: Mapping[str, int] | None = None,
+        home_slack: float = HOME_SLACK,
     ) -> None:
         self.members = members
         self.load = load
         self.max_inflight = max_inflight
         self.max_queue = max_queue
         self.max_per_tenant = max_per_tenant  # 0: no cap
-        self._policy = make_policy(policy)
+        self._policy = make_policy(policy, home_slack)
         self._tickets = 0
         self._clock = FairClock(dict(weights or {}))
         self._waiters: list[_Waiter] = []  # in fair order

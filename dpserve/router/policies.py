@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, Protocol, get_args
 
 from dpserve.config.router import PolicyName
+from dpserve.config.router import default as router_default
 from dpserve.contract.protocol import (
     HTTP_STATUS,
     UNAVAILABLE,
@@ -21,6 +22,9 @@ POLICIES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
 # Seconds per cost unit while no replica has measured one: costs are then compared
 # in plain units (the ranking is what matters; the seconds shown are units).
 UNCALIBRATED_SECONDS_PER_UNIT: Final = 1.0
+# Requests deeper than the best replica a request's adapters' home may be and still
+# take it (``--adapter-home-slack``; docs/lora.md).
+HOME_SLACK: Final[float] = router_default("adapter_home_slack")
 
 
 class Estimate(NamedTuple):
@@ -99,9 +103,10 @@ class LeastWork:
     within ``tie_frac`` of the best's own cost (its load included) take turns; one
     with more ahead is passed over. For a request with adapters (``affinity``), its
     adapters' ``home`` (the fleet's placement by demand, adapter_homes.py) takes it
-    when it finishes there within ``home_frac`` of a request of the best: a detour
-    that size costs less than the loads and evictions of spreading hot adapters over
-    every cache (bench/lora_sim.py). Else the holders among those within the tie take
+    when it finishes there within ``home_frac`` requests of the best
+    (``--adapter-home-slack``): a detour that size saves the loads and evictions of
+    spreading hot adapters over every cache, and costs the latency of the deeper
+    queue (docs/lora.md, What it costs). Else the holders among those within the tie take
     turns, and where none holds them, a rendezvous hash of ``affinity`` picks one:
     the same replica from every router.
 
@@ -112,7 +117,9 @@ class LeastWork:
     do not: they all wait for the same replica while another idles.
     """
 
-    def __init__(self, tie_frac: float = 0.25, tie_s: float = 1e-3, home_frac: float = 1.5) -> None:
+    def __init__(
+        self, tie_frac: float = 0.25, tie_s: float = 1e-3, home_frac: float = HOME_SLACK
+    ) -> None:
         self.tie_frac, self.tie_s, self.home_frac = tie_frac, tie_s, home_frac
         self._turns = RoundRobin()
 
@@ -148,11 +155,12 @@ class LeastWork:
         return self._turns.pick(candidates, lambda k: k in near)
 
 
-def make_policy(name: PolicyName) -> Policy:
+def make_policy(name: PolicyName, home_slack: float = HOME_SLACK) -> Policy:
+    """``home_slack``: least work's ``home_frac`` (``--adapter-home-slack``)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_work":
-        return LeastWork()
+        return LeastWork(home_frac=home_slack)
     raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(POLICIES)}")
 
 

@@ -71,6 +71,7 @@ class PoolSettings:
     policy: PolicyName = field(default=option("policy"))  # docs/router.md, Routing policies
     # Least work counts the load of adapters a replica lacks (docs/lora.md).
     adapter_routing: AdapterRouting = field(default=option("adapter_routing"))
+    adapter_home_slack: float = option("adapter_home_slack")  # requests
     loras: dict[str, str] = field(default_factory=dict)  # --lora NAME=PATH
     max_queue: int = option("max_waiting")  # requests waiting for a slot, router-wide
     # Fair shares (docs/tenants.md): per tenant, requests in flight and waiting (0: no
@@ -101,6 +102,7 @@ class ReplicaPool:
             settings.max_queue,
             settings.max_per_tenant,
             settings.tenant_weights,
+            home_slack=settings.adapter_home_slack,
         )
         self.health = Health(
             self.membership,

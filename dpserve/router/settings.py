@@ -101,6 +101,7 @@ class RouterSettings:
             max_inflight=config.max_inflight_per_replica,
             policy=config.policy,
             adapter_routing=config.adapter_routing,
+            adapter_home_slack=config.adapter_home_slack,
             loras=config.loras,
             max_queue=config.max_waiting,
             max_per_tenant=config.max_requests_per_tenant,

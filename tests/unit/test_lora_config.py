@@ -1,6 +1,7 @@
-"""The router's LoRA options (docs/lora.md): ``--lora NAME=PATH`` and
-``--adapter-routing`` travel from ``dpserve router``/``serve`` and from the CRD's
-``spec.router.loras``/``adapterRouting`` to the pool, spelled once in RouterConfig."""
+"""The router's LoRA options (docs/lora.md): ``--lora NAME=PATH``, ``--adapter-routing``
+and ``--adapter-home-slack`` travel from ``dpserve router``/``serve`` and from the CRD's
+``spec.router.loras``/``adapterRouting``/``adapterHomeSlack`` to the pool, spelled once
+in RouterConfig. What the slack does to routing: tests/unit/test_router_lora.py."""
 
 from __future__ import annotations
 
@@ -41,6 +42,26 @@ def test_the_flags_reach_the_pool_on_router_and_serve() -> None:
         settings = _router_settings(args, ())
         assert settings.pool.loras == {"ink": "/loras/ink", "wash": "s3://bucket/wash"}
         assert settings.pool.adapter_routing == "blind"
+
+
+def test_the_home_slack_reaches_the_pool_from_router_serve_and_the_crd() -> None:
+    for command in (["router", "--worker", "tcp://x:1"], ["serve"]):
+        args = build_parser().parse_args([*command, "--adapter-home-slack", "0.25"])
+        assert _router_settings(args, ()).pool.adapter_home_slack == 0.25
+    assert _operator_router(adapterHomeSlack=0).adapter_home_slack == 0.0
+    assert _operator_router(adapterHomeSlack=4.5).adapter_home_slack == 4.5
+    default = RouterConfig.from_args(build_parser().parse_args(["router", "--worker", "x"]))
+    assert default.adapter_home_slack == _operator_router().adapter_home_slack == 1.5
+    assert PoolSettings().adapter_home_slack == RouterSpec().adapterHomeSlack == 1.5
+
+
+@pytest.mark.parametrize("bad", ["-1", "16.5", "nan", "inf", "lots"])
+def test_a_home_slack_outside_0_to_16_requests_is_refused(bad: str) -> None:
+    with pytest.raises(SystemExit):
+        _router(["--worker", "tcp://a:1", "--adapter-home-slack", bad])
+    if bad != "lots":
+        with pytest.raises(ValidationError):
+            RouterSpec(adapterHomeSlack=float(bad))
 
 
 def test_by_default_routing_is_adapter_aware_and_no_name_is_registered() -> None:

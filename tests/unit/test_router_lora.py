@@ -497,3 +497,33 @@ def test_hot_adapters_gather_on_a_clean_replica_and_new_cold_ones_load_on_the_ot
             assert set(new) <= names(churn) and not set(new) & names(clean)
 
     run_in_context(scenario)
+
+
+def test_adapter_home_slack_sets_how_far_a_request_detours_to_its_home() -> None:
+    """``--adapter-home-slack`` (PoolSettings.adapter_home_slack): the home of a
+    request's adapters (the first replica, while the sets in demand fit the caches)
+    runs a long request (10 or 20 requests' work); the other replica is idle and loads
+    in half a step. At 16 requests of slack the request waits at home; at 0, it goes to
+    the idle one. (A slow host shortens the wait left at home: neither case is
+    sensitive to it.)"""
+    ink = {**BODY, "lora": {"name": "ink", "path": "/loras/ink"}}
+
+    def cache() -> p.AdapterReport:  # room for four adapters of the size it holds
+        return p.AdapterReport(resident=["seed"], capacity_bytes=400, used_bytes=100, load_s=0.01)
+
+    async def scenario(ctx: zmq.asyncio.Context, slack: float, steps: int, detours: bool) -> None:
+        async with _fleet(ctx, cache(), cache(), adapter_home_slack=slack) as (http, stubs, _):
+            for _ in range(2):  # calibrates both: step costs measured
+                assert (await http.post(GEN, json=BODY)).status_code == 200
+            home, other = sorted(stubs, key=lambda s: s.endpoint)
+            assert (await http.post(GEN, json=ink)).status_code == 200
+            assert _sent(home)[-1] == [p.LoraRef(name="ink", path="/loras/ink")]
+            long = asyncio.create_task(http.post(GEN, json={**ink, "num_inference_steps": steps}))
+            await until(lambda: len(home.received) == 3, 5)
+            assert (await http.post(GEN, json=ink)).status_code == 200
+            expected = (4, 1) if detours else (3, 2)
+            assert (len(home.received), len(other.received)) == expected
+            assert (await long).status_code == 200
+
+    run_in_context(lambda ctx: scenario(ctx, slack=16.0, steps=20, detours=True))
+    run_in_context(lambda ctx: scenario(ctx, slack=0.0, steps=40, detours=False))
