@@ -2,8 +2,9 @@
 
 Two replicas, each an LRU cache of ``--cache`` adapters, serve a Zipf mix of
 ``--adapters`` adapters arriving open loop at ``--util`` of their capacity. A request
-takes ``c = 1`` and a miss adds ``--load`` (in requests). The router sees each replica's
-exact work ahead and, as the real one, gives a replica at most ``--slots`` requests (a
+takes ``c = 1`` and a miss adds ``--load`` (in requests), each exactly, or varying around
+those means with ``--cv``. The router sees each replica's work ahead (exactly, or its
+mean with ``--cv``) and, as the real one, gives a replica at most ``--slots`` requests (a
 holder of the request's adapter, or its home, up to HOLDER_CAP_FACTOR times that under
 the aware policies), and holds the rest in one FIFO. Simulated, on the same arrivals:
 
@@ -21,7 +22,7 @@ the aware policies), and holds the rest in one FIFO. Simulated, on the same arri
 
 Last line: ``bound_loads_ratio=<blind/bound> hashed_loads_ratio=<blind/hashed>
 hashed_p99_ratio=<blind/hashed> sim_loads_ratio=<blind/aware>
-sim_p99_ratio=<blind/aware> sim_p50_ratio=<blind/aware>
+sim_p99_ratio=<blind/aware> sim_p90_ratio=<blind/aware> sim_p50_ratio=<blind/aware>
 hot_split_loads_ratio=<blind/hot_split> hot_split_p99_ratio=<blind/hot_split>``
 (with ``--trials K``, each the median over K arrival streams).
 """
@@ -36,23 +37,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dpserve.router.adapter_homes import AdapterHomes
 from dpserve.router.adapters import HOLDER_CAP_FACTOR, miss_seconds
-from dpserve.router.policies import Estimate, LeastWork
+from dpserve.router.policies import HOME_SLACK, Estimate, LeastWork
+
+CALIBRATION_ALPHA = 0.2  # dpserve.contract.cost.Calibration's
+
+
+class Job(NamedTuple):
+    at: float  # arrival
+    adapter: int
+    work: float  # its run, in requests: 1 on average
+    load: float  # its adapter's load, were it missing, as a multiple of --load
 
 
 @dataclass
 class Server:
     capacity: int
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    queue: list[tuple[float, int]] = field(default_factory=list)  # (arrival, adapter)
+    queue: list[Job] = field(default_factory=list)
     free_at: float = 0.0
+    # The router's seconds per request here: 1 (its run, known exactly), or with
+    # --calibration loads a replica's own measure of its requests' times, loads
+    # included, as dpserve.contract.cost's Calibration (an EWMA in log space) keeps it.
+    per_request: float = 1.0
+    learn: float = 0.0  # that EWMA's alpha; 0: exact
 
     def present(self) -> set[int]:
-        return set(self.cache) | {a for _, a in self.queue}
+        return set(self.cache) | {j.adapter for j in self.queue}
 
     def full(self) -> bool:
         return len(self.cache) >= self.capacity
@@ -65,15 +81,18 @@ class Server:
 
     def start(self, c: float, load: float, done: list[float]) -> bool:
         """Runs its next request; True when that one loaded its adapter."""
-        arrived, adapter = self.queue.pop(0)
-        begin = max(self.free_at, arrived)
-        miss = adapter not in self.cache
-        self.cache[adapter] = None
-        self.cache.move_to_end(adapter)
+        job = self.queue.pop(0)
+        begin = max(self.free_at, job.at)
+        miss = job.adapter not in self.cache
+        self.cache[job.adapter] = None
+        self.cache.move_to_end(job.adapter)
         if len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
-        self.free_at = begin + c + (load if miss else 0.0)
-        done.append(self.free_at - arrived)
+        took = c * job.work + (load * job.load if miss else 0.0)
+        self.free_at = begin + took
+        done.append(self.free_at - job.at)
+        if self.learn:
+            self.per_request *= (took / self.per_request) ** self.learn
         return miss
 
 
@@ -81,11 +100,20 @@ def zipf(count: int, s: float) -> list[float]:
     return [1.0 / (k + 1) ** s for k in range(count)]
 
 
-def arrivals(n: int, rate: float, weights: Sequence[float], seed: int) -> list[tuple[float, int]]:
+def arrivals(
+    n: int, rate: float, weights: Sequence[float], seed: int, cv: float = 0.0
+) -> list[Job]:
+    """Poisson arrivals of a Zipf mix; each request's run and load vary by gamma draws
+    of mean 1 and coefficient of variation ``cv`` (0: every one the same)."""
     rng, at, out = random.Random(seed), 0.0, []
+
+    def draw() -> float:
+        return rng.gammavariate(1 / cv**2, cv**2) if cv > 0 else 1.0
+
     for _ in range(n):
         at += rng.expovariate(rate)
-        out.append((at, rng.choices(range(len(weights)), weights=weights)[0]))
+        adapter = rng.choices(range(len(weights)), weights=weights)[0]
+        out.append(Job(at, adapter, draw(), draw()))
     return out
 
 
@@ -99,8 +127,8 @@ class Blind:
         return None
 
     def pick(self, servers: list[Server], ok: list[int], adapter: int, now: float) -> int:
-        least = min(servers[i].work(now, 1.0) for i in ok)
-        tied = [i for i in ok if servers[i].work(now, 1.0) <= least + 1e-9]
+        least = min(servers[i].work(now, servers[i].per_request) for i in ok)
+        tied = [i for i in ok if servers[i].work(now, servers[i].per_request) <= least + 1e-9]
         return tied[next(self._turns) % len(tied)]
 
 
@@ -109,9 +137,9 @@ class Aware:
     simulated replicas' estimates, with homes placed by the demand it saw
     (adapter_homes.py) or, ``placed=False``, the rendezvous hash alone."""
 
-    def __init__(self, load: float, placed: bool) -> None:
+    def __init__(self, load: float, placed: bool, home_slack: float = HOME_SLACK) -> None:
         self.load, self.placed = load, placed
-        self.policy = LeastWork()
+        self.policy = LeastWork(home_frac=home_slack)
         self.homes = AdapterHomes()
         self._home: int | None = None
         self._slots: dict[str, int] = {}
@@ -131,7 +159,9 @@ class Aware:
             s = servers[int(key)]
             lacks = adapter not in s.present()
             return Estimate(
-                s.work(now, 1.0), 1.0, miss_seconds(self.load, lacks and s.full()) if lacks else 0.0
+                s.work(now, s.per_request),
+                s.per_request,
+                miss_seconds(self.load, lacks and s.full()) if lacks else 0.0,
             )
 
         home = self.home(adapter)
@@ -162,11 +192,12 @@ Policy = Blind | Aware | HotSplit
 
 
 def simulate(
-    stream: list[tuple[float, int]], policy: Policy, slots: int, args: argparse.Namespace
-) -> tuple[float, float, float]:
-    """Loads per request, p50 and p99 latency (in requests)."""
-    servers = [Server(args.cache) for _ in range(2)]
-    waiting: list[tuple[float, int]] = []
+    stream: list[Job], policy: Policy, slots: int, args: argparse.Namespace
+) -> tuple[float, float, float, float]:
+    """Loads per request, p50, p90 and p99 latency (in requests)."""
+    alpha = CALIBRATION_ALPHA if args.calibration == "loads" else 0.0
+    servers = [Server(args.cache, learn=alpha) for _ in range(2)]
+    waiting: list[Job] = []
     done: list[float] = []
     loads = 0
 
@@ -180,18 +211,19 @@ def simulate(
                     loads += s.start(1.0, args.load, done)
                     progressed = True
             while waiting:  # the FIFO takes slots as they free, in order
-                at, adapter = waiting[0]
+                at, adapter = waiting[0].at, waiting[0].adapter
                 t = max(at, min(s.free_at for s in servers))
                 if t > now:
                     break
                 ok = [i for i, s in enumerate(servers) if s.in_flight(t) < slots]
                 if not ok:
                     break
-                waiting.pop(0)
-                servers[policy.pick(servers, ok, adapter, t)].queue.append((at, adapter))
+                job = waiting.pop(0)
+                servers[policy.pick(servers, ok, adapter, t)].queue.append(job)
                 progressed = True
 
-    for at, adapter in stream:
+    for job in stream:
+        at, adapter = job.at, job.adapter
         advance(at)
         if isinstance(policy, Aware):
             policy.seen(adapter, servers)
@@ -206,15 +238,16 @@ def simulate(
                 and s.in_flight(at) < HOLDER_CAP_FACTOR * slots
             ]
         if ok:
-            servers[policy.pick(servers, ok, adapter, at)].queue.append((at, adapter))
+            servers[policy.pick(servers, ok, adapter, at)].queue.append(job)
         else:
-            waiting.append((at, adapter))
+            waiting.append(job)
     advance(float("inf"))
     done.sort()
-    return loads / len(stream), done[len(done) // 2], done[int(0.99 * (len(done) - 1))]
+    p90, p99 = (done[int(q * (len(done) - 1))] for q in (0.9, 0.99))
+    return loads / len(stream), done[len(done) // 2], p90, p99
 
 
-def bound_loads(stream: list[tuple[float, int]], weights: Sequence[float], cache: int) -> float:
+def bound_loads(stream: list[Job], weights: Sequence[float], cache: int) -> float:
     """Loads per request with each adapter fixed to one replica (demand balanced)."""
     halves: list[set[int]] = [set(), set()]
     demand = [0.0, 0.0]
@@ -225,7 +258,7 @@ def bound_loads(stream: list[tuple[float, int]], weights: Sequence[float], cache
     loads = 0
     for half in halves:
         lru: OrderedDict[int, None] = OrderedDict()
-        for _, a in stream:
+        for a in (j.adapter for j in stream):
             if a not in half:
                 continue
             loads += a not in lru
@@ -239,26 +272,31 @@ def bound_loads(stream: list[tuple[float, int]], weights: Sequence[float], cache
 def figures(args: argparse.Namespace, seed: int, show: bool) -> dict[str, float]:
     """One arrival stream under every policy: the last line's ratios."""
     weights = zipf(args.adapters, args.zipf)
-    stream = arrivals(args.requests, args.util * 2, weights, seed)
+    stream = arrivals(args.requests, args.util * 2, weights, seed, args.cv)
     b = simulate(stream, Blind(), args.slots, args)
     h = simulate(stream, Aware(args.load, placed=False), args.slots, args)
-    a = simulate(stream, Aware(args.load, placed=True), args.slots, args)
+    a = simulate(
+        stream, Aware(args.load, placed=True, home_slack=args.home_slack), args.slots, args
+    )
     hot = simulate(stream, HotSplit(args.cache), 1 << 30, args)
     bound = bound_loads(stream, weights, args.cache)
     if show:
         named = (("blind", b), ("hashed", h), ("aware", a), ("hot_split", hot))
-        for name, (loads, p50, p99) in named:
-            print(f"{name}: loads_per_100={100 * loads:.1f} p50={p50:.2f} p99={p99:.2f}")
+        for name, (loads, p50, p90, p99) in named:
+            print(
+                f"{name}: loads_per_100={100 * loads:.1f} p50={p50:.2f} p90={p90:.2f} p99={p99:.2f}"
+            )
         print(f"bound: loads_per_100={100 * bound:.1f}")
     return {
         "bound_loads_ratio": b[0] / bound,
         "hashed_loads_ratio": b[0] / h[0],
-        "hashed_p99_ratio": b[2] / h[2],
+        "hashed_p99_ratio": b[3] / h[3],
         "sim_loads_ratio": b[0] / a[0],
-        "sim_p99_ratio": b[2] / a[2],
+        "sim_p99_ratio": b[3] / a[3],
+        "sim_p90_ratio": b[2] / a[2],
         "sim_p50_ratio": b[1] / a[1],
         "hot_split_loads_ratio": b[0] / hot[0],
-        "hot_split_p99_ratio": b[2] / hot[2],
+        "hot_split_p99_ratio": b[3] / hot[3],
     }
 
 
@@ -270,6 +308,24 @@ def main() -> None:
     parser.add_argument("--util", type=float, default=0.7)
     parser.add_argument("--load", type=float, default=0.5, help="a load, in requests")
     parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument(
+        "--cv",
+        type=float,
+        default=0.0,
+        help="each request's run and load vary with this coefficient of variation (the "
+        "router estimates their means); 0: all alike",
+    )
+    parser.add_argument(
+        "--calibration",
+        choices=("exact", "loads"),
+        default="exact",
+        help="exact: the router knows a request's run; loads: each replica's measured "
+        "seconds per request include its adapter loads (the worker's calibration before "
+        "it left them out)",
+    )
+    parser.add_argument(
+        "--home-slack", type=float, default=HOME_SLACK, help="aware's --adapter-home-slack"
+    )
     parser.add_argument("--requests", type=int, default=40000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(

@@ -93,7 +93,7 @@ class Admission:
             replica = replicas[endpoint]
             outstanding = self.load.outstanding_s(replica, now)
             own = self.load.estimate(replica, params)[1]
-            return Estimate(outstanding, own, self.load.adapter_load_s(replica, params))
+            return Estimate(outstanding, own, self.load.miss_cost_s(replica, params))
 
         return there
 
@@ -277,7 +277,8 @@ class Admission:
         whose count it is in until released (None: nobody's, a video job's)."""
         replica.inflight += 1
         units, seconds = self.load.estimate(replica, params)
-        # Its adapters' load is work there too; then they count as on their way.
+        # Its adapters' load is work there too (once: the eviction's reload that
+        # placement weighs is a later request's); then they count as on their way.
         seconds += self.load.adapter_load_s(replica, params)
         adapters = names_of(params.lora)
         replica.trail.sent(adapters)

@@ -45,7 +45,7 @@ class Load:
         """Seconds ``replica`` would spend loading the request's adapters it lacks (not
         resident, and not on their way there with this router's requests); 0 when
         adapter-blind. The service's own adapters (no ``lora``) are on every replica.
-        Into a full cache, the load counts twice (:func:`miss_seconds`)."""
+        The work it adds there: what the ledger counts."""
         if not self.aware or not params.lora:
             return 0.0
         report = replica.adapters
@@ -55,8 +55,14 @@ class Load:
             for r in self.members.members()
             if r is not replica and r.adapters is not None
         )
-        seconds = load_seconds(len(lacking), report.load_s if report else None, others)
-        return miss_seconds(seconds, bool(lacking) and evicts(report))
+        return load_seconds(len(lacking), report.load_s if report else None, others)
+
+    def miss_cost_s(self, replica: Replica, params: p.GenerateParams) -> float:
+        """What placing the request there costs in adapter loads: :meth:`adapter_load_s`,
+        twice into a full cache (:func:`miss_seconds`). Placement weighs this; the
+        replica's queue only grows by the load itself."""
+        seconds = self.adapter_load_s(replica, params)
+        return miss_seconds(seconds, seconds > 0 and evicts(replica.adapters))
 
     def affinity(self, params: p.GenerateParams) -> str | None:
         """The key least work gathers the request's adapters by; None when it names none

@@ -225,6 +225,7 @@ class Executor:
         of its own, and its reply holds the mp4 (worker/video_call.py).
         """
         start = time.perf_counter()
+        swapped = self.adapters.cache.swap_seconds
         output_rank = self.comm.info.is_output_rank
         group = self.comm.cpu_group if self.comm.size > 1 else None
         self._gate = StopGate(group, self.comm.info.replica_group[0], halt)
@@ -258,9 +259,13 @@ class Executor:
         peak_mb = self._gang_peak_mb()
         if not output_rank:
             return [None for _ in batch]
-        # The router's cost model learns this replica's seconds per unit (dpserve.contract.cost).
+        # The router's cost model learns this replica's seconds per unit (dpserve.contract.cost),
+        # without the adapter loads and evictions: the router adds those where a replica
+        # lacks a request's adapters (docs/lora.md), and a cache that churns must not
+        # look like a slower replica.
         units = sum(self.status.calibration.units(p) for p in params)
-        self.status.calibration.observe(units, inference_s)
+        swap_s = self.adapters.cache.swap_seconds - swapped
+        self.status.calibration.observe(units, inference_s - swap_s)
         if first.video is not None:
             times = (queue_s[0], inference_s)
             replica = self.comm.info.replica

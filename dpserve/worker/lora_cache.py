@@ -55,6 +55,13 @@ class AdapterCache:
     failures: int = 0
     load_seconds: float = 0.0
     load_s: float | None = None  # running mean of one load's seconds
+    evict_seconds: float = 0.0
+
+    @property
+    def swap_seconds(self) -> float:
+        """Seconds spent changing what is resident (loads and evictions), in all: a
+        generation's calibration leaves them out (executor.py)."""
+        return self.load_seconds + self.evict_seconds
 
     @property
     def used(self) -> int:
@@ -94,9 +101,10 @@ class AdapterCache:
                 over -= entry.size
         return out
 
-    def evicted(self, name: str) -> None:
+    def evicted(self, name: str, seconds: float = 0.0) -> None:
         del self.entries[name]
         self.evictions += 1
+        self.evict_seconds += seconds
 
     def forget(self, names: Iterable[str]) -> None:
         """These are gone from the pipeline without an eviction (a weight reload dropped

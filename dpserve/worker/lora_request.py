@@ -242,8 +242,9 @@ class RequestAdapters:
 
     def _evict(self, in_use: set[str]) -> None:
         for name in self.cache.victims(in_use):
+            started = time.perf_counter()
             self._delete(internal_name(name))
-            self.cache.evicted(name)
+            self.cache.evicted(name, time.perf_counter() - started)
 
     def _drop(self, fresh: Sequence[_Fresh]) -> None:
         for item in fresh:

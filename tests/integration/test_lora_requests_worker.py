@@ -5,6 +5,7 @@ test_lora_requests_gang.py."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,46 @@ def test_least_recently_used_adapters_are_evicted_by_bytes(
         assert cache.used <= cache.capacity
     finally:
         cache.capacity = capacity
+
+
+def test_the_calibration_leaves_adapter_loads_and_evictions_out(
+    executors: tuple[Executor, Executor], loras: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router adds the load where a replica lacks a request's adapters, so the
+    replica's seconds per unit must not hold it too (a churning cache would look like a
+    slow replica). Loads and evictions made slow on purpose: the reply's inference time
+    has them, the calibration's sample does not."""
+    ex, _ = executors
+    adapters, cache = ex.adapters, ex.adapters.cache
+    load, delete = adapters._load_into_transformer, adapters._delete
+    monkeypatch.setattr(adapters, "_load_into_transformer", lambda *a: _after(1.0, load, *a))
+    monkeypatch.setattr(adapters, "_delete", lambda *a: _after(1.0, delete, *a))
+    samples: list[float] = []
+    observe = ex.status.calibration.observe
+    monkeypatch.setattr(
+        ex.status.calibration, "observe", lambda u, s: (samples.append(s), observe(u, s))
+    )
+    size = (loras[0] / FILE).stat().st_size
+    monkeypatch.setattr(cache, "capacity", size + size // 2)  # room for one
+    _png(ex, _ref("c0", loras[0]))
+    hit = _reply_s(ex, _ref("c0"))
+    evictions = cache.evictions
+    missed = _reply_s(ex, _ref("c1", loras[1]))  # loads c1, evicts c0
+    assert cache.evictions == evictions + 1
+    assert missed >= 2.0 > hit
+    # The same request's run either way: well within the 1 s an eviction alone takes.
+    sample_hit, sample_miss = samples[-2:]
+    assert abs(sample_miss - sample_hit) < 0.5, (sample_hit, sample_miss)
+
+
+def _after(seconds: float, call: Any, *args: Any) -> Any:
+    time.sleep(seconds)  # a slow disk's load, not a wait for a condition
+    return call(*args)
+
+
+def _reply_s(executor: Executor, *lora: p.LoraRef) -> float:
+    reply = reply_to(executor, {**BASE, "lora": list(lora)})
+    return reply.body_as(p.GenerateResult).inference_time_s
 
 
 def _broken(root: Path, name: str, good: Path, change: Any) -> Path:

@@ -527,3 +527,26 @@ def test_adapter_home_slack_sets_how_far_a_request_detours_to_its_home() -> None
 
     run_in_context(lambda ctx: scenario(ctx, slack=16.0, steps=20, detours=True))
     run_in_context(lambda ctx: scenario(ctx, slack=0.0, steps=40, detours=False))
+
+
+def test_a_load_into_a_full_cache_adds_the_load_once_to_the_replicas_queue() -> None:
+    """Placement weighs a load into a full cache twice (the evicted adapter's reload is
+    a later request's), but the replica's work ahead grows by what it will run: the
+    request and one load. Counted twice there, a churning cache looked deeper than it
+    was and least work sent its share of the traffic to the other replica."""
+    full = p.AdapterReport(resident=["x", "y"], capacity_bytes=100, used_bytes=90, load_s=30.0)
+    new = {**BODY, "lora": {"name": "new", "path": "/loras/new"}, "num_inference_steps": 20}
+
+    async def scenario(ctx: zmq.asyncio.Context) -> None:
+        async with _fleet(ctx, full) as (http, [stub], pool):
+            assert (await http.post(GEN, json=BODY)).status_code == 200  # calibrates it
+            [replica] = pool.members()
+            params = p.GenerateParams(prompt="x", lora=[p.LoraRef(name="new", path="/loras/new")])
+            placing = pool.load.miss_cost_s(replica, params)
+            running = asyncio.create_task(http.post(GEN, json=new))
+            await until(lambda: len(stub.received) == 2, 5)
+            ahead = pool.load.outstanding_s(replica)
+            assert placing == 60.0 and 29.0 < ahead < 31.0, ahead
+            assert (await running).status_code == 200
+
+    run_in_context(scenario)
