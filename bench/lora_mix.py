@@ -5,19 +5,18 @@ adapter cache that holds 4 of the 16 tiny adapters, differ only in routing: leas
 that knows where adapters are resident (the default), least-work blind to them, and
 round-robin. Each gets the same requests: adapters drawn with a Zipf mix (s = 1.1), sent
 **open loop** (seeded Poisson arrivals at ``--load`` of the fleet's capacity without
-adapters, measured as its throughput with both replicas busy, and again at ``--light``
-load for aware and blind), so the router has a choice to make: a closed loop with as
-many clients as the fleet has slots leaves every request exactly one free slot. Loads
-come on top: at 0.7 of the capacity and a load at 0.45 of a request, blind routing's
-~49 loads per 100 requests keep the fleet about 0.85 busy. Measured per service: the
-cache's hit rate and loads per 100 requests (from the router's /metrics, the replicas'
-own counts), p50 and p99 latency from arrival. The services run one at a
-time (the others idle) so they do not share the 2 cores.
+adapters, measured as its throughput with two clients in a closed loop, a request at a
+time on each replica; and again at ``--light`` load for aware and blind), so the
+router has a choice to make: a closed loop with as many clients as the fleet
+has slots leaves every request exactly one free slot. Loads come on top of the load
+given. Measured per service: the cache's hit rate and loads per 100 requests (from the
+router's /metrics, the replicas' own counts), p50, p90 and p99 latency from arrival.
+The services run one at a time (the others idle) so they do not share the 2 cores.
 
 The adapters are rank 64 (10 MiB) and requests take one step: on this CPU a load then
-costs about 0.45 of a request, as a real diffusion LoRA's load (hundreds of MB, peft
-wrapping every layer: a second or more) does on a GPU next to a few-step generation;
-``load_over_request`` prints the ratio measured.
+costs about half a request (0.45-0.57 measured), as a real diffusion LoRA's load
+(hundreds of MB, peft wrapping every layer: a second or more) does on a GPU next to a
+few-step generation; ``load_over_request`` prints the ratio measured.
 
 Then, on the first service: a request's time with its adapter applied per request (the
 adapter resident) against the same adapter merged into the weights (``set_lora`` and
@@ -179,17 +178,27 @@ def quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def capacity_of(serve: Serve, args: argparse.Namespace, paths: list[Path]) -> tuple[float, float]:
-    """One plain request's seconds alone (a median), and the fleet's requests per second
-    with both replicas busy (two clients, closed loop): the capacity the load is a
-    fraction of. Two replicas on two shared cores, with the router and this client on
-    them too, may do less than twice one alone (measured: 0.93-0.99 of it)."""
+def capacity_of(
+    serve: Serve, args: argparse.Namespace, paths: list[Path]
+) -> tuple[float, float, float]:
+    """One plain request's seconds alone (a median); the fleet's requests per second
+    with two clients in a closed loop, one request at a time on each replica: the
+    capacity the load is a fraction of; and with four, the router's cap of two per
+    replica, one queued behind each running one. Two clients leave a replica idle while
+    its answer travels and the next request comes (HTTP, the router, ZMQ, the PNG);
+    four show how much more the gangs do when they never wait (printed, not used, so
+    that runs stay comparable with the earlier ones)."""
     plain = body(args, paths, None, 0)
     alone = statistics.median(serve.generate(plain) for _ in range(args.capacity_rounds))
-    with ThreadPoolExecutor(2) as pool:
-        start = time.perf_counter()
-        list(pool.map(lambda _: serve.generate(plain), range(2 * args.capacity_rounds)))
-        return alone, 2 * args.capacity_rounds / (time.perf_counter() - start)
+
+    def throughput(clients: int) -> float:
+        count = clients * args.capacity_rounds
+        with ThreadPoolExecutor(clients) as pool:
+            start = time.perf_counter()
+            list(pool.map(lambda _: serve.generate(plain), range(count)))
+            return count / (time.perf_counter() - start)
+
+    return alone, throughput(2), throughput(4)
 
 
 def per_request_vs_merged(serve: Serve, args: argparse.Namespace, path: Path) -> float:
@@ -254,7 +263,7 @@ def main() -> None:
         "blind_light": (blind, args.light, light),
     }
     results: dict[str, dict] = {}
-    plain_s = capacity = 0.0
+    plain_s = capacity = saturated = 0.0
     for name, (flags, load, count) in runs.items():
         mix = zipf_sequence(ADAPTERS, count, args.seed)
         serve = Serve(model, base + flags)
@@ -263,7 +272,7 @@ def main() -> None:
                 serve.generate(body(args, paths, None, 0))
                 serve.generate(body(args, paths, None, 0))
             if not plain_s:  # the capacity, measured once: the same arrivals for every service
-                plain_s, capacity = capacity_of(serve, args, paths)
+                plain_s, capacity, saturated = capacity_of(serve, args, paths)
             at = arrivals(count, load * capacity, args.seed)
             results[name] = run_mix(serve, args, paths, mix, at)
             if name == "aware":
@@ -279,6 +288,7 @@ def main() -> None:
         f"({light} requests) "
         f"adapters={ADAPTERS} rank={args.rank} cache={CACHED} per replica zipf_s={ZIPF_S} "
         f"request_s={plain_s:.3f} capacity_over_two_alone={capacity * plain_s / 2:.2f} "
+        f"four_clients_over_capacity={saturated / capacity:.2f} "
         f"load_over_request={r['aware']['load_s'] / plain_s:.2f}"
     )
     for name, got in r.items():

@@ -3,10 +3,14 @@
 Two replicas, each an LRU cache of ``--cache`` adapters, serve a Zipf mix of
 ``--adapters`` adapters arriving open loop at ``--util`` of their capacity. A request
 takes ``c = 1`` and a miss adds ``--load`` (in requests), each exactly, or varying around
-those means with ``--cv``. The router sees each replica's work ahead (exactly, or its
-mean with ``--cv``) and, as the real one, gives a replica at most ``--slots`` requests (a
-holder of the request's adapter, or its home, up to HOLDER_CAP_FACTOR times that under
-the aware policies), and holds the rest in one FIFO. Simulated, on the same arrivals:
+those means with ``--cv``. The router sees each replica's work ahead: the running
+request's rest exactly, each queued one's run (its mean with ``--cv``) and, under the
+aware policies, the load it counted when it sent it there (``--ledger``); each replica's
+seconds per request are 1, or (``--calibration loads``) its measured mean with its
+loads in, as the worker's calibration had them. As the real router, it gives a replica
+at most ``--slots`` requests (a holder of the request's adapter, or its home, up to
+HOLDER_CAP_FACTOR times that under the aware policies), and holds the rest in one FIFO.
+Simulated, on the same arrivals:
 
 - ``blind``: least work (idle replicas take turns);
 - ``hashed``: the router's own adapter-aware least work (dpserve/router/policies.py:
@@ -66,6 +70,13 @@ class Server:
     # included, as dpserve.contract.cost's Calibration (an EWMA in log space) keeps it.
     per_request: float = 1.0
     learn: float = 0.0  # that EWMA's alpha; 0: exact
+    # Each queued request's adapter load as the router counted it when it sent it
+    # there (--ledger router); --ledger runs leaves queued loads out.
+    loads_ahead: list[float] = field(default_factory=list)
+
+    def enqueue(self, job: Job, load: float) -> None:
+        self.queue.append(job)
+        self.loads_ahead.append(load)
 
     def present(self) -> set[int]:
         return set(self.cache) | {j.adapter for j in self.queue}
@@ -77,11 +88,12 @@ class Server:
         return len(self.queue) + (self.free_at > now)
 
     def work(self, now: float, c: float) -> float:
-        return max(0.0, self.free_at - now) + c * len(self.queue)
+        return max(0.0, self.free_at - now) + c * len(self.queue) + sum(self.loads_ahead)
 
     def start(self, c: float, load: float, done: list[float]) -> bool:
         """Runs its next request; True when that one loaded its adapter."""
         job = self.queue.pop(0)
+        self.loads_ahead.pop(0)
         begin = max(self.free_at, job.at)
         miss = job.adapter not in self.cache
         self.cache[job.adapter] = None
@@ -200,6 +212,12 @@ def simulate(
     waiting: list[Job] = []
     done: list[float] = []
     loads = 0
+    counted = args.ledger == "router" and isinstance(policy, Aware)
+
+    def send(i: int, job: Job) -> None:
+        s = servers[i]
+        lacks = counted and job.adapter not in s.present()
+        s.enqueue(job, args.load if lacks else 0.0)
 
     def advance(now: float) -> None:
         nonlocal loads
@@ -219,7 +237,7 @@ def simulate(
                 if not ok:
                     break
                 job = waiting.pop(0)
-                servers[policy.pick(servers, ok, adapter, t)].queue.append(job)
+                send(policy.pick(servers, ok, adapter, t), job)
                 progressed = True
 
     for job in stream:
@@ -238,7 +256,7 @@ def simulate(
                 and s.in_flight(at) < HOLDER_CAP_FACTOR * slots
             ]
         if ok:
-            servers[policy.pick(servers, ok, adapter, at)].queue.append(job)
+            send(policy.pick(servers, ok, adapter, at), job)
         else:
             waiting.append(job)
     advance(float("inf"))
@@ -314,6 +332,13 @@ def main() -> None:
         default=0.0,
         help="each request's run and load vary with this coefficient of variation (the "
         "router estimates their means); 0: all alike",
+    )
+    parser.add_argument(
+        "--ledger",
+        choices=("router", "runs"),
+        default="router",
+        help="router: a replica's work ahead holds each queued request's adapter load as "
+        "the aware router counted it at sending (once); runs: queued requests' runs only",
     )
     parser.add_argument(
         "--calibration",
