@@ -87,8 +87,10 @@ class Server:
     def in_flight(self, now: float) -> int:
         return len(self.queue) + (self.free_at > now)
 
-    def work(self, now: float, c: float) -> float:
-        return max(0.0, self.free_at - now) + c * len(self.queue) + sum(self.loads_ahead)
+    def work(self, now: float) -> float:
+        """The router's view of the work ahead here, in requests."""
+        ahead = self.per_request * len(self.queue) + sum(self.loads_ahead)
+        return max(0.0, self.free_at - now) + ahead
 
     def start(self, c: float, load: float, done: list[float]) -> bool:
         """Runs its next request; True when that one loaded its adapter."""
@@ -139,8 +141,8 @@ class Blind:
         return None
 
     def pick(self, servers: list[Server], ok: list[int], adapter: int, now: float) -> int:
-        least = min(servers[i].work(now, servers[i].per_request) for i in ok)
-        tied = [i for i in ok if servers[i].work(now, servers[i].per_request) <= least + 1e-9]
+        least = min(servers[i].work(now) for i in ok)
+        tied = [i for i in ok if servers[i].work(now) <= least + 1e-9]
         return tied[next(self._turns) % len(tied)]
 
 
@@ -171,7 +173,7 @@ class Aware:
             s = servers[int(key)]
             lacks = adapter not in s.present()
             return Estimate(
-                s.work(now, s.per_request),
+                s.work(now),
                 s.per_request,
                 miss_seconds(self.load, lacks and s.full()) if lacks else 0.0,
             )
